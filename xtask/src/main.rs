@@ -1,0 +1,40 @@
+//! Project workflows. Run `cargo xtask --help`.
+//!
+//! - `plan`: the estimator: memory per rank and bytes on the wire for a model, topology and config.
+//! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
+//!   compiles), and the whole test suite with snapshot checks.
+
+mod plan;
+mod test;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "cargo xtask", about = "zero-rs project workflows", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Estimate memory per rank and communication per step for a model, topology and config.
+    Plan(plan::PlanArgs),
+    /// Run what CI runs: fmt check, clippy (all features that compile here), all tests.
+    Test(test::TestArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(a) => plan::run(a),
+        Command::Test(a) => test::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

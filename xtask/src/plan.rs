@@ -1,0 +1,160 @@
+//! `cargo xtask plan`: the estimator.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use zero_core::{ModelDesc, Plan, Precision, Topology, ZeroConfig, model::PRESETS};
+
+#[derive(Args, Debug)]
+pub(crate) struct PlanArgs {
+    /// A preset model: gpt2-small, gpt2-medium, llama-7b, llama-70b.
+    #[arg(long, conflicts_with_all = ["model", "params"])]
+    preset: Option<String>,
+    /// A model-description file (JSON or TOML: a list of params with name, shape, module).
+    #[arg(long, conflicts_with = "params")]
+    model: Option<PathBuf>,
+    /// A parameter count alone (e.g. 7.5e9): a synthetic model of 32 equal layers.
+    #[arg(long)]
+    params: Option<String>,
+    /// Data-parallel world size.
+    #[arg(long, default_value_t = 8)]
+    world_size: usize,
+    /// Ranks per node (defaults to min(world size, 8)).
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
+    /// ZeRO stage 0–3 (overrides the config file).
+    #[arg(long)]
+    stage: Option<u8>,
+    /// fp32, bf16 or fp16 (overrides the config file).
+    #[arg(long)]
+    precision: Option<String>,
+    /// qwZ: int8 weight all-gather.
+    #[arg(long)]
+    qwz: bool,
+    /// hpZ: secondary shard group size.
+    #[arg(long)]
+    hpz: Option<usize>,
+    /// qgZ: int4 hierarchical gradient reduction.
+    #[arg(long)]
+    qgz: bool,
+    /// Gradient accumulation steps (overrides the config file).
+    #[arg(long)]
+    grad_accum: Option<u32>,
+    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The rank to report (traffic is per rank).
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// Print JSON (bytes) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
+    let model = load_model(&a)?;
+    let mut cfg = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read config {}", path.display()))?;
+            let imp = ZeroConfig::from_any(&text)
+                .with_context(|| format!("in config {}", path.display()))?;
+            for n in &imp.notes {
+                eprintln!("note: {n}");
+            }
+            imp.config
+        }
+        None => ZeroConfig::default(),
+    };
+    if let Some(s) = a.stage {
+        cfg.stage = s;
+    }
+    if let Some(p) = &a.precision {
+        cfg.precision = Precision::parse(p)?;
+    }
+    if a.qwz {
+        cfg.quantized_weights = true;
+    }
+    if let Some(h) = a.hpz {
+        cfg.hpz_partition_size = h;
+    }
+    if a.qgz {
+        cfg.quantized_gradients = true;
+    }
+    if let Some(g) = a.grad_accum {
+        cfg.gradient_accumulation_steps = g;
+    }
+    let rpn = a.ranks_per_node.unwrap_or(a.world_size.clamp(1, 8));
+    let topo = Topology::new(a.world_size, rpn)?;
+    if a.rank >= a.world_size {
+        bail!(
+            "--rank {} is out of range: expected 0..{}",
+            a.rank,
+            a.world_size
+        );
+    }
+    let plan = Plan::new(&model, topo, &cfg)?;
+    let report = plan.report(a.rank);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+fn load_model(a: &PlanArgs) -> anyhow::Result<ModelDesc> {
+    if let Some(p) = &a.preset {
+        return Ok(ModelDesc::preset(p)?);
+    }
+    if let Some(path) = &a.model {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read model file {}", path.display()))?;
+        let m = if path.extension().is_some_and(|e| e == "toml") {
+            ModelDesc::from_toml(&text)?
+        } else {
+            ModelDesc::from_json(&text)?
+        };
+        return Ok(m);
+    }
+    if let Some(n) = &a.params {
+        return Ok(ModelDesc::synthetic(parse_count(n)?, 32)?);
+    }
+    bail!("say which model: --preset NAME (one of {PRESETS:?}), --model FILE or --params N")
+}
+
+/// Parses `124000000`, `7.5e9`, `7.5B`, `350M`.
+pub(crate) fn parse_count(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim().replace('_', "");
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1e3),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1e6),
+        Some('b' | 'B' | 'g' | 'G') => (&t[..t.len() - 1], 1e9),
+        Some('t' | 'T') => (&t[..t.len() - 1], 1e12),
+        _ => (t.as_str(), 1.0),
+    };
+    let x: f64 = num
+        .parse()
+        .with_context(|| format!("--params {s:?} is not a number (e.g. 7.5e9 or 350M)"))?;
+    let v = x * mult;
+    if !(v >= 1.0 && v.fract() == 0.0 && v < 1.8e19) {
+        bail!("--params {s:?} must be a whole number of parameters ≥ 1");
+    }
+    Ok(v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_count;
+
+    #[test]
+    fn counts() {
+        assert_eq!(parse_count("7.5e9").unwrap(), 7_500_000_000);
+        assert_eq!(parse_count("350M").unwrap(), 350_000_000);
+        assert_eq!(parse_count("1_000").unwrap(), 1000);
+        assert!(parse_count("0").is_err());
+        assert!(parse_count("1.5").is_err());
+        assert!(parse_count("lots").is_err());
+    }
+}

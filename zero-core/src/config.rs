@@ -1,0 +1,540 @@
+//! ZeRO configuration: our own format (TOML or JSON) and DeepSpeed's `zero_optimization` section.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::model::DType;
+
+/// Training precision.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// fp32 weights, gradients and optimizer states (no master copy: the weight is fp32).
+    #[default]
+    Fp32,
+    /// bf16 weights and gradients, fp32 master weights and optimizer states.
+    Bf16,
+    /// fp16 weights and gradients with dynamic loss scaling, fp32 master weights.
+    Fp16,
+}
+
+impl Precision {
+    /// The working (communicated) dtype of weights and gradients.
+    pub fn working_dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+            Precision::Fp16 => DType::F16,
+        }
+    }
+
+    /// Whether an fp32 master copy of the weights is kept.
+    pub fn has_master_weights(self) -> bool {
+        self != Precision::Fp32
+    }
+
+    /// Parses `fp32`, `bf16` or `fp16`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "fp32" | "f32" => Ok(Precision::Fp32),
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" | "f16" => Ok(Precision::Fp16),
+            o => Err(Error::invalid("precision", o, "one of fp32, bf16, fp16")),
+        }
+    }
+}
+
+/// The optimizer, for the optimizer-state part of the memory model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// Adam / AdamW: two fp32 moments per parameter (8 bytes).
+    #[default]
+    Adam,
+    /// SGD with momentum: one fp32 buffer (4 bytes).
+    SgdMomentum,
+    /// Plain SGD: no state.
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// Optimizer-state bytes per trainable element (excluding master weights).
+    pub fn state_bytes(self) -> u64 {
+        match self {
+            OptimizerKind::Adam => 8,
+            OptimizerKind::SgdMomentum => 4,
+            OptimizerKind::Sgd => 0,
+        }
+    }
+}
+
+/// A ZeRO configuration. Sizes are in elements, as in DeepSpeed.
+///
+/// Every field has DeepSpeed's default (zero-spec.md §9) except where noted; unknown keys are
+/// rejected with the list of valid ones.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ZeroConfig {
+    /// 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
+    pub stage: u8,
+    /// Precision of weights and gradients.
+    pub precision: Precision,
+    /// Optimizer (memory model only).
+    pub optimizer: OptimizerKind,
+    /// Gradient bucket size in elements (stages 0–2: one reduction per bucket).
+    pub reduce_bucket_size: u64,
+    /// Persistent-parameter all-gather bucket size in elements (stage 3).
+    pub allgather_bucket_size: u64,
+    /// Micro-steps per optimizer step.
+    pub gradient_accumulation_steps: u32,
+    /// Global-norm clipping threshold; 0 disables clipping.
+    pub gradient_clipping: f64,
+    /// Overlap gradient reduction with backward (doubles the reduce buffer).
+    pub overlap_comm: bool,
+    /// Stage 3: how many elements may be prefetched ahead of use.
+    pub prefetch_bucket_size: u64,
+    /// Stage 3: the most gathered elements alive at once (plus the current module).
+    pub max_live_parameters: u64,
+    /// Stage 3: parameters with at most this many elements stay gathered (persistent).
+    pub param_persistence_threshold: u64,
+    /// Stage 3: cap on the total elements kept persistent.
+    pub model_persistence_threshold: u64,
+    /// qwZ: int8 block-quantized weight all-gather (stage 3).
+    pub quantized_weights: bool,
+    /// hpZ: secondary shard group size (1 = off). Must divide ranks per node (stage 3).
+    pub hpz_partition_size: usize,
+    /// qgZ: int4 hierarchical all-to-all gradient reduction (stage 3).
+    pub quantized_gradients: bool,
+    /// qwZ block size in elements.
+    pub qwz_block_size: usize,
+    /// qgZ block size in elements (even).
+    pub qgz_block_size: usize,
+    /// Stages 0 and 1 only: accumulate full gradients locally over the micro-steps and reduce once
+    /// per optimizer step (DeepSpeed's stage-1 behaviour: fewer bytes on the wire). Off by default,
+    /// so every stage reduces every micro-step in the same order and stages 0–3 stay bit-identical
+    /// for any accumulation count (invariant I1).
+    pub accumulate_before_reduce: bool,
+}
+
+/// Default qwZ block (elements); see zero-quant's measurements.
+pub const DEFAULT_QWZ_BLOCK: usize = 2048;
+/// Default qgZ block (elements); see zero-quant's measurements.
+pub const DEFAULT_QGZ_BLOCK: usize = 256;
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        ZeroConfig {
+            stage: 0,
+            precision: Precision::Fp32,
+            optimizer: OptimizerKind::Adam,
+            reduce_bucket_size: 500_000_000,
+            allgather_bucket_size: 500_000_000,
+            gradient_accumulation_steps: 1,
+            gradient_clipping: 0.0,
+            overlap_comm: false,
+            prefetch_bucket_size: 50_000_000,
+            max_live_parameters: 1_000_000_000,
+            param_persistence_threshold: 100_000,
+            model_persistence_threshold: i64::MAX as u64,
+            quantized_weights: false,
+            hpz_partition_size: 1,
+            quantized_gradients: false,
+            qwz_block_size: DEFAULT_QWZ_BLOCK,
+            qgz_block_size: DEFAULT_QGZ_BLOCK,
+            accumulate_before_reduce: false,
+        }
+    }
+}
+
+impl ZeroConfig {
+    /// A default configuration at `stage`.
+    pub fn stage(stage: u8) -> Self {
+        ZeroConfig {
+            stage,
+            ..Default::default()
+        }
+    }
+
+    /// Whether hpZ is on.
+    pub fn hpz(&self) -> bool {
+        self.hpz_partition_size > 1
+    }
+
+    /// Parses our own format from TOML.
+    pub fn from_toml(text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| Error::Parse {
+            what: "ZeRO config (TOML)".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Parses our own format from JSON.
+    pub fn from_json(text: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| Error::Parse {
+            what: "ZeRO config (JSON)".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Parses a config file by content: a JSON object with a `zero_optimization` key is read as
+    /// DeepSpeed's format, any other JSON as ours, anything else as our TOML.
+    pub fn from_any(text: &str) -> Result<DeepSpeedImport> {
+        match serde_json::from_str::<Value>(text) {
+            Ok(v) if v.get("zero_optimization").is_some() => Self::from_deepspeed_value(&v),
+            Ok(_) => Ok(DeepSpeedImport {
+                config: Self::from_json(text)?,
+                notes: vec![],
+            }),
+            Err(_) => Ok(DeepSpeedImport {
+                config: Self::from_toml(text)?,
+                notes: vec![],
+            }),
+        }
+    }
+
+    /// Reads a DeepSpeed JSON config: its `zero_optimization` section and the `fp16`, `bf16`,
+    /// `gradient_clipping` and `gradient_accumulation_steps` keys, with DeepSpeed's key names and
+    /// meanings. Keys we do not know, and features we do not implement (offload, MiCS, …), are
+    /// errors listing every such key. Keys that only tune DeepSpeed's own kernels and do not change
+    /// results are accepted and listed in [`DeepSpeedImport::notes`], as are top-level sections
+    /// outside the ZeRO engine's scope (`optimizer`, `scheduler`, batch sizes…).
+    pub fn from_deepspeed_json(text: &str) -> Result<DeepSpeedImport> {
+        let v: Value = serde_json::from_str(text).map_err(|e| Error::Parse {
+            what: "DeepSpeed config (JSON)".into(),
+            message: e.to_string(),
+        })?;
+        Self::from_deepspeed_value(&v)
+    }
+
+    fn from_deepspeed_value(v: &Value) -> Result<DeepSpeedImport> {
+        let top = v.as_object().ok_or_else(|| Error::Parse {
+            what: "DeepSpeed config".into(),
+            message: "expected a JSON object at the top level".into(),
+        })?;
+        let mut c = ZeroConfig::default();
+        let mut bad = Vec::new();
+        let mut notes = Vec::new();
+        for (k, val) in top {
+            match k.as_str() {
+                "zero_optimization" => read_zero_section(val, &mut c, &mut bad, &mut notes),
+                "fp16" | "bf16" => read_precision(k, val, &mut c, &mut bad, &mut notes),
+                "gradient_clipping" => match num(val) {
+                    Some(x) if x >= 0.0 && x.is_finite() => c.gradient_clipping = x,
+                    _ => bad.push(format!(
+                        "gradient_clipping: got {val}, expected a number ≥ 0"
+                    )),
+                },
+                "gradient_accumulation_steps" => match int(val) {
+                    Some(x) if x >= 1 && x <= u32::MAX as u64 => {
+                        c.gradient_accumulation_steps = x as u32
+                    }
+                    _ => bad.push(format!(
+                        "gradient_accumulation_steps: got {val}, expected an integer ≥ 1"
+                    )),
+                },
+                "optimizer" => {
+                    let t = val.get("type").and_then(Value::as_str).unwrap_or("");
+                    match t.to_ascii_lowercase().as_str() {
+                        "adam" | "adamw" | "fusedadam" => c.optimizer = OptimizerKind::Adam,
+                        "sgd" => {
+                            let m = val.pointer("/params/momentum").and_then(num).unwrap_or(0.0);
+                            c.optimizer = if m != 0.0 {
+                                OptimizerKind::SgdMomentum
+                            } else {
+                                OptimizerKind::Sgd
+                            };
+                        }
+                        _ => notes.push(format!(
+                            "optimizer type {t:?}: memory model assumes Adam (8 B/element of state)"
+                        )),
+                    }
+                }
+                "train_batch_size"
+                | "train_micro_batch_size_per_gpu"
+                | "scheduler"
+                | "steps_per_print"
+                | "wall_clock_breakdown"
+                | "prescale_gradients"
+                | "gradient_predivide_factor"
+                | "communication_data_type"
+                | "flops_profiler"
+                | "activation_checkpointing"
+                | "tensorboard"
+                | "wandb"
+                | "comms_logger"
+                | "zero_allow_untested_optimizer"
+                | "data_types"
+                | "seed" => notes.push(format!(
+                    "top-level key `{k}` is outside the ZeRO engine and is not read"
+                )),
+                other => bad.push(format!("unknown top-level key `{other}`")),
+            }
+        }
+        if !bad.is_empty() {
+            return Err(Error::UnsupportedKeys(bad));
+        }
+        Ok(DeepSpeedImport { config: c, notes })
+    }
+}
+
+/// The result of reading a DeepSpeed config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeepSpeedImport {
+    /// The configuration read.
+    pub config: ZeroConfig,
+    /// Keys accepted without effect, each with the reason.
+    pub notes: Vec<String>,
+}
+
+fn num(v: &Value) -> Option<f64> {
+    v.as_f64()
+}
+
+fn int(v: &Value) -> Option<u64> {
+    let x = v.as_f64()?;
+    (x >= 0.0 && x.fract() == 0.0 && x < 1.9e19).then_some(x as u64)
+}
+
+fn boolean(v: &Value) -> Option<bool> {
+    v.as_bool()
+}
+
+fn read_precision(
+    k: &str,
+    v: &Value,
+    c: &mut ZeroConfig,
+    bad: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) {
+    let Some(obj) = v.as_object() else {
+        bad.push(format!(
+            "{k}: expected an object like {{\"enabled\": true}}"
+        ));
+        return;
+    };
+    let enabled = match obj.get("enabled") {
+        None => false,
+        Some(Value::String(s)) if s == "auto" => {
+            bad.push(format!(
+                "{k}.enabled: \"auto\" is resolved by the HF Trainer, not here; write true or false"
+            ));
+            return;
+        }
+        Some(e) => match boolean(e) {
+            Some(b) => b,
+            None => {
+                bad.push(format!("{k}.enabled: got {e}, expected true or false"));
+                return;
+            }
+        },
+    };
+    for key in obj.keys() {
+        match (k, key.as_str()) {
+            (_, "enabled") => {}
+            ("fp16", "loss_scale" | "initial_scale_power" | "loss_scale_window" | "hysteresis"
+            | "min_loss_scale" | "consecutive_hysteresis" | "auto_cast") => notes.push(format!(
+                "fp16.{key}: the loss scaler uses DeepSpeed's defaults (scale 2^16, window 1000, hysteresis 2)"
+            )),
+            ("bf16", "immediate_grad_update" | "check_grad_overflow") => {
+                notes.push(format!("bf16.{key}: no effect here"))
+            }
+            _ => bad.push(format!("unknown key `{k}.{key}`")),
+        }
+    }
+    if enabled {
+        if c.precision != Precision::Fp32 && k == "bf16"
+            || k == "fp16" && c.precision == Precision::Bf16
+        {
+            bad.push("fp16 and bf16 are both enabled; enable at most one".into());
+        }
+        c.precision = if k == "fp16" {
+            Precision::Fp16
+        } else {
+            Precision::Bf16
+        };
+    }
+}
+
+fn read_zero_section(
+    v: &Value,
+    c: &mut ZeroConfig,
+    bad: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) {
+    let Some(obj) = v.as_object() else {
+        bad.push("zero_optimization: expected an object".into());
+        return;
+    };
+    for (k, val) in obj {
+        let mut set_u64 = |field: &mut u64| match int(val) {
+            Some(x) => *field = x,
+            None => bad.push(format!(
+                "zero_optimization.{k}: got {val}, expected a non-negative integer"
+            )),
+        };
+        match k.as_str() {
+            "stage" => match int(val) {
+                Some(x) if x <= 3 => c.stage = x as u8,
+                _ => bad.push(format!(
+                    "zero_optimization.stage: got {val}, expected 0, 1, 2 or 3"
+                )),
+            },
+            "reduce_bucket_size" => set_u64(&mut c.reduce_bucket_size),
+            "allgather_bucket_size" => set_u64(&mut c.allgather_bucket_size),
+            "stage3_prefetch_bucket_size" => set_u64(&mut c.prefetch_bucket_size),
+            "stage3_max_live_parameters" => set_u64(&mut c.max_live_parameters),
+            "stage3_param_persistence_threshold" => set_u64(&mut c.param_persistence_threshold),
+            "stage3_model_persistence_threshold" => set_u64(&mut c.model_persistence_threshold),
+            "overlap_comm" => match boolean(val) {
+                Some(b) => c.overlap_comm = b,
+                None => bad.push(format!(
+                    "zero_optimization.overlap_comm: got {val}, expected a boolean"
+                )),
+            },
+            "zero_quantized_weights" => match boolean(val) {
+                Some(b) => c.quantized_weights = b,
+                None => bad.push(format!(
+                    "zero_optimization.{k}: got {val}, expected a boolean"
+                )),
+            },
+            "zero_quantized_gradients" => match boolean(val) {
+                Some(b) => c.quantized_gradients = b,
+                None => bad.push(format!(
+                    "zero_optimization.{k}: got {val}, expected a boolean"
+                )),
+            },
+            "zero_hpz_partition_size" => match int(val) {
+                Some(x) if x >= 1 => c.hpz_partition_size = x as usize,
+                _ => bad.push(format!(
+                    "zero_optimization.{k}: got {val}, expected an integer ≥ 1"
+                )),
+            },
+            // Accepted: they tune DeepSpeed's buffers or kernels; results are unchanged here.
+            "contiguous_gradients"
+            | "reduce_scatter"
+            | "allgather_partitions"
+            | "round_robin_gradients"
+            | "sub_group_size"
+            | "stage3_max_reuse_distance"
+            | "stage3_gather_16bit_weights_on_model_save"
+            | "stage3_gather_fp16_weights_on_model_save"
+            | "use_multi_rank_bucket_allreduce"
+            | "load_from_fp32_weights"
+            | "ignore_unused_parameters"
+            | "memory_efficient_linear"
+            | "stage3_module_granularity_threshold"
+            | "stage3_use_all_reduce_for_fetch_params"
+            | "elastic_checkpoint" => {
+                if k == "reduce_scatter" && val == &Value::Bool(false) {
+                    bad.push("zero_optimization.reduce_scatter=false: gradients are always reduce-scattered here".into());
+                } else {
+                    notes.push(format!("zero_optimization.{k}: accepted; it tunes DeepSpeed internals and has no effect here"));
+                }
+            }
+            "offload_optimizer"
+            | "offload_param"
+            | "cpu_offload"
+            | "cpu_offload_params"
+            | "cpu_offload_use_pin_memory"
+            | "mics_shard_size"
+            | "mics_hierarchical_params_gather"
+            | "zero_quantized_nontrainable_weights"
+            | "zeropp_loco_param" => {
+                let off = matches!(val, Value::Null | Value::Bool(false))
+                    || val.get("device").and_then(Value::as_str) == Some("none")
+                    || (k == "mics_shard_size" && int(val).is_none() && num(val) == Some(-1.0));
+                if off {
+                    notes.push(format!("zero_optimization.{k}: disabled, as here"));
+                } else {
+                    bad.push(format!(
+                        "zero_optimization.{k}: not supported by zero-rs yet"
+                    ));
+                }
+            }
+            other => bad.push(format!("unknown key `zero_optimization.{other}`")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_deepspeed_zeropp_tutorial_config() {
+        let text = r#"{
+          "train_micro_batch_size_per_gpu": 8,
+          "fp16": {"enabled": true, "initial_scale_power": 12},
+          "gradient_clipping": 1.0,
+          "zero_optimization": {
+            "stage": 3, "reduce_bucket_size": 1e7, "reduce_scatter": true,
+            "contiguous_gradients": true, "overlap_comm": true,
+            "zero_quantized_weights": true, "zero_hpz_partition_size": 16,
+            "zero_quantized_gradients": true
+          }
+        }"#;
+        let imp = ZeroConfig::from_deepspeed_json(text).unwrap();
+        let c = imp.config;
+        assert_eq!(c.stage, 3);
+        assert_eq!(c.precision, Precision::Fp16);
+        assert_eq!(c.reduce_bucket_size, 10_000_000);
+        assert!(c.quantized_weights && c.quantized_gradients && c.overlap_comm);
+        assert_eq!(c.hpz_partition_size, 16);
+        assert_eq!(c.gradient_clipping, 1.0);
+        assert!(imp.notes.iter().any(|n| n.contains("contiguous_gradients")));
+        assert!(
+            imp.notes
+                .iter()
+                .any(|n| n.contains("train_micro_batch_size_per_gpu"))
+        );
+    }
+
+    #[test]
+    fn reports_every_unknown_or_unsupported_key() {
+        let text = r#"{"zero_optimization": {"stage": 2, "colour": 1,
+            "offload_optimizer": {"device": "cpu"}}, "fancy": true}"#;
+        let e = ZeroConfig::from_deepspeed_json(text)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero_optimization.colour"), "{e}");
+        assert!(e.contains("offload_optimizer"), "{e}");
+        assert!(e.contains("`fancy`"), "{e}");
+    }
+
+    #[test]
+    fn offload_to_none_is_fine() {
+        let text =
+            r#"{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}"#;
+        assert_eq!(
+            ZeroConfig::from_deepspeed_json(text).unwrap().config.stage,
+            1
+        );
+    }
+
+    #[test]
+    fn own_format_round_trips_and_rejects_unknown_keys() {
+        let c = ZeroConfig {
+            stage: 3,
+            hpz_partition_size: 2,
+            ..Default::default()
+        };
+        let t = toml::to_string(&c).unwrap();
+        assert_eq!(ZeroConfig::from_toml(&t).unwrap(), c);
+        let e = ZeroConfig::from_toml("stage = 2\nstgae = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stgae"), "{e}");
+        let any = ZeroConfig::from_any("stage = 2\n").unwrap();
+        assert_eq!(any.config.stage, 2);
+        let any = ZeroConfig::from_any(r#"{"zero_optimization": {"stage": 1}}"#).unwrap();
+        assert_eq!(any.config.stage, 1);
+    }
+
+    #[test]
+    fn both_precisions_is_an_error() {
+        let text =
+            r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "zero_optimization": {}}"#;
+        assert!(ZeroConfig::from_deepspeed_json(text).is_err());
+    }
+}

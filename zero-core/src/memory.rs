@@ -1,0 +1,181 @@
+//! The memory model: bytes per rank by category.
+//!
+//! Categories (per rank, bytes):
+//! - `parameters`: working-precision weights resident between steps. Stages 0–2: the whole model.
+//!   Stage 3: the rank's shard, plus full copies of persistent parameters.
+//! - `gradients`: working-precision gradients. Stages 0–1: every trainable element. Stages 2–3:
+//!   the rank's trainable shard.
+//! - `optimizer_states`: fp32 optimizer state (Adam: m and v, 8 B/element). Stage 0: every
+//!   trainable element; stages 1–3: the trainable shard.
+//! - `master_weights`: fp32 master copy in mixed precision (4 B/element), sized like the optimizer
+//!   state. Zero in fp32, where the weight is the master.
+//! - `hpz_secondary`: stage 3 with hpZ: `len/hpz` elements of every gather unit (2Ψ/hpz for 16-bit
+//!   weights, zero-spec.md §1.4).
+//! - `gathered_working_set`: stage 3: the peak of gathered units alive at once (the current unit
+//!   plus one prefetched unit when `prefetch_bucket_size` and `max_live_parameters` allow it).
+//! - `communication_buffers`: the flat gradient buffer a bucket or unit is reduced from (doubled
+//!   with `overlap_comm`), and the int8/int4 wire buffers of qwZ/qgZ.
+//!
+//! `model_states_bytes` is the ZeRO paper's figure: parameters + gradients + optimizer states +
+//! master weights. Activations are not modelled.
+
+use serde::Serialize;
+
+use crate::plan::{Plan, UnitKind};
+use crate::quant_wire::{int4_wire_len, int8_wire_len};
+
+/// Bytes per rank by category.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryModel {
+    /// Working-precision weights.
+    pub parameters: u64,
+    /// Working-precision gradients.
+    pub gradients: u64,
+    /// Optimizer state.
+    pub optimizer_states: u64,
+    /// fp32 master weights (mixed precision).
+    pub master_weights: u64,
+    /// hpZ secondary shard.
+    pub hpz_secondary: u64,
+    /// Peak gathered parameters (stage 3).
+    pub gathered_working_set: u64,
+    /// Reduction and quantization buffers.
+    pub communication_buffers: u64,
+    /// parameters + gradients + optimizer states + master weights.
+    pub model_states_bytes: u64,
+    /// Sum of every category.
+    pub total_bytes: u64,
+}
+
+impl MemoryModel {
+    /// The categories as (name, bytes) rows, in a fixed order.
+    pub fn rows(&self) -> [(&'static str, u64); 7] {
+        [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer_states", self.optimizer_states),
+            ("master_weights", self.master_weights),
+            ("hpz_secondary", self.hpz_secondary),
+            ("gathered_working_set", self.gathered_working_set),
+            ("communication_buffers", self.communication_buffers),
+        ]
+    }
+}
+
+impl Plan {
+    /// The memory model of one rank. Every rank allocates the same (chunks are equal).
+    pub fn memory(&self) -> MemoryModel {
+        let c = self.config();
+        let w = self.working_bytes();
+        let k = c.optimizer.state_bytes();
+        let master = if self.mixed_precision() { 4 } else { 0 };
+        let n = self.world_size() as u64;
+        let units = self.units();
+        let psi = self.model().numel();
+        let psi_t = self.model().trainable_numel();
+        let shard_t: u64 = units
+            .iter()
+            .filter(|u| u.trainable)
+            .map(|u| u.len / n)
+            .sum();
+        let mut m = MemoryModel::default();
+        match c.stage {
+            0 => {
+                m.parameters = psi * w;
+                m.gradients = psi_t * w;
+                m.optimizer_states = psi_t * k;
+                m.master_weights = psi_t * master;
+            }
+            1 | 2 => {
+                m.parameters = psi * w;
+                m.gradients = if c.stage == 1 { psi_t * w } else { shard_t * w };
+                m.optimizer_states = shard_t * k;
+                m.master_weights = shard_t * master;
+            }
+            _ => {
+                let persistent: u64 = units
+                    .iter()
+                    .filter(|u| u.kind == UnitKind::Persistent)
+                    .map(|u| u.len)
+                    .sum();
+                m.parameters = (self.shard_len() + persistent) * w;
+                m.gradients = shard_t * w;
+                m.optimizer_states = shard_t * k;
+                m.master_weights = shard_t * master;
+                if let Some(h) = self.hpz() {
+                    m.hpz_secondary = units
+                        .iter()
+                        .filter(|u| u.kind == UnitKind::Gather)
+                        .map(|u| u.len / h.size as u64)
+                        .sum::<u64>()
+                        * w;
+                }
+                m.gathered_working_set = self.peak_gathered() * w;
+            }
+        }
+        // Reduction buffer: the largest trainable unit's gradients, flattened.
+        let max_t = units
+            .iter()
+            .filter(|u| u.trainable)
+            .map(|u| u.len)
+            .max()
+            .unwrap_or(0);
+        let copies = if c.overlap_comm { 2 } else { 1 };
+        m.communication_buffers = max_t * w * copies;
+        if c.stage == 3 {
+            let max_g = units
+                .iter()
+                .filter(|u| u.kind == UnitKind::Gather)
+                .map(|u| u.len / n)
+                .max()
+                .unwrap_or(0);
+            if c.quantized_weights {
+                // Own encoded chunk plus the gathered wire buffer.
+                m.communication_buffers += (n + 1) * int8_wire_len(max_g, c.qwz_block_size as u64);
+            }
+            if c.quantized_gradients {
+                let max_tc = units
+                    .iter()
+                    .filter(|u| u.kind == UnitKind::Gather && u.trainable)
+                    .map(|u| u.len / n)
+                    .max()
+                    .unwrap_or(0);
+                // Send and receive buffers of the intra-node all-to-all (N chunks each).
+                m.communication_buffers += 2 * n * int4_wire_len(max_tc, c.qgz_block_size as u64);
+            }
+        }
+        m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
+        m.total_bytes = m.rows().iter().map(|(_, b)| b).sum();
+        m
+    }
+
+    /// Peak gathered elements at stage 3 (0 otherwise): the current gather unit plus the next one
+    /// when it may be prefetched (`len ≤ prefetch_bucket_size` and the pair fits in
+    /// `max_live_parameters`).
+    pub fn peak_gathered(&self) -> u64 {
+        if self.stage() != 3 {
+            return 0;
+        }
+        let g: Vec<u64> = self
+            .units()
+            .iter()
+            .filter(|u| u.kind == UnitKind::Gather)
+            .map(|u| u.len)
+            .collect();
+        let mut peak = 0;
+        for i in 0..g.len() {
+            let mut live = g[i];
+            if i + 1 < g.len() && self.may_prefetch(g[i], g[i + 1]) {
+                live += g[i + 1];
+            }
+            peak = peak.max(live);
+        }
+        peak
+    }
+
+    /// Whether a gather unit of `next` elements may be prefetched while one of `current` is live.
+    pub fn may_prefetch(&self, current: u64, next: u64) -> bool {
+        let c = self.config();
+        next <= c.prefetch_bucket_size && current + next <= c.max_live_parameters
+    }
+}
