@@ -13,8 +13,10 @@
 //!   intra-node all-to-all then a cross-node all-to-all of int4 wire bytes). Persistent trainable
 //!   units: a reduce-scatter per micro-step and an all-gather after the step. With qwZ, weight
 //!   all-gathers of gather units move int8 wire bytes (codes plus fp32 scales).
-//! - Stages 1–3 with clipping or fp16: one all-reduce of 2 f32 (squared norm, overflow flag) per
-//!   step. Stage 0 computes the norm locally (gradients are replicated).
+//! - Stages 1–3 with clipping or fp16: one all-gather of each rank's f64 sum of squares (8 bytes)
+//!   per step; every rank sums them in rank order, which also detects overflow (a non-finite sum).
+//!   Stage 0 computes the same sums locally, chunk by chunk in rank order (gradients are replicated),
+//!   so the clip coefficient is bit-identical across stages.
 //!
 //! Published totals (ring, Ψ elements, N large): 2Ψ for stages 0–2, 3Ψ for stage 3. With this
 //! accounting they come out as exactly `(N−1)/N` of those, plus padding.
@@ -75,8 +77,8 @@ pub enum GroupKind {
 pub enum Payload {
     /// Working-precision elements (fp32, bf16 or fp16).
     Working,
-    /// fp32 scalars.
-    F32,
+    /// f64 scalars, sent as bytes (the global-norm partial sums).
+    F64,
     /// qwZ int8 wire bytes.
     Int8,
     /// qgZ int4 wire bytes.
@@ -321,14 +323,16 @@ impl Plan {
         if c.stage >= 1
             && (c.gradient_clipping > 0.0 || c.precision == crate::config::Precision::Fp16)
         {
+            // Each rank's f64 sum of squares over its shard, gathered as 8 bytes and summed in
+            // rank order on every rank: the same arithmetic as stage 0's local norm.
             ops.push(PlannedOp {
                 phase: Phase::Clip,
-                collective: Collective::AllReduce,
+                collective: Collective::AllGather,
                 group: GroupKind::World,
                 unit: None,
-                count: 2,
-                elem_bytes: 4,
-                payload: Payload::F32,
+                count: 8,
+                elem_bytes: 1,
+                payload: Payload::F64,
                 per_micro_step: false,
             });
         }
