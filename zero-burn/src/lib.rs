@@ -1,11 +1,41 @@
 //! # zero-burn
 //!
-//! **Role.** The burn integration: wraps any burn `Module` on an autodiff device into a
-//! ZeRO-1/2/3 (+ZeRO++) data-parallel trainer that executes a `zero_core::Plan` with one
-//! `zero_comm` communicator per rank.
+//! **Role.** The burn integration: runs ZeRO-1/2/3 data-parallel training of burn modules by
+//! executing a `zero_core::Plan` with one `zero_comm` communicator per rank. See [`trainer`] for
+//! the step, [`model`] for how models are executed segment by segment, and [`world`] for the
+//! in-process launcher.
 //!
 //! **May depend on:** zero-core, zero-comm, zero-quant and burn. It is the only library crate that
 //! names burn types.
 //!
-//! **Status:** not built yet (see README's status table). This crate currently only fixes the
-//! dependency edges and the pinned burn version.
+//! **Status:** stages 0–3 in fp32 on burn's CPU backend (flex) with the host loopback, hpZ
+//! included. Mixed precision, qwZ, qgZ, overlap and the wgpu/CUDA paths are not built yet; the
+//! trainer rejects configurations that ask for them.
+
+pub mod data;
+pub mod error;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod trainer;
+pub mod world;
+
+pub use error::{Error, Result};
+pub use model::{Gpt, GptConfig, Segmented};
+pub use trainer::{MeasuredMemory, RankTrainer, TrainOptions};
+
+use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
+
+/// The zero-core description of a segmented model: parameters in visit order, grouped for stage-3
+/// gathers by segment.
+pub fn describe_model<M: Segmented>(model: &M) -> Result<ModelDesc> {
+    let params = params::describe(model);
+    params::model_desc(&params, |path| {
+        format!("segment.{}", model.segment_of(path))
+    })
+}
+
+/// A checked plan for `model`.
+pub fn plan_for<M: Segmented>(model: &M, topology: Topology, config: &ZeroConfig) -> Result<Plan> {
+    Ok(Plan::new(&describe_model(model)?, topology, config)?)
+}

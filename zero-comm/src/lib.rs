@@ -1,9 +1,80 @@
 //! # zero-comm
 //!
-//! Communicators with an NCCL-shaped contract: host loopback (reference), wgpu loopback, NCCL via
-//! cudarc; byte accounting per collective and link class (see `zero_core::traffic`).
+//! Communicators for ZeRO-style sharded data parallelism, with an NCCL-shaped contract.
 //!
-//! **May depend on:** zero-core, zero-quant, half, bytemuck, thiserror (wgpu and cudarc behind the
-//! `wgpu` and `nccl` features). It knows nothing about burn.
+//! **Role.** [`Communicator`] is the one interface the trainer (`zero-burn`) uses to move data
+//! between ranks: all-gather (plus NCCL's in-place form), reduce-scatter, all-reduce, broadcast,
+//! all-to-all, barrier, and `split` into sub-groups (hpZ's intra-node groups, qgZ's intra- and
+//! cross-node groups). Backends are thin; the contract is checked in one place per backend, before
+//! anything moves:
 //!
-//! **Status:** being built (see README).
+//! - [`host`]: the in-process host loopback, one thread per rank. Always built; the reference and
+//!   the oracle for the other backends.
+//! - `wgpu` (feature `wgpu`) and `nccl` (feature `nccl`, via cudarc): device backends, not written
+//!   yet. Each will live in its own module; without its feature, a stub with the same API will
+//!   return [`Error::NotCompiled`].
+//!
+//! **May depend on:** zero-core (topology, traffic accounting), zero-quant (codecs), half, bytemuck
+//! and thiserror; wgpu/pollster and cudarc only behind their features.
+//!
+//! **Architecture Invariant:** zero-comm knows nothing about burn, tensors or models: it moves
+//! typed flat buffers ([`Element`]: `f32`, `bf16`, `f16`, `u8`) between ranks and counts the bytes.
+//!
+//! # NCCL's rules, which every backend assumes
+//!
+//! 1. Every rank of a group makes the same collective calls in the same order, with matching
+//!    dtypes, reductions, roots and lengths (see the table on [`Communicator`]).
+//! 2. One thread drives a communicator (`Send`, not `Sync`; collectives take `&mut self`). Batch
+//!    several calls with [`Communicator::group`], an RAII guard, never by interleaving threads.
+//! 3. After an error that is not a validation error, abort: nothing can be assumed about buffers
+//!    of the failed op, and later calls fail. A failure on any rank (panic, timeout) poisons the
+//!    whole world, sub-communicators included.
+//!
+//! # Determinism
+//!
+//! Reductions are rank-ordered and accumulate in `f32` with a single rounding ([`ReduceOp`]); an
+//! all-reduce is a reduce-scatter followed by an all-gather over the same chunks. Results are
+//! bit-identical across runs, thread timings and backends that honour the order.
+//!
+//! # Accounting
+//!
+//! Every communicator **measures** what it moves into a [`zero_core::TrafficTable`] keyed by
+//! [`zero_core::Collective`], using the convention of [`zero_core::traffic`]: per rank, as logical
+//! per-peer exchange (bytes of this rank's data that end up on a peer are *sent*, bytes of a peer's
+//! data that end up here are *received*, a rank's own chunk never counts), classified by the
+//! [`zero_core::LinkClass`] between the two *global* ranks. Measurements equal the
+//! [`zero_core::GroupView`] formulas exactly ([`Communicator::group_view`]), which is what lets the
+//! trainer compare predicted and measured bytes with `==`.
+//!
+//! ```
+//! use std::time::Duration;
+//! use zero_comm::{Communicator, ReduceOp, host::HostLoopback};
+//! use zero_core::{Collective, Topology};
+//!
+//! let topo = Topology::new(4, 2).unwrap(); // 2 nodes × 2 ranks
+//! let results = HostLoopback::launch(topo, Duration::from_secs(5), |mut comm| {
+//!     let mut x = vec![comm.rank() as f32; 6];
+//!     comm.all_reduce_host(&mut x, ReduceOp::Sum).unwrap();
+//!     let predicted = comm.group_view().all_reduce(6, 4);
+//!     assert_eq!(comm.traffic().by_collective[&Collective::AllReduce], predicted);
+//!     x
+//! });
+//! for r in results {
+//!     assert_eq!(r.unwrap(), vec![6.0; 6]);
+//! }
+//! ```
+//!
+//! Sibling crates: `zero-core` (plans, topology, traffic formulas), `zero-quant` (codecs),
+//! `zero-burn` (the trainer).
+
+mod communicator;
+mod element;
+mod error;
+pub mod host;
+pub mod quantized;
+#[cfg(feature = "wgpu")]
+pub mod wgpu_loopback;
+
+pub use communicator::{Communicator, Group};
+pub use element::{DType, Element, ReduceOp};
+pub use error::{Error, FailureReason, Op, Result};

@@ -118,9 +118,9 @@ pub struct ZeroConfig {
 }
 
 /// Default qwZ block (elements); see zero-quant's measurements.
-pub const DEFAULT_QWZ_BLOCK: usize = 2048;
+pub const DEFAULT_QWZ_BLOCK: usize = 1024;
 /// Default qgZ block (elements); see zero-quant's measurements.
-pub const DEFAULT_QGZ_BLOCK: usize = 256;
+pub const DEFAULT_QGZ_BLOCK: usize = 512;
 
 impl Default for ZeroConfig {
     fn default() -> Self {

@@ -3,10 +3,11 @@
 //! Categories (per rank, bytes):
 //! - `parameters`: working-precision weights resident between steps. Stages 0–2: the whole model.
 //!   Stage 3: the rank's shard, plus full copies of persistent parameters.
-//! - `gradients`: working-precision gradients. Stages 0–1: every trainable element. Stages 2–3:
-//!   the rank's trainable shard.
-//! - `optimizer_states`: fp32 optimizer state (Adam: m and v, 8 B/element). Stage 0: every
-//!   trainable element; stages 1–3: the trainable shard.
+//! - `gradients`: the working-precision gradient accumulator. Stage 0 (and stage 1 with
+//!   `accumulate_before_reduce`, DeepSpeed's behaviour): the whole flat buffer of trainable units.
+//!   Otherwise the rank's trainable shard: reducing every micro-step, stage 1 needs no more.
+//! - `optimizer_states`: fp32 optimizer state (Adam: m and v, 8 B/element). Stage 0: the whole
+//!   flat buffer of trainable units; stages 1–3: the trainable shard.
 //! - `master_weights`: fp32 master copy in mixed precision (4 B/element), sized like the optimizer
 //!   state. Zero in fp32, where the weight is the master.
 //! - `hpz_secondary`: stage 3 with hpZ: `len/hpz` elements of every gather unit (2Ψ/hpz for 16-bit
@@ -72,23 +73,27 @@ impl Plan {
         let n = self.world_size() as u64;
         let units = self.units();
         let psi = self.model().numel();
-        let psi_t = self.model().trainable_numel();
         let shard_t: u64 = units
             .iter()
             .filter(|u| u.trainable)
             .map(|u| u.len / n)
             .sum();
+        // The flat (padded) length of the trainable units: full-size gradient buffers.
+        let flat_t: u64 = units.iter().filter(|u| u.trainable).map(|u| u.len).sum();
         let mut m = MemoryModel::default();
         match c.stage {
             0 => {
                 m.parameters = psi * w;
-                m.gradients = psi_t * w;
-                m.optimizer_states = psi_t * k;
-                m.master_weights = psi_t * master;
+                m.gradients = flat_t * w;
+                m.optimizer_states = flat_t * k;
+                m.master_weights = flat_t * master;
             }
             1 | 2 => {
                 m.parameters = psi * w;
-                m.gradients = if c.stage == 1 { psi_t * w } else { shard_t * w };
+                // Stage 1 keeps full gradients only when it accumulates before reducing
+                // (DeepSpeed's behaviour); reducing every micro-step leaves just the shard.
+                let full = c.stage == 1 && c.accumulate_before_reduce;
+                m.gradients = if full { flat_t * w } else { shard_t * w };
                 m.optimizer_states = shard_t * k;
                 m.master_weights = shard_t * master;
             }
@@ -96,7 +101,7 @@ impl Plan {
                 let persistent: u64 = units
                     .iter()
                     .filter(|u| u.kind == UnitKind::Persistent)
-                    .map(|u| u.len)
+                    .map(|u| u.numel)
                     .sum();
                 m.parameters = (self.shard_len() + persistent) * w;
                 m.gradients = shard_t * w;

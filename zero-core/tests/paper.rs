@@ -6,9 +6,11 @@ const PSI: u64 = 7_500_000_000;
 
 fn plan(stage: u8, precision: Precision, n: usize, l: usize) -> Plan {
     let model = ModelDesc::synthetic(PSI, 32).unwrap();
+    // The paper's stage 1 keeps full gradients: DeepSpeed accumulates before reducing.
     let cfg = ZeroConfig {
         stage,
         precision,
+        accumulate_before_reduce: stage == 1,
         ..Default::default()
     };
     Plan::new(&model, Topology::new(n, l).unwrap(), &cfg).unwrap()
@@ -30,16 +32,21 @@ fn zero_paper_figure_1_mixed_precision_adam() {
             "stage {stage}: {got:.3} GB, paper {want} GB"
         );
     }
-    // Exact formulas with S = the shard (Ψ/N plus its share of padding): 16Ψ, 4Ψ + 12S,
-    // 2Ψ + 14S, 16S.
+    // Exact formulas with F = the flat buffer (Ψ plus padding) and S = the shard (F/N):
+    // 2Ψ + 14F, 2Ψ + 2F + 12S, 2Ψ + 14S, 16S.
     for stage in 0..=3u8 {
         let p = plan(stage, Precision::Bf16, 64, 8);
-        let s = p.shard_len();
+        let (f, s) = (p.flat_len(), p.shard_len());
         assert!(
             s >= PSI / 64 && s - PSI / 64 < 2 * 32,
             "padding stays below 2 elements per unit"
         );
-        let want = [16 * PSI, 4 * PSI + 12 * s, 2 * PSI + 14 * s, 16 * s][stage as usize];
+        let want = [
+            2 * PSI + 14 * f,
+            2 * PSI + 2 * f + 12 * s,
+            2 * PSI + 14 * s,
+            16 * s,
+        ][stage as usize];
         assert_eq!(p.memory().model_states_bytes, want, "stage {stage}");
     }
 }

@@ -1,0 +1,40 @@
+//! The crate's error type.
+
+/// Errors from building or running a trainer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The plan or its inputs are invalid.
+    #[error(transparent)]
+    Plan(#[from] zero_core::Error),
+    /// A collective failed (a peer died, timed out, or disagreed).
+    #[error(transparent)]
+    Comm(#[from] zero_comm::Error),
+    /// The model does not fit the trainer's expectations.
+    #[error("model: {0}")]
+    Model(String),
+    /// A training option is out of range.
+    #[error("invalid {field}: got {got}, expected {expected}")]
+    Invalid {
+        /// The option.
+        field: &'static str,
+        /// What was given.
+        got: String,
+        /// What would be valid.
+        expected: String,
+    },
+    /// The data source is unusable.
+    #[error("data: {0}")]
+    Data(String),
+    /// A rank's thread panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// The panic message.
+        message: String,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

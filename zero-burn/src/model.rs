@@ -1,0 +1,212 @@
+//! Models the trainer runs segment by segment, and the embedded GPT-style decoder.
+//!
+//! The trainer executes a model as a sequence of **segments** (embeddings, each block, the head
+//! and loss). The forward pass keeps only the activation between segments; the backward pass
+//! recomputes each segment under autodiff from its saved input, in reverse order (activation
+//! checkpointing at segment granularity). That is what lets stage 3 gather a segment's weights,
+//! use them and release them again, for forward and again for backward, while burn's autodiff
+//! graph never holds more than one segment. Every stage runs the same way, so stages 0–3 perform
+//! the same floating-point operations in the same order and agree bit for bit.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::attention::{
+    MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
+};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{
+    Embedding, EmbeddingConfig, Gelu, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::data::TokenBatch;
+
+/// A model the trainer can run segment by segment.
+pub trait Segmented: Module + Clone + Send + 'static {
+    /// Number of segments.
+    fn num_segments(&self) -> usize;
+
+    /// The segment a parameter belongs to, from its dotted path (as [`crate::params::describe`]
+    /// reports it). Segments must follow the module's parameter visit order.
+    fn segment_of(&self, path: &str) -> usize;
+
+    /// Runs segment `i`. Segment 0 receives `None` and reads the batch; the last segment returns
+    /// the mean loss as a `[1, 1, 1]` tensor.
+    fn forward_segment(&self, i: usize, batch: &TokenBatch, x: Option<Tensor<3>>) -> Tensor<3>;
+}
+
+/// Size of the embedded GPT-style decoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GptConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Context length.
+    pub context: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Decoder blocks.
+    pub layers: usize,
+}
+
+impl GptConfig {
+    /// Builds the model on `device` with deterministic weights from `seed` (normal(0, 0.02) for
+    /// matrices, ones for norm scales, zeros for biases; independent of burn's global RNG).
+    pub fn init(&self, device: &Device, seed: u64) -> Gpt {
+        let mha = MultiHeadAttentionConfig::new(self.d_model, self.heads).with_dropout(0.0);
+        let blocks = (0..self.layers)
+            .map(|_| Block {
+                ln1: LayerNormConfig::new(self.d_model).init(device),
+                attn: mha.init(device),
+                ln2: LayerNormConfig::new(self.d_model).init(device),
+                fc: LinearConfig::new(self.d_model, 4 * self.d_model).init(device),
+                proj: LinearConfig::new(4 * self.d_model, self.d_model).init(device),
+                act: Gelu::new(),
+            })
+            .collect();
+        let gpt = Gpt {
+            wte: EmbeddingConfig::new(self.vocab, self.d_model).init(device),
+            wpe: EmbeddingConfig::new(self.context, self.d_model).init(device),
+            blocks,
+            ln_f: LayerNormConfig::new(self.d_model).init(device),
+            head: LinearConfig::new(self.d_model, self.vocab).init(device),
+        };
+        deterministic_init(gpt, seed)
+    }
+}
+
+/// A GPT-style decoder: token and position embeddings, pre-norm blocks (causal self-attention and
+/// a GELU MLP), a final norm and an untied head.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    /// Token embedding.
+    pub wte: Embedding,
+    /// Position embedding.
+    pub wpe: Embedding,
+    /// Decoder blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: LayerNorm,
+    /// Output head.
+    pub head: Linear,
+}
+
+/// One pre-norm decoder block.
+#[derive(Module, Debug)]
+pub struct Block {
+    ln1: LayerNorm,
+    attn: MultiHeadAttention,
+    ln2: LayerNorm,
+    fc: Linear,
+    proj: Linear,
+    act: Gelu,
+}
+
+impl Block {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, _] = x.dims();
+        let mask = generate_autoregressive_mask(b, t, &x.device());
+        let h = self
+            .attn
+            .forward(MhaInput::self_attn(self.ln1.forward(x.clone())).mask_attn(mask));
+        let x = x + h.context;
+        let m = self.proj.forward(
+            self.act
+                .forward(self.fc.forward(self.ln2.forward(x.clone()))),
+        );
+        x + m
+    }
+}
+
+impl Segmented for Gpt {
+    fn num_segments(&self) -> usize {
+        self.blocks.len() + 2
+    }
+
+    fn segment_of(&self, path: &str) -> usize {
+        let mut parts = path.split('.');
+        match parts.next() {
+            Some("wte" | "wpe") => 0,
+            Some("blocks") => {
+                1 + parts
+                    .next()
+                    .and_then(|i| i.parse::<usize>().ok())
+                    .unwrap_or(0)
+            }
+            _ => self.blocks.len() + 1,
+        }
+    }
+
+    fn forward_segment(&self, i: usize, batch: &TokenBatch, x: Option<Tensor<3>>) -> Tensor<3> {
+        let device = self.head.weight.val().device();
+        if i == 0 {
+            let tokens = Tensor::<2, Int>::from_data(
+                TensorData::new(batch.inputs.clone(), [batch.batch, batch.seq]),
+                &device,
+            );
+            let pos: Vec<i64> = (0..batch.batch).flat_map(|_| 0..batch.seq as i64).collect();
+            let pos = Tensor::<2, Int>::from_data(
+                TensorData::new(pos, [batch.batch, batch.seq]),
+                &device,
+            );
+            return self.wte.forward(tokens) + self.wpe.forward(pos);
+        }
+        let x = x.expect("segments after the first receive an activation");
+        if i <= self.blocks.len() {
+            return self.blocks[i - 1].forward(x);
+        }
+        let logits = self.head.forward(self.ln_f.forward(x));
+        let [b, t, v] = logits.dims();
+        let targets =
+            Tensor::<1, Int>::from_data(TensorData::new(batch.targets.clone(), [b * t]), &device);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits.reshape([b * t, v]), targets);
+        loss.reshape([1, 1, 1])
+    }
+}
+
+struct DetInit {
+    seed: u64,
+    index: u64,
+    path: Vec<String>,
+}
+
+impl ModuleMapper for DetInit {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, t, mapper) = p.consume();
+        let dims = t.dims();
+        let n: usize = dims.iter().product();
+        let leaf = self.path.last().map(String::as_str).unwrap_or("");
+        let mut rng = crate::data::SplitMix::new(
+            self.seed ^ (self.index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        );
+        self.index += 1;
+        let values: Vec<f32> = match leaf {
+            "gamma" => vec![1.0; n],
+            "beta" | "bias" => vec![0.0; n],
+            _ => (0..n).map(|_| 0.02 * rng.normal() as f32).collect(),
+        };
+        let require_grad = t.is_require_grad();
+        let mut nt = Tensor::<D>::from_data(TensorData::new(values, dims), &t.device());
+        if require_grad {
+            nt = nt.require_grad();
+        }
+        Param::from_mapped_value(id, nt, mapper)
+    }
+}
+
+/// Re-initializes every float parameter deterministically from `seed` and its visit index.
+pub fn deterministic_init<M: Module>(model: M, seed: u64) -> M {
+    model.map(&mut DetInit {
+        seed,
+        index: 0,
+        path: Vec::new(),
+    })
+}

@@ -1,0 +1,193 @@
+//! Bridging burn modules and flat parameter buffers: describe a module's parameters, read their
+//! values and gradients into flat `f32` slices, and write values back.
+//!
+//! burn's `GradientsParams::get::<D>` panics on a wrong rank `D`, so every read happens inside a
+//! visitor where `D` is the parameter's own rank.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Tensor, TensorData};
+use zero_core::{ModelDesc, ParamDesc};
+
+use crate::error::{Error, Result};
+
+/// One parameter of a burn module.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// burn's id.
+    pub id: ParamId,
+    /// Dotted path, e.g. `blocks.0.attn.query.weight`.
+    pub path: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Rank (number of dimensions) — the `D` to read its gradient with.
+    pub rank: usize,
+    /// Whether it requires a gradient.
+    pub trainable: bool,
+}
+
+impl ParamInfo {
+    /// Element count.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Default)]
+struct Describe {
+    path: Vec<String>,
+    out: Vec<ParamInfo>,
+}
+
+impl ModuleVisitor for Describe {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        let t = p.val();
+        self.out.push(ParamInfo {
+            id: p.id,
+            path: self.path.join("."),
+            shape: t.dims().to_vec(),
+            rank: D,
+            trainable: t.is_require_grad(),
+        });
+    }
+}
+
+/// The module's float parameters in visit order.
+pub fn describe<M: Module>(model: &M) -> Vec<ParamInfo> {
+    let mut d = Describe::default();
+    model.visit(&mut d);
+    d.out
+}
+
+/// A zero-core model description. `group_of` maps a parameter path to the name of the unit it is
+/// gathered with at stage 3 (e.g. its segment).
+pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(&str) -> String) -> Result<ModelDesc> {
+    let descs = params
+        .iter()
+        .map(|p| {
+            let mut d = ParamDesc::new(p.path.clone(), &p.shape, group_of(&p.path));
+            d.trainable = p.trainable;
+            d
+        })
+        .collect();
+    let m = ModelDesc::new(descs);
+    m.validate()?;
+    Ok(m)
+}
+
+struct ReadValues<'a> {
+    want: &'a HashMap<ParamId, usize>,
+    out: Vec<Option<Vec<f32>>>,
+}
+
+impl ModuleVisitor for ReadValues<'_> {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        if let Some(&slot) = self.want.get(&p.id) {
+            let data = p.val().into_data();
+            self.out[slot] = data.try_into_vec_as::<f32>().ok();
+        }
+    }
+}
+
+/// Reads the values of the parameters in `want` (id → output slot).
+pub fn read_values<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> Result<Vec<Vec<f32>>> {
+    let mut r = ReadValues {
+        want,
+        out: vec![None; want.len()],
+    };
+    model.visit(&mut r);
+    r.out
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.ok_or_else(|| Error::Model(format!("parameter slot {i} not found in the module")))
+        })
+        .collect()
+}
+
+struct WriteValues<'a> {
+    values: &'a mut HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+}
+
+impl ModuleMapper for WriteValues<'_> {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some((v, shape)) = self.values.remove(&p.id) else {
+            return p;
+        };
+        let (id, t, mapper) = p.consume();
+        let require_grad = t.is_require_grad();
+        let device = t.device();
+        let mut nt = Tensor::<D>::from_data(TensorData::new(v, shape), &device);
+        if require_grad {
+            nt = nt.require_grad();
+        }
+        Param::from_mapped_value(id, nt, mapper)
+    }
+}
+
+/// Replaces parameter values (id → (flat values, shape)). A shape with a zero dimension releases
+/// the parameter's storage (stage 3).
+pub fn write_values<M: Module>(
+    model: M,
+    mut values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+) -> M {
+    model.map(&mut WriteValues {
+        values: &mut values,
+    })
+}
+
+struct ReadGrads<'a> {
+    grads: &'a GradientsParams,
+    want: &'a HashMap<ParamId, usize>,
+    out: Vec<Option<Vec<f32>>>,
+}
+
+impl ModuleVisitor for ReadGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        if let Some(&slot) = self.want.get(&p.id)
+            && let Some(g) = self.grads.get::<D>(p.id) {
+                let data = g.into_data();
+                self.out[slot] = data.try_into_vec_as::<f32>().ok();
+            }
+    }
+}
+
+/// Reads the gradients of the parameters in `want`; `None` for a parameter without one.
+pub fn read_grads<M: Module>(
+    model: &M,
+    grads: &GradientsParams,
+    want: &HashMap<ParamId, usize>,
+) -> Vec<Option<Vec<f32>>> {
+    let mut r = ReadGrads {
+        grads,
+        want,
+        out: vec![None; want.len()],
+    };
+    model.visit(&mut r);
+    r.out
+}
+
+struct CountResident {
+    elems: u64,
+}
+
+impl ModuleVisitor for CountResident {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        self.elems += p.val().shape().num_elements() as u64;
+    }
+}
+
+/// Elements of parameter storage the module currently holds (released parameters count 0).
+pub fn resident_elems<M: Module>(model: &M) -> u64 {
+    let mut c = CountResident { elems: 0 };
+    model.visit(&mut c);
+    c.elems
+}

@@ -1,0 +1,745 @@
+//! The per-rank trainer: executes a [`Plan`] with one communicator per rank.
+//!
+//! One micro-step runs the model segment by segment (see [`crate::model`]):
+//!
+//! 1. **Forward.** For each segment: at stage 3, all-gather its gather units (prefetching the next
+//!    unit when the plan allows), run it, keep only its output activation, release the units
+//!    (keeping the hpZ secondary slice).
+//! 2. **Backward**, segments in reverse: at stage 3 gather again (from the hpZ group when hpZ is
+//!    on), recompute the segment under autodiff from its saved input, backpropagate the incoming
+//!    activation gradient, add the parameter gradients into their units, release. Every unit whose
+//!    gradients are now complete is reduced right away: an all-reduce (stage 0) or a reduce-scatter
+//!    (stages 1–3) with the mean over ranks, and the result is added into the gradient accumulator.
+//! 3. After the last micro-step: the global norm (if clipping), the optimizer on the local shard,
+//!    and the post-step all-gathers (stages 1–2: every bucket; stage 3: persistent units).
+//!
+//! Every stage performs the same floating-point operations in the same order; only where the
+//! bytes live changes. With fp32 and the host loopback's rank-ordered reduction, stages 0–3 are
+//! bit-identical (invariant I1).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::ParamId;
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use serde::Serialize;
+use zero_comm::{Communicator, ReduceOp};
+use zero_core::{MemoryModel, Plan, TrafficTable, UnitKind};
+
+use crate::data::{Corpus, TokenBatch};
+use crate::error::{Error, Result};
+use crate::model::Segmented;
+use crate::optim::{self, OptimState, Optimizer};
+use crate::params::{self, ParamInfo};
+
+/// Training options that are not part of the ZeRO plan.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TrainOptions {
+    /// Learning rate.
+    pub lr: f32,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Sequences per rank per micro-step.
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+}
+
+/// Measured bytes per rank, in the plan's categories.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MeasuredMemory {
+    /// Parameter storage held by the model plus the stage-3 shard.
+    pub parameters: u64,
+    /// Gradient accumulator.
+    pub gradients: u64,
+    /// Optimizer state.
+    pub optimizer_states: u64,
+    /// fp32 master weights (zero in fp32, where the shard is the master).
+    pub master_weights: u64,
+    /// Peak hpZ secondary shard.
+    pub hpz_secondary: u64,
+    /// Peak gathered parameters (stage 3).
+    pub gathered_working_set: u64,
+    /// Peak transient reduction buffers.
+    pub communication_buffers: u64,
+    /// parameters + gradients + optimizer states + master weights.
+    pub model_states_bytes: u64,
+}
+
+impl MeasuredMemory {
+    /// The model-state categories of a plan's memory model, for comparison.
+    pub fn planned_model_states(m: &MemoryModel) -> [u64; 4] {
+        [
+            m.parameters,
+            m.gradients,
+            m.optimizer_states,
+            m.master_weights,
+        ]
+    }
+
+    /// This measurement's model-state categories.
+    pub fn model_states(&self) -> [u64; 4] {
+        [
+            self.parameters,
+            self.gradients,
+            self.optimizer_states,
+            self.master_weights,
+        ]
+    }
+}
+
+/// The per-rank trainer.
+#[derive(Debug)]
+pub struct RankTrainer<C: Communicator, M: Segmented> {
+    plan: Arc<Plan>,
+    rank: usize,
+    world: C,
+    hpz: Option<C>,
+    model: M,
+    options: TrainOptions,
+    /// Parameter infos, indexed like the plan's model.
+    params: Vec<ParamInfo>,
+    /// Segment of every parameter.
+    param_segment: Vec<usize>,
+    /// Units completed by each segment's backward (min segment of their parameters).
+    completes_at: Vec<Vec<usize>>,
+    /// Stage-3 gather units used by each segment.
+    seg_units: Vec<Vec<usize>>,
+    /// Offset of each trainable unit in the gradient accumulator / optimizer state.
+    acc_offset: Vec<Option<usize>>,
+    /// Stage 3: the rank's shard of every unit (the fp32 master).
+    shard: Vec<f32>,
+    /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
+    /// otherwise this rank's chunks of trainable units.
+    acc: Vec<f32>,
+    opt: OptimState,
+    /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step).
+    secondary: Vec<Option<Vec<f32>>>,
+    gathered: Vec<bool>,
+    step: u64,
+    micro: u32,
+    peak: MeasuredMemory,
+    live_gathered: u64,
+    traffic_base: TrafficTable,
+}
+
+impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
+    /// A trainer for this rank. `model` must hold the same initial values on every rank; the
+    /// plan must describe it (see [`crate::plan_for`]).
+    pub fn new(plan: Arc<Plan>, mut world: C, model: M, options: TrainOptions) -> Result<Self> {
+        let rank = world.rank();
+        if world.world_size() != plan.world_size() {
+            return Err(Error::Model(format!(
+                "the communicator has {} ranks but the plan {}",
+                world.world_size(),
+                plan.world_size()
+            )));
+        }
+        if plan.config().precision != zero_core::Precision::Fp32 {
+            return Err(Error::Invalid {
+                field: "precision",
+                got: format!("{:?}", plan.config().precision),
+                expected: "fp32 (mixed precision is not implemented in the trainer yet)".into(),
+            });
+        }
+        if plan.config().quantized_weights || plan.config().quantized_gradients {
+            return Err(Error::Invalid {
+                field: "ZeRO++ quantization",
+                got: "qwZ or qgZ".into(),
+                expected: "off (qwZ and qgZ are not implemented in the trainer yet)".into(),
+            });
+        }
+        if plan.config().optimizer != options.optimizer.kind() {
+            return Err(Error::Invalid {
+                field: "optimizer",
+                got: format!("{:?} in the plan", plan.config().optimizer),
+                expected: format!("{:?}, the trainer's optimizer", options.optimizer.kind()),
+            });
+        }
+        let params = params::describe(&model);
+        // Fresh autodiff leaves for this rank: clones of one module share their tensors, and
+        // burn's autodiff graph must not be shared between threads (it deadlocks on merge).
+        let all: HashMap<ParamId, usize> =
+            params.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
+        let values = params::read_values(&model, &all)?;
+        let fresh = params
+            .iter()
+            .zip(values)
+            .map(|(p, v)| (p.id, (v, p.shape.clone())))
+            .collect();
+        let model = params::write_values(model, fresh);
+        let desc = &plan.model().params;
+        if desc.len() != params.len()
+            || desc
+                .iter()
+                .zip(&params)
+                .any(|(d, p)| d.name != p.path || d.shape != p.shape || d.trainable != p.trainable)
+        {
+            return Err(Error::Model(
+                "the plan was made for a different model (names, shapes or trainable flags differ)"
+                    .into(),
+            ));
+        }
+        let segments = model.num_segments();
+        let param_segment: Vec<usize> = params.iter().map(|p| model.segment_of(&p.path)).collect();
+        if let Some(i) = param_segment.iter().position(|&s| s >= segments) {
+            return Err(Error::Model(format!(
+                "parameter `{}` maps to segment {} of {segments}",
+                params[i].path, param_segment[i]
+            )));
+        }
+        let units = plan.units();
+        let mut completes_at = vec![Vec::new(); segments];
+        let mut seg_units = vec![Vec::new(); segments];
+        let mut acc_offset = vec![None; units.len()];
+        let stage = plan.stage();
+        let full_acc = stage == 0 || (stage == 1 && plan.config().accumulate_before_reduce);
+        let n = plan.world_size();
+        let mut acc_len = 0usize;
+        for (u, unit) in units.iter().enumerate() {
+            let segs: Vec<usize> = plan
+                .unit_entries(u)
+                .iter()
+                .map(|e| param_segment[e.param])
+                .collect();
+            let lo = *segs.iter().min().expect("units are never empty");
+            if unit.trainable {
+                completes_at[lo].push(u);
+                acc_offset[u] = Some(acc_len);
+                acc_len += if full_acc {
+                    unit.len as usize
+                } else {
+                    unit.len as usize / n
+                };
+            }
+            if unit.kind == UnitKind::Gather {
+                let hi = *segs.iter().max().expect("units are never empty");
+                if lo != hi {
+                    return Err(Error::Model(format!(
+                        "gather unit {u} spans segments {lo}..={hi}; group parameters by segment"
+                    )));
+                }
+                seg_units[lo].push(u);
+            }
+        }
+        let hpz = if plan.config().hpz() {
+            let h = plan.config().hpz_partition_size;
+            Some(world.split(rank / h, rank)?)
+        } else {
+            None
+        };
+        let mut t = RankTrainer {
+            plan: plan.clone(),
+            rank,
+            world,
+            hpz,
+            model,
+            options,
+            params,
+            param_segment,
+            completes_at,
+            seg_units,
+            acc_offset,
+            shard: Vec::new(),
+            acc: vec![0.0; acc_len],
+            opt: OptimState::new(&options.optimizer, acc_len),
+            secondary: vec![None; units.len()],
+            gathered: vec![false; units.len()],
+            step: 0,
+            micro: 0,
+            peak: MeasuredMemory::default(),
+            live_gathered: 0,
+            traffic_base: TrafficTable::new(),
+        };
+        if stage == 3 {
+            // The shard of every unit, from the initial full values; then release gather units.
+            t.shard = vec![0.0; plan.shard_len() as usize];
+            for (u, unit) in units.iter().enumerate() {
+                let full = t.read_unit(u)?;
+                let c = plan.chunk_len(u) as usize;
+                let off = unit.shard_offset as usize;
+                t.shard[off..off + c].copy_from_slice(&full[rank * c..(rank + 1) * c]);
+                if unit.kind == UnitKind::Gather {
+                    t.release(u);
+                }
+            }
+        }
+        t.traffic_base = t.traffic();
+        Ok(t)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The model (stage 3: gather units are released between steps).
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// Traffic measured on every communicator of this rank since the trainer was built.
+    pub fn traffic(&self) -> TrafficTable {
+        let mut t = self.world.traffic().clone();
+        if let Some(h) = &self.hpz {
+            t.merge(h.traffic());
+        }
+        t.since(&self.traffic_base)
+    }
+
+    /// Peak measured memory so far.
+    pub fn measured_memory(&self) -> MeasuredMemory {
+        let mut m = self.peak;
+        m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
+        m
+    }
+
+    /// Steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// One optimizer step: `gradient_accumulation_steps` micro-steps over the global batch
+    /// `step`, then the update. Returns this rank's mean micro-step loss.
+    pub fn train_step(&mut self, corpus: &dyn Corpus) -> Result<f32> {
+        let a = self.plan.config().gradient_accumulation_steps;
+        let n = self.plan.world_size() as u64;
+        let b = self.options.micro_batch as u64;
+        let mut loss = 0.0f64;
+        for m in 0..a {
+            // Sequence indices: step-major, then micro-step, then rank, then row.
+            let first = ((self.step * u64::from(a) + u64::from(m)) * n + self.rank as u64) * b;
+            let batch = corpus.batch(first, self.options.micro_batch, self.options.seq);
+            loss += f64::from(self.micro_step(&batch)?);
+        }
+        self.optimizer_step()?;
+        Ok((loss / f64::from(a)) as f32)
+    }
+
+    fn micro_step(&mut self, batch: &TokenBatch) -> Result<f32> {
+        let plan = self.plan.clone();
+        let stage3 = plan.stage() == 3;
+        let segments = self.model.num_segments();
+        let a = plan.config().gradient_accumulation_steps as f32;
+        // Forward, keeping only the activations between segments.
+        let mut acts: Vec<Tensor<3>> = Vec::with_capacity(segments);
+        let mut loss = 0.0f32;
+        for i in 0..segments {
+            if stage3 {
+                self.gather_segment(i, false)?;
+            }
+            let x = if i == 0 {
+                None
+            } else {
+                Some(Tensor::from_inner(acts[i - 1].clone()))
+            };
+            let y = self.model.forward_segment(i, batch, x).inner();
+            if i + 1 == segments {
+                loss = y
+                    .into_data()
+                    .try_into_vec_as::<f32>()
+                    .map_err(|e| Error::Model(format!("loss: {e:?}")))?[0];
+            } else {
+                acts.push(y);
+            }
+            if stage3 {
+                self.release_segment(i);
+            }
+        }
+        // Backward, recomputing each segment.
+        let mut pending: Vec<Option<Vec<f32>>> = vec![None; plan.units().len()];
+        let mut grad_out: Option<Tensor<3>> = None;
+        for i in (0..segments).rev() {
+            if stage3 {
+                self.gather_segment(i, true)?;
+            }
+            let x = (i > 0).then(|| Tensor::from_inner(acts[i - 1].clone()).require_grad());
+            let y = self.model.forward_segment(i, batch, x.clone());
+            let surrogate = match &grad_out {
+                None => y.mul_scalar(1.0 / a).sum(),
+                Some(g) => (y * Tensor::from_inner(g.clone())).sum(),
+            };
+            let grads = surrogate.backward();
+            grad_out = x.as_ref().and_then(|x| x.grad(&grads));
+            if i > 0 && grad_out.is_none() {
+                return Err(Error::Model(format!(
+                    "segment {i} produced no gradient for its input"
+                )));
+            }
+            let gp = GradientsParams::from_grads(grads, &self.model);
+            self.collect_grads(i, &gp, &mut pending)?;
+            drop(gp);
+            if stage3 {
+                self.release_segment(i);
+            }
+            for u in self.completes_at[i].clone() {
+                let g = pending[u]
+                    .take()
+                    .unwrap_or_else(|| vec![0.0; plan.units()[u].len as usize]);
+                self.track_comm_buffer(g.len() as u64 * 4);
+                self.reduce_unit(u, g)?;
+            }
+        }
+        self.micro += 1;
+        self.sample_memory();
+        Ok(loss)
+    }
+
+    fn collect_grads(
+        &mut self,
+        seg: usize,
+        gp: &GradientsParams,
+        pending: &mut [Option<Vec<f32>>],
+    ) -> Result<()> {
+        let plan = self.plan.clone();
+        let mut want = HashMap::new();
+        let mut slots = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if self.param_segment[i] == seg && p.trainable {
+                want.insert(p.id, slots.len());
+                slots.push(i);
+            }
+        }
+        let grads = params::read_grads(&self.model, gp, &want);
+        for (slot, g) in grads.into_iter().enumerate() {
+            let i = slots[slot];
+            let Some(g) = g else { continue };
+            let Some((u, off)) = plan.locate(i) else {
+                continue;
+            };
+            let buf = pending[u].get_or_insert_with(|| vec![0.0; plan.units()[u].len as usize]);
+            let off = off as usize;
+            for (d, s) in buf[off..off + g.len()].iter_mut().zip(&g) {
+                *d += s;
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_unit(&mut self, u: usize, g: Vec<f32>) -> Result<()> {
+        let plan = self.plan.clone();
+        let unit = &plan.units()[u];
+        let off = self.acc_offset[u].expect("only trainable units are reduced");
+        let stage = plan.stage();
+        let defer = plan.config().accumulate_before_reduce;
+        let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
+        if stage == 0 {
+            if defer {
+                add_into(&mut self.acc[off..off + g.len()], &g);
+                if last_micro {
+                    let mut full = self.acc[off..off + g.len()].to_vec();
+                    self.world.all_reduce_host(&mut full, ReduceOp::Mean)?;
+                    self.acc[off..off + full.len()].copy_from_slice(&full);
+                }
+            } else {
+                let mut g = g;
+                self.world.all_reduce_host(&mut g, ReduceOp::Mean)?;
+                add_into(&mut self.acc[off..off + g.len()], &g);
+            }
+            return Ok(());
+        }
+        if stage == 1 && defer {
+            add_into(&mut self.acc[off..off + g.len()], &g);
+            if last_micro {
+                let full = self.acc[off..off + unit.len as usize].to_vec();
+                let chunk = self.world.reduce_scatter_host(&full, ReduceOp::Mean)?;
+                // Keep the reduced chunk at the start of the unit's slot.
+                self.acc[off..off + chunk.len()].copy_from_slice(&chunk);
+            }
+            return Ok(());
+        }
+        let chunk = self.world.reduce_scatter_host(&g, ReduceOp::Mean)?;
+        add_into(&mut self.acc[off..off + chunk.len()], &chunk);
+        Ok(())
+    }
+
+    fn optimizer_step(&mut self) -> Result<()> {
+        let plan = self.plan.clone();
+        let c = plan.config();
+        let n = plan.world_size();
+        let stage = plan.stage();
+        self.step += 1;
+        // Where each trainable unit's reduced chunk r lives in `acc`.
+        let chunk_at = |u: usize, r: usize| -> usize {
+            let off = self.acc_offset[u].expect("trainable");
+            if stage == 0 {
+                off + r * plan.chunk_len(u) as usize
+            } else {
+                off
+            }
+        };
+        // Global norm: rank-ordered f64 partial sums, identical arithmetic at every stage.
+        let mut coef = 1.0f32;
+        if c.gradient_clipping > 0.0 {
+            let partial = |r: usize| -> f64 {
+                let mut s = 0.0f64;
+                for (u, unit) in plan.units().iter().enumerate() {
+                    if !unit.trainable {
+                        continue;
+                    }
+                    let at = chunk_at(u, r);
+                    for &g in &self.acc[at..at + plan.chunk_len(u) as usize] {
+                        s += f64::from(g) * f64::from(g);
+                    }
+                }
+                s
+            };
+            let total: f64 = if stage == 0 {
+                (0..n).map(partial).fold(0.0, |a, b| a + b)
+            } else {
+                let mine = partial(self.rank);
+                let all = self.world.all_gather_host(&mine.to_le_bytes())?;
+                all.chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .fold(0.0, |a, b| a + b)
+            };
+            let norm = total.sqrt();
+            let k = c.gradient_clipping / (norm + 1e-6);
+            if k < 1.0 {
+                coef = k as f32;
+            }
+        }
+        if coef != 1.0 {
+            for g in &mut self.acc {
+                *g *= coef;
+            }
+        }
+        // The update, on this rank's part.
+        let lr = self.options.lr;
+        let opt = self.options.optimizer;
+        let mut updates: Vec<(usize, Vec<f32>)> = Vec::new();
+        for (u, unit) in plan.units().iter().enumerate() {
+            if !unit.trainable {
+                continue;
+            }
+            let off = self.acc_offset[u].expect("trainable");
+            let cl = plan.chunk_len(u) as usize;
+            match stage {
+                0 => {
+                    let mut w = self.read_unit(u)?;
+                    let len = w.len();
+                    optim::step(
+                        &opt,
+                        lr,
+                        self.step,
+                        &mut w,
+                        &self.acc[off..off + len],
+                        &mut self.opt,
+                        off,
+                    );
+                    updates.push((u, w));
+                }
+                1 | 2 => {
+                    let full = self.read_unit(u)?;
+                    let mut w = full[self.rank * cl..(self.rank + 1) * cl].to_vec();
+                    // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
+                    optim::step(
+                        &opt,
+                        lr,
+                        self.step,
+                        &mut w,
+                        &self.acc[off..off + cl],
+                        &mut self.opt,
+                        off,
+                    );
+                    let gathered = self.world.all_gather_host(&w)?;
+                    updates.push((u, gathered));
+                }
+                _ => {
+                    let so = unit.shard_offset as usize;
+                    optim::step(
+                        &opt,
+                        lr,
+                        self.step,
+                        &mut self.shard[so..so + cl],
+                        &self.acc[off..off + cl],
+                        &mut self.opt,
+                        off,
+                    );
+                }
+            }
+        }
+        if stage == 3 {
+            // Persistent units stay gathered: all-gather them after the step.
+            for (u, unit) in plan.units().iter().enumerate() {
+                if unit.kind == UnitKind::Persistent && unit.trainable {
+                    let cl = plan.chunk_len(u) as usize;
+                    let so = unit.shard_offset as usize;
+                    let gathered = self.world.all_gather_host(&self.shard[so..so + cl])?;
+                    updates.push((u, gathered));
+                }
+            }
+            // hpZ secondary shards never outlive a weight update.
+            for s in &mut self.secondary {
+                *s = None;
+            }
+        }
+        for (u, full) in updates {
+            self.write_unit(u, &full);
+        }
+        self.sample_memory();
+        self.acc.iter_mut().for_each(|g| *g = 0.0);
+        self.micro = 0;
+        Ok(())
+    }
+
+    /// Every parameter's current values, indexed like the plan's model (stage 3 gathers each unit
+    /// with one all-gather; call it after reading [`Self::traffic`]).
+    pub fn gather_all_params(&mut self) -> Result<Vec<Vec<f32>>> {
+        let plan = self.plan.clone();
+        let mut out = vec![Vec::new(); self.params.len()];
+        if plan.stage() == 3 {
+            for (u, unit) in plan.units().iter().enumerate() {
+                let cl = plan.chunk_len(u) as usize;
+                let so = unit.shard_offset as usize;
+                let full = self.world.all_gather_host(&self.shard[so..so + cl])?;
+                for e in plan.unit_entries(u) {
+                    out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
+                }
+            }
+        } else {
+            let want: HashMap<ParamId, usize> = self
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.id, i))
+                .collect();
+            out = params::read_values(&self.model, &want)?;
+        }
+        Ok(out)
+    }
+
+    /// Reads unit `u`'s parameters from the model into a zero-padded flat buffer of its length.
+    fn read_unit(&self, u: usize) -> Result<Vec<f32>> {
+        let entries = self.plan.unit_entries(u);
+        let want: HashMap<ParamId, usize> = entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (self.params[e.param].id, k))
+            .collect();
+        let values = params::read_values(&self.model, &want)?;
+        let mut full = vec![0.0; self.plan.units()[u].len as usize];
+        for (e, v) in entries.iter().zip(values) {
+            full[e.offset as usize..e.offset as usize + v.len()].copy_from_slice(&v);
+        }
+        Ok(full)
+    }
+
+    fn write_unit(&mut self, u: usize, full: &[f32]) {
+        let mut values = HashMap::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            let o = e.offset as usize;
+            values.insert(
+                p.id,
+                (full[o..o + e.numel as usize].to_vec(), p.shape.clone()),
+            );
+        }
+        let model = self.model.clone();
+        self.model = params::write_values(model, values);
+    }
+
+    fn release(&mut self, u: usize) {
+        let mut values = HashMap::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            values.insert(p.id, (Vec::new(), vec![0; p.rank]));
+        }
+        let model = self.model.clone();
+        self.model = params::write_values(model, values);
+    }
+
+    fn gather_unit(&mut self, u: usize, backward: bool) -> Result<()> {
+        if self.gathered[u] {
+            return Ok(());
+        }
+        let plan = self.plan.clone();
+        let unit = &plan.units()[u];
+        let len = unit.len as usize;
+        let full = match (&mut self.hpz, backward, &self.secondary[u]) {
+            (Some(h), true, Some(sec)) => h.all_gather_host(sec)?,
+            _ => {
+                let cl = plan.chunk_len(u) as usize;
+                let so = unit.shard_offset as usize;
+                self.world.all_gather_host(&self.shard[so..so + cl])?
+            }
+        };
+        if let (Some(layout), false) = (plan.hpz(), backward) {
+            let h = layout.size;
+            let g = self.rank % h;
+            let s = len / h;
+            self.secondary[u] = Some(full[g * s..(g + 1) * s].to_vec());
+        }
+        self.write_unit(u, &full);
+        self.gathered[u] = true;
+        self.live_gathered += unit.len;
+        self.peak.gathered_working_set = self.peak.gathered_working_set.max(self.live_gathered * 4);
+        Ok(())
+    }
+
+    fn gather_segment(&mut self, seg: usize, backward: bool) -> Result<()> {
+        let units = self.seg_units[seg].clone();
+        for &u in &units {
+            self.gather_unit(u, backward)?;
+        }
+        // Prefetch the next gather unit in execution order when the plan allows it.
+        let next_seg = if backward {
+            seg.checked_sub(1)
+        } else {
+            Some(seg + 1)
+        };
+        if let (Some(&last), Some(ns)) = (units.last(), next_seg) {
+            let next = self
+                .seg_units
+                .get(ns)
+                .and_then(|v| if backward { v.last() } else { v.first() })
+                .copied();
+            if let Some(v) = next {
+                let plan = self.plan.clone();
+                if plan.may_prefetch(plan.units()[last].len, plan.units()[v].len) {
+                    self.gather_unit(v, backward)?;
+                }
+            }
+        }
+        self.sample_memory();
+        Ok(())
+    }
+
+    fn release_segment(&mut self, seg: usize) {
+        for u in self.seg_units[seg].clone() {
+            if self.gathered[u] {
+                self.release(u);
+                self.gathered[u] = false;
+                self.live_gathered -= self.plan.units()[u].len;
+            }
+        }
+    }
+
+    fn track_comm_buffer(&mut self, bytes: u64) {
+        self.peak.communication_buffers = self.peak.communication_buffers.max(bytes);
+    }
+
+    fn sample_memory(&mut self) {
+        let stage3 = self.plan.stage() == 3;
+        let gathered: u64 = if stage3 { self.live_gathered } else { 0 };
+        let resident = params::resident_elems(&self.model) - gathered;
+        let p = &mut self.peak;
+        p.parameters = p.parameters.max((resident + self.shard.len() as u64) * 4);
+        p.gradients = p.gradients.max(self.acc.len() as u64 * 4);
+        p.optimizer_states = p.optimizer_states.max(self.opt.bytes());
+        let sec: u64 = self
+            .secondary
+            .iter()
+            .flatten()
+            .map(|s| s.len() as u64 * 4)
+            .sum();
+        p.hpz_secondary = p.hpz_secondary.max(sec);
+    }
+}
+
+fn add_into(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s;
+    }
+}

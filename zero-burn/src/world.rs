@@ -1,0 +1,96 @@
+//! Launching N ranks in one process on the host loopback.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use zero_comm::Communicator;
+use zero_comm::host::HostLoopback;
+use zero_core::{Plan, TrafficTable};
+
+use crate::data::Corpus;
+use crate::error::{Error, Result};
+use crate::model::Segmented;
+use crate::trainer::{MeasuredMemory, RankTrainer, TrainOptions};
+
+/// What one rank reports after training.
+#[derive(Debug)]
+pub struct RankResult<M> {
+    /// The rank.
+    pub rank: usize,
+    /// This rank's mean loss per step.
+    pub losses: Vec<f32>,
+    /// Traffic measured over all steps.
+    pub traffic: TrafficTable,
+    /// Peak measured memory.
+    pub memory: MeasuredMemory,
+    /// The final model (stage 3: gather units released).
+    pub model: M,
+    /// Every parameter's final values, indexed like the plan's model (for equivalence checks).
+    pub final_params: Vec<Vec<f32>>,
+}
+
+/// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
+/// from a clone of `model`. `on_step(step, mean_loss)` is called by rank 0 after each step.
+pub fn train_host<M: Segmented>(
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    steps: u64,
+    timeout: Duration,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<Vec<RankResult<M>>> {
+    // burn modules are Send but not Sync: hand each rank its own clone through a mutex.
+    let models: Mutex<Vec<Option<M>>> = Mutex::new(
+        (0..plan.world_size())
+            .map(|_| Some(model.clone()))
+            .collect(),
+    );
+    let results =
+        HostLoopback::launch(*plan.topology(), timeout, |comm| -> Result<RankResult<M>> {
+            let rank = comm.rank();
+            let mine = models.lock().unwrap_or_else(|e| e.into_inner())[rank].take();
+            let mine = mine.ok_or_else(|| Error::Model(format!("rank {rank} launched twice")))?;
+            let mut t = RankTrainer::new(plan.clone(), comm, mine, options)?;
+            let mut losses = Vec::with_capacity(steps as usize);
+            for s in 0..steps {
+                let l = t.train_step(corpus)?;
+                if t.rank() == 0 {
+                    on_step(s, l);
+                }
+                losses.push(l);
+            }
+            let traffic = t.traffic();
+            let final_params = t.gather_all_params()?;
+            Ok(RankResult {
+                rank: t.rank(),
+                losses,
+                traffic,
+                memory: t.measured_memory(),
+                model: t.model().clone(),
+                final_params,
+            })
+        });
+    let mut out = Vec::with_capacity(results.len());
+    let mut first_err = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(Ok(v)) => out.push(v),
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(p) => {
+                let message = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                first_err.get_or_insert(Error::RankPanicked { rank, message });
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}

@@ -1,0 +1,180 @@
+//! Invariants I1, I6, I11 and I8 on the host loopback in fp32: every stage gives bit-identical
+//! parameters and losses; hpZ on and off are bit-identical; measured traffic and model-state bytes
+//! equal the plan's prediction exactly.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::Device;
+use zero_burn::data::MarkovLanguage;
+use zero_burn::optim::Optimizer;
+use zero_burn::world::{RankResult, train_host};
+use zero_burn::{Gpt, GptConfig, MeasuredMemory, TrainOptions, plan_for};
+use zero_core::{Topology, ZeroConfig};
+
+const STEPS: u64 = 3;
+
+fn tiny() -> (Gpt, MarkovLanguage) {
+    let cfg = GptConfig {
+        vocab: 16,
+        context: 8,
+        d_model: 16,
+        heads: 2,
+        layers: 2,
+    };
+    let device = Device::flex().autodiff();
+    (cfg.init(&device, 42), MarkovLanguage::new(16, 3).unwrap())
+}
+
+fn options() -> TrainOptions {
+    TrainOptions {
+        lr: 1e-2,
+        optimizer: Optimizer::default(),
+        micro_batch: 2,
+        seq: 8,
+    }
+}
+
+fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
+    let (model, corpus) = tiny();
+    let plan = Arc::new(plan_for(&model, topo, &cfg).unwrap());
+    let res = train_host(
+        plan.clone(),
+        model,
+        &corpus,
+        options(),
+        STEPS,
+        Duration::from_secs(5),
+        &|_, _| {},
+    )
+    .unwrap();
+    // I8: measured traffic equals the plan, per rank, exactly.
+    for r in &res {
+        let mut want = zero_core::TrafficTable::new();
+        let per_step = plan.comm(r.rank).by_collective;
+        for _ in 0..STEPS {
+            want.merge(&per_step);
+        }
+        assert_eq!(
+            r.traffic, want,
+            "rank {} traffic, stage {}",
+            r.rank, cfg.stage
+        );
+        let planned = MeasuredMemory::planned_model_states(&plan.memory());
+        assert_eq!(
+            r.memory.model_states(),
+            planned,
+            "rank {} model-state bytes, stage {}",
+            r.rank,
+            cfg.stage
+        );
+    }
+    res
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|p| p.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn stages_are_bit_identical() {
+    for (n, l) in [(1usize, 1usize), (2, 2), (4, 2)] {
+        for ga in [1u32, 2] {
+            let topo = Topology::new(n, l).unwrap();
+            let base = ZeroConfig {
+                gradient_accumulation_steps: ga,
+                reduce_bucket_size: 3000,
+                param_persistence_threshold: 64,
+                ..Default::default()
+            };
+            let reference = run(
+                topo,
+                ZeroConfig {
+                    stage: 0,
+                    ..base.clone()
+                },
+            );
+            for r in &reference[1..] {
+                assert_eq!(
+                    bits(&r.final_params),
+                    bits(&reference[0].final_params),
+                    "ranks agree"
+                );
+            }
+            for stage in 1..=3u8 {
+                let got = run(
+                    topo,
+                    ZeroConfig {
+                        stage,
+                        ..base.clone()
+                    },
+                );
+                for (a, b) in got.iter().zip(&reference) {
+                    assert_eq!(a.losses, b.losses, "losses n={n} ga={ga} stage {stage}");
+                    assert!(
+                        bits(&a.final_params) == bits(&b.final_params),
+                        "params n={n} ga={ga} stage {stage}"
+                    );
+                }
+            }
+            assert!(
+                reference[0].losses[STEPS as usize - 1] < reference[0].losses[0],
+                "it learns"
+            );
+        }
+    }
+}
+
+#[test]
+fn hpz_on_and_off_are_bit_identical() {
+    let topo = Topology::new(4, 2).unwrap();
+    let base = ZeroConfig {
+        stage: 3,
+        param_persistence_threshold: 64,
+        ..Default::default()
+    };
+    let off = run(topo, base.clone());
+    let on = run(
+        topo,
+        ZeroConfig {
+            hpz_partition_size: 2,
+            ..base
+        },
+    );
+    for (a, b) in on.iter().zip(&off) {
+        assert_eq!(a.losses, b.losses);
+        assert!(bits(&a.final_params) == bits(&b.final_params));
+        assert!(a.memory.hpz_secondary > 0);
+    }
+}
+
+#[test]
+fn clipping_is_identical_across_stages() {
+    let topo = Topology::new(2, 2).unwrap();
+    let base = ZeroConfig {
+        gradient_clipping: 0.05,
+        ..Default::default()
+    };
+    let reference = run(
+        topo,
+        ZeroConfig {
+            stage: 0,
+            ..base.clone()
+        },
+    );
+    for stage in 1..=3u8 {
+        let got = run(
+            topo,
+            ZeroConfig {
+                stage,
+                ..base.clone()
+            },
+        );
+        assert!(
+            bits(&got[0].final_params) == bits(&reference[0].final_params),
+            "stage {stage}"
+        );
+    }
+}

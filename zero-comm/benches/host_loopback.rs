@@ -1,0 +1,155 @@
+//! Host loopback bandwidth, reported like nccl-tests, next to single-thread memcpy.
+//!
+//! `cargo bench -p zero-comm --bench host_loopback` (env `ZERO_COMM_BENCH_MIB`, default 64, and
+//! `ZERO_COMM_BENCH_ITERS`, default 5). For each op and world size the time is the best of the
+//! iterations, measured on rank 0 from a barrier to the op's return (the op returns only after every
+//! rank has finished its part). `algbw = S / t` with `S` the full buffer (the all-gather output, the
+//! reduce-scatter input, the all-reduce buffer); `busbw = algbw · (n−1)/n` for all-gather and
+//! reduce-scatter and `algbw · 2(n−1)/n` for all-reduce, as nccl-tests define them.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use zero_comm::host::HostWorld;
+use zero_comm::{Communicator, ReduceOp};
+use zero_core::Topology;
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn gib_s(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64() / (1u64 << 30) as f64
+}
+
+fn memcpy_best(bytes: usize, iters: usize) -> Duration {
+    let n = bytes / 4;
+    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut dst = vec![1.0f32; n];
+    let mut best = Duration::MAX;
+    for _ in 0..iters + 1 {
+        let t = Instant::now();
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+        best = best.min(t.elapsed());
+    }
+    best
+}
+
+/// Aggregate bandwidth of `threads` threads each copying `bytes / threads` at once.
+fn memcpy_parallel_best(bytes: usize, threads: usize, iters: usize) -> Duration {
+    let n = bytes / 4 / threads;
+    let mut bufs: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..threads).map(|_| (vec![2.0; n], vec![1.0; n])).collect();
+    let mut best = Duration::MAX;
+    for _ in 0..iters + 1 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (src, dst) in bufs.iter_mut() {
+                s.spawn(move || dst.copy_from_slice(black_box(src)));
+            }
+        });
+        best = best.min(t.elapsed());
+    }
+    best
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+}
+
+fn bench_op(op: Op, n: usize, bytes: usize, iters: usize) -> Duration {
+    let len = bytes / 4;
+    let c = len / n;
+    let topo = Topology::single_node(n).unwrap();
+    let times = HostWorld::new(topo, Duration::from_secs(600)).launch(|mut comm| {
+        let me = comm.rank() as f32;
+        let mut best = Duration::MAX;
+        match op {
+            Op::AllGather => {
+                let send = comm.upload(&vec![me; c]).unwrap();
+                let mut recv = comm.upload(&vec![0.0f32; c * n]).unwrap();
+                for _ in 0..iters + 1 {
+                    comm.barrier().unwrap();
+                    let t = Instant::now();
+                    comm.all_gather(&send, &mut recv).unwrap();
+                    best = best.min(t.elapsed());
+                }
+            }
+            Op::ReduceScatter => {
+                let send = comm.upload(&vec![me; c * n]).unwrap();
+                let mut recv = comm.upload(&vec![0.0f32; c]).unwrap();
+                for _ in 0..iters + 1 {
+                    comm.barrier().unwrap();
+                    let t = Instant::now();
+                    comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum)
+                        .unwrap();
+                    best = best.min(t.elapsed());
+                }
+            }
+            Op::AllReduce => {
+                let mut buf = comm.upload(&vec![me; c * n]).unwrap();
+                for _ in 0..iters + 1 {
+                    comm.barrier().unwrap();
+                    let t = Instant::now();
+                    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                    best = best.min(t.elapsed());
+                }
+            }
+        }
+        best
+    });
+    times.into_iter().map(|t| t.unwrap()).next().unwrap()
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument, if any, is ignored.
+    let mib = env("ZERO_COMM_BENCH_MIB", 64);
+    let iters = env("ZERO_COMM_BENCH_ITERS", 5);
+    let bytes = mib << 20;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let copy = memcpy_best(bytes, iters);
+    let copy_bw = gib_s(bytes, copy);
+    println!("host loopback, {mib} MiB f32, best of {iters}, {cores} cores");
+    println!(
+        "memcpy (1 thread): {:.2} ms, {copy_bw:.2} GiB/s",
+        copy.as_secs_f64() * 1e3
+    );
+    let par = memcpy_parallel_best(bytes, cores, iters);
+    println!(
+        "memcpy ({cores} threads, {mib} MiB in all): {:.2} ms, {:.2} GiB/s aggregate \
+         (with n ranks on {cores} cores, an all-gather's busbw cannot exceed aggregate / n)",
+        par.as_secs_f64() * 1e3,
+        gib_s(bytes, par)
+    );
+    println!();
+    println!("| op | n | time (ms) | algbw (GiB/s) | busbw (GiB/s) | busbw / memcpy |");
+    println!("|---|---|---|---|---|---|");
+    for op in [Op::AllGather, Op::ReduceScatter, Op::AllReduce] {
+        for n in [2usize, 4, 8] {
+            let t = bench_op(op, n, bytes, iters);
+            let alg = gib_s(bytes, t);
+            let f = (n - 1) as f64 / n as f64;
+            let bus = match op {
+                Op::AllReduce => alg * 2.0 * f,
+                _ => alg * f,
+            };
+            let name = match op {
+                Op::AllGather => "all_gather",
+                Op::ReduceScatter => "reduce_scatter",
+                Op::AllReduce => "all_reduce",
+            };
+            println!(
+                "| {name} | {n} | {:.2} | {alg:.2} | {bus:.2} | {:.2} |",
+                t.as_secs_f64() * 1e3,
+                bus / copy_bw
+            );
+        }
+    }
+}

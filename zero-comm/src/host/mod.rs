@@ -1,0 +1,845 @@
+//! The in-process host loopback: one thread per rank, one shared rendezvous, zero-copy reads.
+//!
+//! This is the reference backend. It is always built, needs no device, and is the oracle the GPU
+//! backends are tested against.
+//!
+//! - [`HostWorld::new`] creates the communicators of one world; drive each from its own thread.
+//! - [`HostLoopback::launch`] does that for you: one scoped thread per rank, each rank's result (or
+//!   its panic) returned in rank order.
+//! - [`HostComm`] implements [`Communicator`] with [`HostBuffer`]s (host `Vec`s).
+//!
+//! # How an op runs
+//!
+//! Each rank posts a descriptor (op, dtype, lengths, root, and a raw pointer to the memory peers
+//! must read) and waits until every rank of the group has posted. Every rank then checks all the
+//! descriptors the same way; on any disagreement every rank returns the same error and nothing
+//! moves. Otherwise each rank computes *its own* output by reading its peers' memory directly (no
+//! intermediate copy), and waits at a completion barrier so that no rank returns, and frees or
+//! overwrites its buffers, while a peer still reads them. An all-reduce has one more barrier between
+//! its reduce-scatter and all-gather halves. Reductions read the inputs in rank order, so results
+//! do not depend on thread timing.
+//!
+//! # Failures
+//!
+//! - A rank whose thread panics fails the whole world (every communicator split from it): every
+//!   pending and later op on every other rank returns [`Error::PeerFailed`] naming it.
+//! - A rank that drops a communicator without panicking leaves that communicator's group: pending
+//!   and later ops of the group's other members fail with [`Error::PeerFailed`]. Other groups go on.
+//! - A rank that does not arrive within the timeout makes the waiting ranks return
+//!   [`Error::Timeout`] listing the missing ranks; the world is then aborted and every later call
+//!   fails fast with [`Error::Aborted`].
+
+mod kernels;
+mod rendezvous;
+
+use std::cell::Cell;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use zero_core::{Collective, CollectiveTraffic, LinkBytes, LinkClass, Topology, TrafficTable};
+
+use crate::communicator::Communicator;
+use crate::element::{DType, Element, ReduceOp};
+use crate::error::{Error, Op, Result};
+use rendezvous::{Call, Payload, Published, ROOT_GROUP, RawPtr, World};
+
+/// The timeout of [`HostWorld::new`] callers who have no better idea.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A host buffer: a `Vec<E>` owned by one rank.
+#[derive(Clone, PartialEq)]
+pub struct HostBuffer<E: Element> {
+    data: Vec<E>,
+}
+
+impl<E: Element> HostBuffer<E> {
+    /// Wraps `data`.
+    pub fn from_vec(data: Vec<E>) -> Self {
+        HostBuffer { data }
+    }
+
+    /// The elements.
+    pub fn into_vec(self) -> Vec<E> {
+        self.data
+    }
+
+    /// The elements.
+    pub fn as_slice(&self) -> &[E] {
+        &self.data
+    }
+
+    /// The elements, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [E] {
+        &mut self.data
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+impl<E: Element> From<Vec<E>> for HostBuffer<E> {
+    fn from(data: Vec<E>) -> Self {
+        HostBuffer { data }
+    }
+}
+
+impl<E: Element> fmt::Debug for HostBuffer<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostBuffer<{}>[{}]", E::DTYPE, self.data.len())
+    }
+}
+
+/// The communicators of one in-process world, before they are handed to threads.
+#[derive(Debug)]
+pub struct HostWorld {
+    comms: Vec<HostComm>,
+}
+
+impl HostWorld {
+    /// One communicator per rank of `topology`, all waiting at most `timeout` for their peers.
+    pub fn new(topology: Topology, timeout: Duration) -> HostWorld {
+        let world = World::new(topology);
+        let members = world.members(ROOT_GROUP);
+        let comms = (0..topology.world_size())
+            .map(|rank| HostComm {
+                world: world.clone(),
+                group: ROOT_GROUP,
+                rank,
+                members: members.clone(),
+                timeout,
+                traffic: TrafficTable::new(),
+                aborted: None,
+                _not_sync: PhantomData,
+            })
+            .collect();
+        HostWorld { comms }
+    }
+
+    /// The communicators, indexed by rank. Move each to its own thread.
+    pub fn into_comms(self) -> Vec<HostComm> {
+        self.comms
+    }
+
+    /// Runs `f` once per rank, each on its own scoped thread named `rank-<k>`, and returns each
+    /// rank's result in rank order. A rank that panics yields `Err` with its panic payload (and its
+    /// peers' pending collectives fail with [`Error::PeerFailed`]); it does not abort the process.
+    pub fn launch<R, F>(self, f: F) -> Vec<thread::Result<R>>
+    where
+        R: Send,
+        F: Fn(HostComm) -> R + Sync,
+    {
+        let f = &f;
+        thread::scope(|s| {
+            let handles: Vec<_> = self
+                .comms
+                .into_iter()
+                .map(|comm| {
+                    let name = format!("rank-{}", comm.global_rank());
+                    thread::Builder::new()
+                        .name(name)
+                        .spawn_scoped(s, move || f(comm))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h.join(),
+                    Err(e) => Err(Box::new(e) as Box<dyn std::any::Any + Send>),
+                })
+                .collect()
+        })
+    }
+}
+
+/// Shorthand for [`HostWorld::new`] followed by [`HostWorld::launch`].
+#[derive(Debug)]
+pub struct HostLoopback;
+
+impl HostLoopback {
+    /// Runs `f` on every rank of a fresh world; see [`HostWorld::launch`].
+    pub fn launch<R, F>(topology: Topology, timeout: Duration, f: F) -> Vec<thread::Result<R>>
+    where
+        R: Send,
+        F: Fn(HostComm) -> R + Sync,
+    {
+        HostWorld::new(topology, timeout).launch(f)
+    }
+}
+
+/// One rank of a host loopback group. `Send`, not `Sync`: one thread drives it.
+pub struct HostComm {
+    world: Arc<World>,
+    group: usize,
+    rank: usize,
+    members: Arc<[usize]>,
+    timeout: Duration,
+    traffic: TrafficTable,
+    aborted: Option<String>,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl fmt::Debug for HostComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.members.len())
+            .field("global_rank", &self.global_rank())
+            .field("members", &self.members)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for HostComm {
+    fn drop(&mut self) {
+        self.world
+            .leave(self.group, self.global_rank(), thread::panicking());
+    }
+}
+
+/// While armed, arrives at the remaining drain barriers of an op if the op unwinds between its
+/// arrival and its last barrier, so peers reading this rank's memory finish before it is freed.
+struct DrainGuard<'a> {
+    world: &'a World,
+    group: usize,
+    rank: usize,
+    op: Op,
+    remaining: usize,
+}
+
+impl Drop for DrainGuard<'_> {
+    fn drop(&mut self) {
+        for _ in 0..self.remaining {
+            self.world
+                .drain(self.group, self.rank, self.op, Payload::Empty);
+        }
+    }
+}
+
+/// Checks run identically on every rank over every rank's descriptor.
+struct Verdict<'a> {
+    calls: &'a [Call],
+    members: &'a [usize],
+}
+
+impl Verdict<'_> {
+    fn n(&self) -> usize {
+        self.calls.len()
+    }
+
+    fn op(&self) -> Op {
+        self.calls[0].op
+    }
+
+    fn mismatch(&self, peer: usize, detail: String) -> Error {
+        Error::PeerMismatch {
+            op: self.op(),
+            rank: self.members[0],
+            peer: self.members[peer],
+            detail,
+        }
+    }
+
+    fn length(&self, rank: usize, expected: usize, got: usize) -> Error {
+        Error::LengthMismatch {
+            op: self.op(),
+            rank: self.members[rank],
+            expected,
+            got,
+        }
+    }
+
+    /// Op, dtype, reduction and root agree with rank 0's; the dtype reduces if it must; the root is
+    /// in range.
+    fn common(&self) -> Result<()> {
+        let c0 = &self.calls[0];
+        let (g0, name) = (self.members[0], |o: Op| o.name());
+        for (j, c) in self.calls.iter().enumerate().skip(1) {
+            let gj = self.members[j];
+            if c.op != c0.op {
+                return Err(self.mismatch(
+                    j,
+                    format!(
+                        "rank {gj} called {}, rank {g0} called {}",
+                        name(c.op),
+                        name(c0.op)
+                    ),
+                ));
+            }
+            if c.dtype != c0.dtype {
+                let d = |d: Option<DType>| d.map_or("none", DType::name);
+                return Err(self.mismatch(
+                    j,
+                    format!(
+                        "dtype {} on rank {gj}, {} on rank {g0}",
+                        d(c.dtype),
+                        d(c0.dtype)
+                    ),
+                ));
+            }
+            if c.reduce != c0.reduce {
+                let r = |r: Option<ReduceOp>| r.map_or("none", ReduceOp::name);
+                return Err(self.mismatch(
+                    j,
+                    format!(
+                        "reduction {} on rank {gj}, {} on rank {g0}",
+                        r(c.reduce),
+                        r(c0.reduce)
+                    ),
+                ));
+            }
+            if c.root != c0.root {
+                let r = |r: Option<usize>| r.map_or("none".to_string(), |r| r.to_string());
+                return Err(self.mismatch(
+                    j,
+                    format!(
+                        "root {} on rank {gj}, {} on rank {g0}",
+                        r(c.root),
+                        r(c0.root)
+                    ),
+                ));
+            }
+        }
+        if c0.reduce.is_some()
+            && let Some(dtype) = c0.dtype
+            && !dtype.is_reducible()
+        {
+            return Err(Error::UnsupportedReduce { op: c0.op, dtype });
+        }
+        if let Some(root) = c0.root
+            && root >= self.n()
+        {
+            return Err(Error::InvalidRoot {
+                op: c0.op,
+                root,
+                world_size: self.n(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `len` (selected by `f`) is equal on every rank.
+    fn equal(&self, what: &str, f: impl Fn(&Call) -> usize) -> Result<()> {
+        let v0 = f(&self.calls[0]);
+        match self.calls.iter().position(|c| f(c) != v0) {
+            None => Ok(()),
+            Some(j) => Err(self.mismatch(
+                j,
+                format!(
+                    "{what} of {} elements on rank {}, {v0} on rank {}",
+                    f(&self.calls[j]),
+                    self.members[j],
+                    self.members[0]
+                ),
+            )),
+        }
+    }
+}
+
+/// Rounds `len` up to a multiple of `n`.
+fn round_up(len: usize, n: usize) -> usize {
+    len.div_ceil(n) * n
+}
+
+/// Chunk `k` of an all-reduce of `len` over `n`: `(offset, length)`.
+fn ar_chunk(len: usize, n: usize, k: usize) -> (usize, usize) {
+    let (q, r) = (len / n, len % n);
+    (k * q + k.min(r), q + usize::from(k < r))
+}
+
+fn add_bytes(lb: &mut LinkBytes, class: LinkClass, bytes: u64) {
+    match class {
+        LinkClass::IntraNode => lb.intra_node += bytes,
+        LinkClass::InterNode => lb.inter_node += bytes,
+    }
+}
+
+impl HostComm {
+    /// The timeout every wait of this communicator uses.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Changes the timeout of this communicator (not of its peers or of communicators already split
+    /// from it).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn arrive(&self, call: Call) -> Result<Arc<Published>> {
+        self.world.arrive(
+            self.group,
+            self.rank,
+            call.op,
+            Payload::Call(call),
+            self.timeout,
+        )
+    }
+
+    fn calls(&self, op: Op, published: &Published) -> Result<Vec<Call>> {
+        published
+            .payloads
+            .iter()
+            .map(|p| match p {
+                Payload::Call(c) => Ok(*c),
+                _ => Err(Error::Backend(format!(
+                    "host loopback: {op} on rank {} found a peer at another barrier",
+                    self.global_rank()
+                ))),
+            })
+            .collect()
+    }
+
+    fn check_aborted(&self, op: Op) -> Result<()> {
+        match &self.aborted {
+            Some(cause) => Err(Error::Aborted {
+                op,
+                rank: self.global_rank(),
+                cause: cause.clone(),
+            }),
+            None => self.world.check(self.group, op, self.global_rank()),
+        }
+    }
+
+    /// Runs one op: arrival barrier, identical validation on every rank, then `steps` copy steps
+    /// (`work(step, calls, reads)`), each followed by a drain barrier, then traffic accounting.
+    ///
+    /// `work` reads peers' memory through the pointers in `calls` and writes this rank's output; it
+    /// must only touch, in each step, ranges that no peer accesses in that step (documented at each
+    /// call site). `reads[j]` counts the elements read from group rank `j`.
+    fn run(
+        &mut self,
+        call: Call,
+        elem_bytes: usize,
+        steps: usize,
+        validate: impl FnOnce(&Verdict<'_>) -> Result<()>,
+        mut work: impl FnMut(usize, &[Call], &mut [u64]),
+    ) -> Result<()> {
+        let op = call.op;
+        self.check_aborted(op)?;
+        let published = self.arrive(call)?;
+        let calls = self.calls(op, &published)?;
+        let verdict = Verdict {
+            calls: &calls,
+            members: &self.members,
+        };
+        verdict.common()?;
+        validate(&verdict)?;
+
+        let n = self.members.len();
+        let mut reads = vec![0u64; n];
+        let mut guard = DrainGuard {
+            world: &self.world,
+            group: self.group,
+            rank: self.rank,
+            op,
+            remaining: steps,
+        };
+        let mut last = published;
+        for step in 0..steps {
+            work(step, &calls, &mut reads);
+            let payload = if step + 1 == steps {
+                Payload::Read(reads.clone())
+            } else {
+                Payload::Empty
+            };
+            guard.remaining -= 1;
+            last = self.world.drain(self.group, self.rank, op, payload);
+        }
+        drop(guard);
+
+        let me = self.global_rank();
+        let topo = self.world.topology;
+        let mut t = CollectiveTraffic {
+            calls: 1,
+            ..Default::default()
+        };
+        if steps > 0 {
+            for (j, &peer) in self.members.iter().enumerate() {
+                if j == self.rank {
+                    continue;
+                }
+                let class = topo.link_class(me, peer);
+                add_bytes(&mut t.received, class, reads[j] * elem_bytes as u64);
+                if let Payload::Read(theirs) = &last.payloads[j] {
+                    add_bytes(&mut t.sent, class, theirs[self.rank] * elem_bytes as u64);
+                }
+            }
+        }
+        if let Some(c) = op.collective() {
+            self.traffic.record(c, t);
+        }
+        Ok(())
+    }
+
+    fn all_gather_impl<E: Element>(
+        &mut self,
+        src: *const E,
+        chunk: usize,
+        in_place: bool,
+        recv: *mut E,
+        recv_len: usize,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let me = self.rank;
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            send_len: chunk,
+            recv_len,
+            in_place,
+            src: RawPtr(src.cast()),
+            ..Call::new(Collective::AllGather.into())
+        };
+        let validate = |v: &Verdict<'_>| {
+            for (j, c) in v.calls.iter().enumerate() {
+                if c.in_place && c.recv_len % n != 0 {
+                    return Err(v.length(j, round_up(c.recv_len, n), c.recv_len));
+                }
+                if !c.in_place && c.recv_len != n * c.send_len {
+                    return Err(v.length(j, n * c.send_len, c.recv_len));
+                }
+            }
+            v.equal("a chunk", |c| c.send_len)
+        };
+        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+            let c = chunk;
+            for (j, cj) in calls.iter().enumerate() {
+                if j == me && in_place {
+                    continue;
+                }
+                let off = if cj.in_place { j * c } else { 0 };
+                // SAFETY: peer `j` posted `src` valid for `recv_len` (in place) or `send_len` (= c)
+                // elements, checked above, so `[off, off + c)` is in bounds; it keeps them alive
+                // and unwritten until the drain barrier: an out-of-place peer never writes its send
+                // buffer, an in-place peer writes only chunks other than its own `j`. We write only
+                // our own `recv` at chunk `j`, which no peer reads (in place: we skip our chunk
+                // `me`, the one peers read). Own chunk out of place is a local copy between our own
+                // distinct buffers.
+                unsafe { kernels::copy(cj.src.0.cast::<E>().add(off), recv.add(j * c), c) };
+                if j != me {
+                    reads[j] += c as u64;
+                }
+            }
+        })
+    }
+}
+
+impl Communicator for HostComm {
+    type Buffer<E: Element> = HostBuffer<E>;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn global_rank(&self) -> usize {
+        self.members[self.rank]
+    }
+
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn topology(&self) -> &Topology {
+        &self.world.topology
+    }
+
+    fn alloc<E: Element>(&self, len: usize) -> Result<HostBuffer<E>> {
+        Ok(HostBuffer {
+            data: vec![E::zeroed(); len],
+        })
+    }
+
+    fn upload<E: Element>(&self, src: &[E]) -> Result<HostBuffer<E>> {
+        Ok(HostBuffer { data: src.to_vec() })
+    }
+
+    fn download<E: Element>(&self, buf: &HostBuffer<E>, dst: &mut [E]) -> Result<()> {
+        if dst.len() != buf.len() {
+            return Err(Error::BufferLength {
+                what: "download",
+                buffer: buf.len(),
+                host: dst.len(),
+            });
+        }
+        dst.copy_from_slice(&buf.data);
+        Ok(())
+    }
+
+    fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {
+        buf.len()
+    }
+
+    fn all_gather<E: Element>(
+        &mut self,
+        send: &HostBuffer<E>,
+        recv: &mut HostBuffer<E>,
+    ) -> Result<()> {
+        let recv_len = recv.len();
+        self.all_gather_impl(
+            send.data.as_ptr(),
+            send.len(),
+            false,
+            recv.data.as_mut_ptr(),
+            recv_len,
+        )
+    }
+
+    fn all_gather_in_place<E: Element>(&mut self, buf: &mut HostBuffer<E>) -> Result<()> {
+        let len = buf.len();
+        let p = buf.data.as_mut_ptr();
+        self.all_gather_impl(p.cast_const(), len / self.members.len(), true, p, len)
+    }
+
+    fn reduce_scatter<E: Element>(
+        &mut self,
+        send: &HostBuffer<E>,
+        recv: &mut HostBuffer<E>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let me = self.rank;
+        let c = recv.len();
+        let out = recv.data.as_mut_ptr();
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            reduce: Some(op),
+            send_len: send.len(),
+            recv_len: c,
+            src: RawPtr(send.data.as_ptr().cast()),
+            ..Call::new(Collective::ReduceScatter.into())
+        };
+        let validate = |v: &Verdict<'_>| {
+            for (j, cj) in v.calls.iter().enumerate() {
+                if cj.send_len != n * cj.recv_len {
+                    return Err(v.length(j, n * cj.recv_len, cj.send_len));
+                }
+            }
+            v.equal("an output", |c| c.recv_len)
+        };
+        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+            let inputs: Vec<*const E> = calls
+                .iter()
+                .map(|cj| cj.src.0.cast::<E>().wrapping_add(me * c))
+                .collect();
+            // SAFETY: every peer's send buffer holds `n · c` elements (checked), so chunk `me` is
+            // in bounds; send buffers are never written during the op. `out` is our own receive
+            // buffer, distinct from every send buffer and read by no peer.
+            unsafe { kernels::reduce(&inputs, out, c, op) };
+            for (j, r) in reads.iter_mut().enumerate() {
+                if j != me {
+                    *r += c as u64;
+                }
+            }
+        })
+    }
+
+    fn all_reduce<E: Element>(&mut self, buf: &mut HostBuffer<E>, op: ReduceOp) -> Result<()> {
+        let n = self.members.len();
+        let me = self.rank;
+        let len = buf.len();
+        let p = buf.data.as_mut_ptr();
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            reduce: Some(op),
+            send_len: len,
+            recv_len: len,
+            src: RawPtr(p.cast_const().cast()),
+            ..Call::new(Collective::AllReduce.into())
+        };
+        let validate = |v: &Verdict<'_>| v.equal("a buffer", |c| c.send_len);
+        self.run(call, size_of::<E>(), 2, validate, |step, calls, reads| {
+            if step == 0 {
+                // Reduce-scatter half: reduce chunk `me` of every buffer into ours.
+                let (off, cl) = ar_chunk(len, n, me);
+                let inputs: Vec<*const E> = calls
+                    .iter()
+                    .map(|cj| cj.src.0.cast::<E>().wrapping_add(off))
+                    .collect();
+                // SAFETY: every buffer holds `len` elements (checked) and chunk `me` lies within it.
+                // In this step each rank writes only its own chunk of its own buffer and reads
+                // only that chunk of the others', so nobody writes the ranges we read and nobody
+                // else touches our chunk `me`. `out` starts exactly at our own input `inputs[me]`,
+                // which `reduce` allows.
+                unsafe { kernels::reduce(&inputs, p.add(off), cl, op) };
+                for (j, r) in reads.iter_mut().enumerate() {
+                    if j != me {
+                        *r += cl as u64;
+                    }
+                }
+            } else {
+                // All-gather half: copy each peer's reduced chunk into ours.
+                for (j, cj) in calls.iter().enumerate() {
+                    if j == me {
+                        continue;
+                    }
+                    let (off, cl) = ar_chunk(len, n, j);
+                    // SAFETY: in this step every rank reads only the owner's chunk of the owner's
+                    // buffer (finished before the barrier between the steps) and writes only
+                    // non-owned chunks of its own, so chunk `j` of peer `j` is not written, and
+                    // chunk `j` of ours is read by nobody.
+                    unsafe { kernels::copy(cj.src.0.cast::<E>().add(off), p.add(off), cl) };
+                    reads[j] += cl as u64;
+                }
+            }
+        })
+    }
+
+    fn broadcast<E: Element>(&mut self, buf: &mut HostBuffer<E>, root: usize) -> Result<()> {
+        let me = self.rank;
+        let len = buf.len();
+        let p = buf.data.as_mut_ptr();
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            root: Some(root),
+            send_len: len,
+            recv_len: len,
+            src: RawPtr(p.cast_const().cast()),
+            ..Call::new(Collective::Broadcast.into())
+        };
+        let validate = |v: &Verdict<'_>| v.equal("a buffer", |c| c.send_len);
+        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+            if me != root {
+                // SAFETY: the root's buffer holds `len` elements (checked) and the root writes
+                // nothing; ours is read by nobody (only the root's is).
+                unsafe { kernels::copy(calls[root].src.0.cast::<E>(), p, len) };
+                reads[root] += len as u64;
+            }
+        })
+    }
+
+    fn all_to_all<E: Element>(
+        &mut self,
+        send: &HostBuffer<E>,
+        recv: &mut HostBuffer<E>,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let me = self.rank;
+        let len = send.len();
+        let out = recv.data.as_mut_ptr();
+        let call = Call {
+            dtype: Some(E::DTYPE),
+            send_len: len,
+            recv_len: recv.len(),
+            src: RawPtr(send.data.as_ptr().cast()),
+            ..Call::new(Collective::AllToAll.into())
+        };
+        let validate = |v: &Verdict<'_>| {
+            for (j, cj) in v.calls.iter().enumerate() {
+                if cj.send_len % n != 0 {
+                    return Err(v.length(j, round_up(cj.send_len, n), cj.send_len));
+                }
+                if cj.recv_len != cj.send_len {
+                    return Err(v.length(j, cj.send_len, cj.recv_len));
+                }
+            }
+            v.equal("a buffer", |c| c.send_len)
+        };
+        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+            let c = len / n;
+            for (j, cj) in calls.iter().enumerate() {
+                // SAFETY: every send buffer holds `n · c` elements (checked) and is never written
+                // during the op; our receive buffer is distinct from every send buffer and read by
+                // nobody.
+                unsafe { kernels::copy(cj.src.0.cast::<E>().add(me * c), out.add(j * c), c) };
+                if j != me {
+                    reads[j] += c as u64;
+                }
+            }
+        })
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.run(
+            Call::new(Collective::Barrier.into()),
+            0,
+            0,
+            |_| Ok(()),
+            |_, _, _| {},
+        )
+    }
+
+    fn split(&mut self, color: usize, key: usize) -> Result<HostComm> {
+        let op = Op::Split;
+        self.check_aborted(op)?;
+        let published = self.arrive(Call {
+            color,
+            key,
+            ..Call::new(op)
+        })?;
+        let calls = self.calls(op, &published)?;
+        Verdict {
+            calls: &calls,
+            members: &self.members,
+        }
+        .common()?;
+        let group = published
+            .split_groups
+            .iter()
+            .find(|&&(c, _)| c == color)
+            .map(|&(_, g)| g)
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "host loopback: split lost the group of color {color}"
+                ))
+            })?;
+        let members = self.world.members(group);
+        let me = self.global_rank();
+        let rank = members.iter().position(|&g| g == me).ok_or_else(|| {
+            Error::Backend(format!(
+                "host loopback: rank {me} missing from its split group"
+            ))
+        })?;
+        Ok(HostComm {
+            world: self.world.clone(),
+            group,
+            rank,
+            members,
+            timeout: self.timeout,
+            traffic: TrafficTable::new(),
+            aborted: None,
+            _not_sync: PhantomData,
+        })
+    }
+
+    fn traffic(&self) -> &TrafficTable {
+        &self.traffic
+    }
+
+    fn abort(&mut self, cause: String) {
+        self.aborted.get_or_insert(cause);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_reduce_chunks_tile_the_buffer() {
+        for len in 0..40 {
+            for n in 1..9 {
+                let mut next = 0;
+                for k in 0..n {
+                    let (off, l) = ar_chunk(len, n, k);
+                    assert_eq!(off, next);
+                    next += l;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}

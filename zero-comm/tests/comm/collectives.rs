@@ -1,0 +1,131 @@
+//! Every collective, world sizes 1 to 8, every dtype, lengths including 0 and odd ones.
+
+use half::{bf16, f16};
+use zero_comm::ReduceOp;
+use zero_core::Topology;
+
+use crate::common::*;
+
+/// Chunk lengths (per rank). 2049 crosses the host reduction block of 2048.
+const COUNTS: &[usize] = &[0, 1, 3, 7, 64, 2049];
+/// Buffer lengths for ops that take any length.
+const LENS: &[usize] = &[0, 1, 2, 5, 13, 100, 4099];
+const OPS: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Mean];
+
+fn for_worlds(f: impl Fn(Factory<zero_comm::host::HostComm>, Topology)) {
+    for n in 1..=8 {
+        f(host_world, Topology::single_node(n).unwrap());
+    }
+}
+
+#[test]
+fn all_gather_every_dtype() {
+    for_worlds(|w, t| {
+        check_all_gather::<_, f32>(w(t), COUNTS);
+        check_all_gather::<_, bf16>(w(t), COUNTS);
+        check_all_gather::<_, f16>(w(t), COUNTS);
+        check_all_gather::<_, u8>(w(t), COUNTS);
+    });
+}
+
+#[test]
+fn reduce_scatter_is_bit_exact() {
+    for_worlds(|w, t| {
+        for op in OPS {
+            check_reduce_scatter::<_, f32>(w(t), COUNTS, op);
+            check_reduce_scatter::<_, bf16>(w(t), COUNTS, op);
+            check_reduce_scatter::<_, f16>(w(t), COUNTS, op);
+        }
+    });
+}
+
+#[test]
+fn all_reduce_is_bit_exact() {
+    for_worlds(|w, t| {
+        for op in OPS {
+            check_all_reduce::<_, f32>(w(t), LENS, op);
+            check_all_reduce::<_, bf16>(w(t), LENS, op);
+            check_all_reduce::<_, f16>(w(t), LENS, op);
+        }
+    });
+}
+
+#[test]
+fn all_reduce_equals_reduce_scatter_then_all_gather() {
+    for_worlds(|w, t| {
+        for op in OPS {
+            check_all_reduce_is_rs_ag::<_, f32>(w(t), COUNTS, op);
+            check_all_reduce_is_rs_ag::<_, bf16>(w(t), COUNTS, op);
+            check_all_reduce_is_rs_ag::<_, f16>(w(t), COUNTS, op);
+        }
+    });
+}
+
+#[test]
+fn broadcast_from_every_root() {
+    for_worlds(|w, t| {
+        check_broadcast::<_, f32>(w(t), LENS);
+        check_broadcast::<_, bf16>(w(t), LENS);
+        check_broadcast::<_, f16>(w(t), LENS);
+        check_broadcast::<_, u8>(w(t), LENS);
+    });
+}
+
+#[test]
+fn all_to_all_every_dtype() {
+    for_worlds(|w, t| {
+        check_all_to_all::<_, f32>(w(t), COUNTS);
+        check_all_to_all::<_, bf16>(w(t), COUNTS);
+        check_all_to_all::<_, f16>(w(t), COUNTS);
+        check_all_to_all::<_, u8>(w(t), COUNTS);
+    });
+}
+
+#[test]
+fn barrier_waits_for_everyone() {
+    for_worlds(|w, t| check_barrier(w(t)));
+}
+
+/// The inputs are chosen so that the bit-exact checks above have teeth: another summation order,
+/// or 16-bit accumulation, gives different bits.
+#[test]
+fn test_inputs_are_order_sensitive() {
+    let n = 8;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|k| values::<f32>(k, 1000, 7)).collect();
+    let forward = reference_reduce(&inputs, ReduceOp::Sum);
+    let reversed: Vec<Vec<f32>> = inputs.iter().rev().cloned().collect();
+    let backward = reference_reduce(&reversed, ReduceOp::Sum);
+    assert!(
+        forward
+            .iter()
+            .zip(&backward)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+    );
+
+    let mean = reference_reduce(&inputs, ReduceOp::Mean);
+    let times_inv: Vec<f32> = forward.iter().map(|s| s * (1.0 / n as f32)).collect();
+    let mean_bits: Vec<u32> = mean.iter().map(|x| x.to_bits()).collect();
+    let mul_bits: Vec<u32> = times_inv.iter().map(|x| x.to_bits()).collect();
+    // n = 8 is a power of two, so division and multiplication agree; with n = 7 they must not.
+    assert_eq!(mean_bits, mul_bits);
+    let inputs7 = &inputs[..7];
+    let mean7 = reference_reduce(inputs7, ReduceOp::Mean);
+    let sum7 = reference_reduce(inputs7, ReduceOp::Sum);
+    assert!(
+        mean7
+            .iter()
+            .zip(&sum7)
+            .any(|(m, s)| m.to_bits() != (s * (1.0 / 7.0)).to_bits())
+    );
+
+    let b: Vec<Vec<bf16>> = (0..n).map(|k| values::<bf16>(k, 1000, 7)).collect();
+    let wide = reference_reduce(&b, ReduceOp::Sum);
+    let narrow: Vec<bf16> = (0..1000)
+        .map(|i| b[1..].iter().fold(b[0][i], |acc, x| acc + x[i]))
+        .collect();
+    assert!(
+        wide.iter()
+            .zip(&narrow)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+    );
+}

@@ -1,0 +1,12 @@
+//! Integration tests of the communicators, in one binary.
+//!
+//! The bodies in `common` are written once against the [`zero_comm::Communicator`] trait and take
+//! a world factory, so the device backends can run the same checks (with the host loopback as the
+//! oracle) by adding their own factory next to `host_world`.
+
+mod collectives;
+mod common;
+mod failures;
+mod group;
+mod split;
+mod traffic;

@@ -1,0 +1,694 @@
+//! Host kernels: per-block quantize / dequantize loops written so that LLVM
+//! autovectorises them (straight-line bodies, no early exits in hot loops,
+//! integer max-reductions, branch-free rounding).
+//!
+//! Each entry point is compiled twice on x86-64: for the baseline target and
+//! with AVX2 enabled, picked at run time. Both use the same IEEE operations
+//! (LLVM does not contract `a * b + c` into an FMA without fast-math), so
+//! their results are bit-identical; `tests::avx2_matches_portable` checks it.
+
+use crate::element::{Element, Sealed};
+use crate::error::{Error, Result};
+
+/// Elements converted per step when the element type is not `f32`
+/// (bf16 / f16 are widened into a stack buffer of this many `f32`).
+/// Even, so int4 pairs never straddle a step.
+const CHUNK: usize = 512;
+
+/// `|x|` bits at or above this are infinities or NaNs.
+const NON_FINITE_BITS: u32 = 0x7f80_0000;
+
+/// The `f32` just below one half, `0.5 - 2^-25`.
+///
+/// `trunc(v + copysign(HALF_BELOW, v))` is round-half-away-from-zero for
+/// every finite `f32` `v` with no double-rounding error: when the fractional
+/// part of `|v|` is below one half the sum stays below the next integer
+/// (the `2^-25` deficit is less than half an ulp of any `v` with `|v| >= 1`,
+/// and for `|v| < 1/2` the sum is at most `1 - 2^-24`), and when it is at
+/// least one half the sum rounds up to (or past) the next integer. Plain
+/// `trunc(v + 0.5)` would round `0.49999997` to 1.
+const HALF_BELOW: f32 = 0.499_999_97;
+
+/// Round half away from zero, to `i32` (saturating; exact for |v| < 2^31).
+/// Reference for [`quantize`], used by the tests.
+#[cfg(test)]
+pub(crate) fn round_half_away(v: f32) -> i32 {
+    (v + HALF_BELOW.copysign(v)) as i32
+}
+
+/// `clamp(round_half_away(v), -qmax, qmax)` for a `qmax` below 2^23.
+///
+/// The clamp is done in `f32` before the conversion: `f32::max`/`min`
+/// return the non-NaN operand, so the clamped value is a finite number in
+/// `[-qmax, qmax]` even for a NaN `v`, and the conversion cannot overflow.
+/// That is what makes the unchecked conversion sound; a plain `as i32`
+/// (saturating) blocks vectorisation and costs 2-4x here. Clamping before
+/// truncating is the same as clamping after: `qmax` is an integer.
+#[inline(always)]
+fn quantize(v: f32, qmax: f32) -> i32 {
+    let r = (v + HALF_BELOW.copysign(v)).max(-qmax).min(qmax);
+    // SAFETY: `r` is finite and within [-qmax, qmax] (see above), so its
+    // truncation is representable in i32.
+    unsafe { r.to_int_unchecked::<i32>() }
+}
+
+/// Index and value of the first non-finite element (called only after
+/// `Sealed::absmax_bits` found one).
+#[cold]
+fn first_non_finite<E: Element>(x: &[E], base: usize) -> Error {
+    let (i, v) = x
+        .iter()
+        .map(|v| v.to_f32())
+        .enumerate()
+        .find(|(_, v)| !v.is_finite())
+        .expect("absmax_bits saw a non-finite element");
+    Error::NonFinite {
+        index: base + i,
+        value: v,
+    }
+}
+
+/// Quantizes one block with multiplier `inv`: straight from `x` when `E`
+/// converts inline (f32, bf16), else widened to `f32` through `buf`, `CHUNK`
+/// elements at a time. (Plain functions, no closures: a closure that LLVM
+/// declines to inline would be compiled without the caller's AVX2.)
+#[inline(always)]
+fn quant_block<F: QFormat, E: Element>(x: &[E], inv: f32, c: &mut [u8], buf: &mut [f32; CHUNK]) {
+    if E::INLINE {
+        F::quant(x, inv, c);
+        return;
+    }
+    for (xc, cc) in x.chunks(CHUNK).zip(c.chunks_mut(F::codes_len(CHUNK))) {
+        let b = &mut buf[..xc.len()];
+        E::widen(xc, b);
+        F::quant(b, inv, cc);
+    }
+}
+
+/// Dequantizes one block into `y`: straight when `E` converts inline, else
+/// through `buf` and a slice narrowing (round to nearest even).
+#[inline(always)]
+fn dequant_block<F: QFormat, E: Element>(
+    c: &[u8],
+    scale: f32,
+    y: &mut [E],
+    buf: &mut [f32; CHUNK],
+) {
+    if E::INLINE {
+        F::dequant(c, scale, y);
+        return;
+    }
+    for (yc, cc) in y.chunks_mut(CHUNK).zip(c.chunks(F::codes_len(CHUNK))) {
+        let b = &mut buf[..yc.len()];
+        F::dequant(cc, scale, b);
+        E::narrow_finite(b, yc);
+    }
+}
+
+/// A symmetric block-quantization format: the code range and the packing.
+pub(crate) trait QFormat {
+    /// Codec name used in errors.
+    const NAME: &'static str;
+    /// Largest code magnitude; codes lie in `[-QMAX, QMAX]`.
+    const QMAX: i32;
+    /// Bytes of codes for `n` elements.
+    fn codes_len(n: usize) -> usize;
+    /// Quantizes `x` with `q = round_half_away(x * inv)`
+    /// clamped to `±QMAX`, writing `codes_len(x.len())` bytes.
+    fn quant<E: Sealed>(x: &[E], inv: f32, codes: &mut [u8]);
+    /// `y[i] = q_i * scale`, rounded to `E`.
+    fn dequant<E: Sealed>(codes: &[u8], scale: f32, y: &mut [E]);
+    /// `acc[i] += q_i * scale` (the product rounded to `f32` first, exactly
+    /// like `dequant` followed by an add).
+    fn dequant_add(codes: &[u8], scale: f32, acc: &mut [f32]);
+    /// Code of element `i`.
+    fn code_at(codes: &[u8], i: usize) -> i8;
+    /// First code outside `[-QMAX, QMAX]` among the `n` elements of `codes`:
+    /// `(element index, raw code)`.
+    fn find_invalid(codes: &[u8], n: usize) -> Option<(usize, u8)>;
+}
+
+/// The dequantization multiplier stored for a block with largest magnitude
+/// `absmax` (finite, `>= 0`).
+///
+/// `absmax / QMAX` rounded to `f32`, except:
+/// - `absmax == 0`: 0 (codes are all 0; decode is exact);
+/// - the quotient underflows to 0 (absmax below `QMAX * 2^-150`): the
+///   smallest subnormal, so that tiny non-zero blocks keep their values;
+/// - `QMAX * scale` would overflow (absmax within an ulp of `f32::MAX`):
+///   the next smaller `f32`, so that no decoded value is infinite.
+#[inline]
+pub(crate) fn scale_for<F: QFormat>(absmax: f32) -> f32 {
+    if absmax == 0.0 {
+        return 0.0;
+    }
+    let qmax = F::QMAX as f32;
+    let mut s = absmax / qmax;
+    if s == 0.0 {
+        s = f32::from_bits(1);
+    }
+    if !(s * qmax).is_finite() {
+        s = f32::from_bits(s.to_bits() - 1);
+    }
+    s
+}
+
+/// Whether a scale read from the wire is one the encoder can produce.
+#[inline(always)]
+fn scale_ok<F: QFormat>(s: f32) -> bool {
+    s >= 0.0 && (s * F::QMAX as f32).is_finite()
+}
+
+/// Encodes whole blocks of `src` (the last may be partial): codes into
+/// `codes`, one little-endian `f32` scale per block into `scales`.
+/// Errors carry indices relative to `src`.
+#[inline(always)]
+fn encode_blocks<F: QFormat, E: Element>(
+    bs: usize,
+    src: &[E],
+    codes: &mut [u8],
+    scales: &mut [u8],
+) -> Result<()> {
+    debug_assert_eq!(codes.len(), F::codes_len(src.len()));
+    debug_assert_eq!(scales.len(), 4 * src.len().div_ceil(bs));
+    let mut buf = [0f32; CHUNK];
+    let blocks = src
+        .chunks(bs)
+        .zip(codes.chunks_mut(F::codes_len(bs)))
+        .zip(scales.chunks_exact_mut(4));
+    for (b, ((x, c), s)) in blocks.enumerate() {
+        let m = E::absmax_bits(x);
+        if m >= NON_FINITE_BITS {
+            return Err(first_non_finite(x, b * bs));
+        }
+        let absmax = f32::from_bits(m);
+        let scale = scale_for::<F>(absmax);
+        s.copy_from_slice(&scale.to_le_bytes());
+        if absmax == 0.0 {
+            c.fill(0);
+        } else if scale >= f32::MIN_POSITIVE {
+            quant_block::<F, E>(x, 1.0 / scale, c, &mut buf);
+        } else {
+            encode_subnormal_scale::<F, E>(x, scale, c);
+        }
+    }
+    Ok(())
+}
+
+/// Blocks whose scale is subnormal (absmax below `QMAX * 2^-126`): `1/scale`
+/// overflows `f32`, so `x / scale` is formed in `f64`. Rare; not vectorised.
+#[cold]
+fn encode_subnormal_scale<F: QFormat, E: Element>(x: &[E], scale: f32, c: &mut [u8]) {
+    let inv = 1.0 / f64::from(scale);
+    let mut t = [0f32; CHUNK];
+    for (k, xc) in x.chunks(CHUNK).enumerate() {
+        for (ti, xi) in t.iter_mut().zip(xc) {
+            // |x / scale| <= QMAX + 1 here, so the f32 rounding is harmless.
+            *ti = (f64::from(xi.to_f32()) * inv) as f32;
+        }
+        let off = k * CHUNK;
+        F::quant(
+            &t[..xc.len()],
+            1.0,
+            &mut c[F::codes_len(off)..F::codes_len(off + xc.len())],
+        );
+    }
+}
+
+#[inline(always)]
+fn read_scale<F: QFormat>(s: &[u8], block: usize) -> Result<f32> {
+    let v = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    if scale_ok::<F>(v) {
+        Ok(v)
+    } else {
+        Err(Error::InvalidScale {
+            codec: F::NAME,
+            block,
+            value: v,
+        })
+    }
+}
+
+/// Decodes whole blocks into `dst` (the last may be partial), validating
+/// each block's scale, then its codes. Errors carry indices relative to `dst`.
+#[inline(always)]
+fn decode_blocks<F: QFormat, E: Element>(
+    bs: usize,
+    codes: &[u8],
+    scales: &[u8],
+    dst: &mut [E],
+) -> Result<()> {
+    let mut buf = [0f32; CHUNK];
+    let blocks = dst
+        .chunks_mut(bs)
+        .zip(codes.chunks(F::codes_len(bs)))
+        .zip(scales.chunks_exact(4));
+    for (b, ((y, c), s)) in blocks.enumerate() {
+        let scale = read_scale::<F>(s, b)?;
+        if let Some((i, code)) = F::find_invalid(c, y.len()) {
+            return Err(Error::InvalidCode {
+                codec: F::NAME,
+                index: b * bs + i,
+                code,
+            });
+        }
+        dequant_block::<F, E>(c, scale, y, &mut buf);
+        if E::absmax_bits(y) >= NON_FINITE_BITS {
+            // Only bf16/f16 can get here: f32 values are finite (scale_ok).
+            let i = first_non_finite_index(y);
+            return Err(Error::Overflow {
+                index: b * bs + i,
+                value: f32::from(F::code_at(c, i)) * scale,
+                dtype: E::DTYPE,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Index of the first non-finite element (there must be one).
+#[cold]
+fn first_non_finite_index<E: Element>(y: &[E]) -> usize {
+    y.iter()
+        .position(|v| !v.to_f32().is_finite())
+        .expect("absmax_bits saw a non-finite element")
+}
+
+/// `acc += decode(codes, scales)`, block by block, validating like
+/// [`decode_blocks`].
+#[inline(always)]
+fn accumulate_blocks<F: QFormat>(
+    bs: usize,
+    codes: &[u8],
+    scales: &[u8],
+    acc: &mut [f32],
+) -> Result<()> {
+    let blocks = acc
+        .chunks_mut(bs)
+        .zip(codes.chunks(F::codes_len(bs)))
+        .zip(scales.chunks_exact(4));
+    for (b, ((y, c), s)) in blocks.enumerate() {
+        let scale = read_scale::<F>(s, b)?;
+        if let Some((i, code)) = F::find_invalid(c, y.len()) {
+            return Err(Error::InvalidCode {
+                codec: F::NAME,
+                index: b * bs + i,
+                code,
+            });
+        }
+        F::dequant_add(c, scale, y);
+    }
+    Ok(())
+}
+
+/// Defines `pub(crate) fn $name` that runs `$imp` compiled with AVX2 when the
+/// CPU has it, and the baseline build of `$imp` otherwise.
+macro_rules! multiversion {
+    ($(#[$m:meta])* fn $name:ident<$($g:ident: $b:path),*>($($a:ident: $t:ty),*) -> $r:ty = $imp:ident;) => {
+        $(#[$m])*
+        pub(crate) fn $name<$($g: $b),*>($($a: $t),*) -> $r {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2")]
+                fn avx2<$($g: $b),*>($($a: $t),*) -> $r {
+                    $imp::<$($g),*>($($a),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU supports AVX2, checked just above.
+                    return unsafe { avx2::<$($g),*>($($a),*) };
+                }
+            }
+            $imp::<$($g),*>($($a),*)
+        }
+    };
+}
+
+multiversion! {
+    /// [`encode_blocks`], dispatched.
+    fn encode<F: QFormat, E: Element>(bs: usize, src: &[E], codes: &mut [u8], scales: &mut [u8]) -> Result<()> = encode_blocks;
+}
+
+multiversion! {
+    /// [`decode_blocks`], dispatched.
+    fn decode<F: QFormat, E: Element>(bs: usize, codes: &[u8], scales: &[u8], dst: &mut [E]) -> Result<()> = decode_blocks;
+}
+
+multiversion! {
+    /// [`accumulate_blocks`], dispatched.
+    fn accumulate<F: QFormat>(bs: usize, codes: &[u8], scales: &[u8], acc: &mut [f32]) -> Result<()> = accumulate_blocks;
+}
+
+multiversion! {
+    /// [`identity_encode_impl`], dispatched.
+    fn identity_encode<E: Element>(src: &[E], dst: &mut [u8]) -> Result<()> = identity_encode_impl;
+}
+
+multiversion! {
+    /// [`identity_decode_impl`], dispatched.
+    fn identity_decode<E: Element>(src: &[u8], dst: &mut [E]) -> Result<()> = identity_decode_impl;
+}
+
+multiversion! {
+    /// [`identity_accumulate_impl`], dispatched.
+    fn identity_accumulate<>(src: &[u8], acc: &mut [f32]) -> Result<()> = identity_accumulate_impl;
+}
+
+/// int8: one code per byte, `i8` two's complement, range `[-127, 127]`.
+#[derive(Debug)]
+pub(crate) enum I8 {}
+
+impl QFormat for I8 {
+    const NAME: &'static str = "int8";
+    const QMAX: i32 = 127;
+
+    #[inline(always)]
+    fn codes_len(n: usize) -> usize {
+        n
+    }
+
+    #[inline(always)]
+    fn quant<E: Sealed>(x: &[E], inv: f32, codes: &mut [u8]) {
+        for (o, &v) in codes.iter_mut().zip(x) {
+            *o = quantize(v.load() * inv, 127.0) as i8 as u8;
+        }
+    }
+
+    #[inline(always)]
+    fn dequant<E: Sealed>(codes: &[u8], scale: f32, y: &mut [E]) {
+        for (o, &c) in y.iter_mut().zip(codes) {
+            *o = E::store_finite(f32::from(c as i8) * scale);
+        }
+    }
+
+    #[inline(always)]
+    fn dequant_add(codes: &[u8], scale: f32, acc: &mut [f32]) {
+        for (o, &c) in acc.iter_mut().zip(codes) {
+            *o += f32::from(c as i8) * scale;
+        }
+    }
+
+    fn code_at(codes: &[u8], i: usize) -> i8 {
+        codes[i] as i8
+    }
+
+    #[inline(always)]
+    fn find_invalid(codes: &[u8], _n: usize) -> Option<(usize, u8)> {
+        let bad = codes.iter().fold(false, |a, &c| a | (c == 0x80));
+        if !bad {
+            return None;
+        }
+        codes.iter().position(|&c| c == 0x80).map(|i| (i, 0x80))
+    }
+}
+
+/// int4: two codes per byte (element `2i` in the low nibble, `2i+1` in the
+/// high nibble), two's complement nibbles, range `[-7, 7]`.
+#[derive(Debug)]
+pub(crate) enum I4 {}
+
+/// Sign-extends the low nibble of `c`.
+#[inline(always)]
+fn lo_nibble(c: u8) -> i8 {
+    ((c << 4) as i8) >> 4
+}
+
+/// Sign-extends the high nibble of `c`.
+#[inline(always)]
+fn hi_nibble(c: u8) -> i8 {
+    (c as i8) >> 4
+}
+
+impl QFormat for I4 {
+    const NAME: &'static str = "int4";
+    const QMAX: i32 = 7;
+
+    #[inline(always)]
+    fn codes_len(n: usize) -> usize {
+        n.div_ceil(2)
+    }
+
+    #[inline(always)]
+    fn quant<E: Sealed>(x: &[E], inv: f32, codes: &mut [u8]) {
+        // Groups of 32 through a small array: quantize, then pack. LLVM
+        // vectorises this shape far better than a loop over pairs.
+        let groups = x.chunks_exact(32);
+        let rest = groups.remainder();
+        let (head, out) = codes.split_at_mut(16 * (x.len() / 32));
+        for (g, o) in groups.zip(head.chunks_exact_mut(16)) {
+            let mut t = [0u8; 32];
+            for (ti, &v) in t.iter_mut().zip(g) {
+                *ti = quantize(v.load() * inv, 7.0) as u8;
+            }
+            for (oi, p) in o.iter_mut().zip(t.chunks_exact(2)) {
+                *oi = (p[0] & 0x0f) | (p[1] << 4);
+            }
+        }
+        let pairs = rest.chunks_exact(2);
+        let tail = pairs.remainder();
+        for (o, p) in out.iter_mut().zip(pairs) {
+            let lo = quantize(p[0].load() * inv, 7.0) as u8;
+            let hi = quantize(p[1].load() * inv, 7.0) as u8;
+            *o = (lo & 0x0f) | (hi << 4);
+        }
+        if let [last] = tail {
+            out[rest.len() / 2] = quantize(last.load() * inv, 7.0) as u8 & 0x0f;
+        }
+    }
+
+    #[inline(always)]
+    fn dequant<E: Sealed>(codes: &[u8], scale: f32, y: &mut [E]) {
+        let mut pairs = y.chunks_exact_mut(2);
+        for (o, &c) in (&mut pairs).zip(codes) {
+            o[0] = E::store_finite(f32::from(lo_nibble(c)) * scale);
+            o[1] = E::store_finite(f32::from(hi_nibble(c)) * scale);
+        }
+        if let [last] = pairs.into_remainder() {
+            *last = E::store_finite(f32::from(lo_nibble(codes[codes.len() - 1])) * scale);
+        }
+    }
+
+    #[inline(always)]
+    fn dequant_add(codes: &[u8], scale: f32, acc: &mut [f32]) {
+        let mut pairs = acc.chunks_exact_mut(2);
+        for (o, &c) in (&mut pairs).zip(codes) {
+            o[0] += f32::from(lo_nibble(c)) * scale;
+            o[1] += f32::from(hi_nibble(c)) * scale;
+        }
+        if let [last] = pairs.into_remainder() {
+            *last += f32::from(lo_nibble(codes[codes.len() - 1])) * scale;
+        }
+    }
+
+    fn code_at(codes: &[u8], i: usize) -> i8 {
+        let c = codes[i / 2];
+        if i.is_multiple_of(2) {
+            lo_nibble(c)
+        } else {
+            hi_nibble(c)
+        }
+    }
+
+    #[inline(always)]
+    fn find_invalid(codes: &[u8], n: usize) -> Option<(usize, u8)> {
+        // Nibble 0x8 is -8. The unused high nibble of an odd tail is checked
+        // as padding by the caller (it must be 0, which is valid here).
+        let bad = codes.iter().fold(false, |a, &c| {
+            a | ((c & 0x0f) == 0x08) | ((c & 0xf0) == 0x80)
+        });
+        if !bad {
+            return None;
+        }
+        (0..n).find_map(|i| {
+            let c = codes[i / 2];
+            let nib = if i % 2 == 0 { c & 0x0f } else { c >> 4 };
+            (nib == 0x08).then_some((i, nib))
+        })
+    }
+}
+
+/// Identity codec, encode: `src` widened to `f32`, written little-endian.
+#[inline(always)]
+fn identity_encode_impl<E: Element>(src: &[E], dst: &mut [u8]) -> Result<()> {
+    let mut buf = [0f32; CHUNK];
+    for (k, (xc, dc)) in src.chunks(CHUNK).zip(dst.chunks_mut(4 * CHUNK)).enumerate() {
+        if E::absmax_bits(xc) >= NON_FINITE_BITS {
+            return Err(first_non_finite(xc, k * CHUNK));
+        }
+        if E::INLINE {
+            for (d, v) in dc.chunks_exact_mut(4).zip(xc) {
+                d.copy_from_slice(&v.load().to_le_bytes());
+            }
+        } else {
+            let b = &mut buf[..xc.len()];
+            E::widen(xc, b);
+            for (d, v) in dc.chunks_exact_mut(4).zip(b.iter()) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads little-endian `f32`s into `y`, checking that all are finite.
+#[inline(always)]
+fn identity_read(src: &[u8], y: &mut [f32], base: usize) -> Result<()> {
+    for (o, s) in y.iter_mut().zip(src.chunks_exact(4)) {
+        *o = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    }
+    if <f32 as Sealed>::absmax_bits(y) >= NON_FINITE_BITS {
+        return Err(first_non_finite(y, base));
+    }
+    Ok(())
+}
+
+/// Identity codec, decode.
+#[inline(always)]
+fn identity_decode_impl<E: Element>(src: &[u8], dst: &mut [E]) -> Result<()> {
+    let mut buf = [0f32; CHUNK];
+    for (k, (yc, sc)) in dst.chunks_mut(CHUNK).zip(src.chunks(4 * CHUNK)).enumerate() {
+        let b = &mut buf[..yc.len()];
+        identity_read(sc, b, k * CHUNK)?;
+        E::narrow_finite(b, yc);
+        if E::absmax_bits(yc) >= NON_FINITE_BITS {
+            let i = first_non_finite_index(yc);
+            return Err(Error::Overflow {
+                index: k * CHUNK + i,
+                value: b[i],
+                dtype: E::DTYPE,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Identity codec, accumulate. Reads `CHUNK` values at a time so that a
+/// non-finite wire value is reported before anything is added from its chunk.
+#[inline(always)]
+fn identity_accumulate_impl(src: &[u8], acc: &mut [f32]) -> Result<()> {
+    let mut buf = [0f32; CHUNK];
+    for (k, (a, s)) in acc.chunks_mut(CHUNK).zip(src.chunks(4 * CHUNK)).enumerate() {
+        let b = &mut buf[..a.len()];
+        identity_read(s, b, k * CHUNK)?;
+        for (o, v) in a.iter_mut().zip(b.iter()) {
+            *o += *v;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(v: f32) -> i32 {
+        // f64 has room for v + 0.5 exactly, and f64::round is half-away.
+        f64::from(v).round() as i32
+    }
+
+    #[test]
+    fn round_half_away_is_exact_near_every_half_integer() {
+        for k in -300i32..=300 {
+            let mid = k as f32 + 0.5;
+            let mut lo = mid;
+            let mut hi = mid;
+            for _ in 0..64 {
+                for v in [lo, hi, -lo, -hi] {
+                    assert_eq!(round_half_away(v), reference(v), "{v:e}");
+                }
+                lo = f32::from_bits(lo.to_bits() - 1);
+                hi = f32::from_bits(hi.to_bits() + 1);
+            }
+        }
+        // The classic trap for trunc(v + 0.5).
+        assert_eq!(round_half_away(0.499_999_97), 0);
+        assert_eq!(round_half_away(-0.499_999_97), 0);
+        assert_eq!(round_half_away(0.5), 1);
+        assert_eq!(round_half_away(-0.5), -1);
+        assert_eq!(round_half_away(2.5), 3);
+        assert_eq!(round_half_away(-0.0), 0);
+        assert_eq!(round_half_away(f32::from_bits(1)), 0);
+    }
+
+    #[test]
+    fn round_half_away_matches_reference_on_a_sweep() {
+        // Every 97th bit pattern of [0, 2^23] (covers every exponent).
+        let top = 8_388_608.0f32.to_bits();
+        for b in (0..=top).step_by(97) {
+            let v = f32::from_bits(b);
+            assert_eq!(round_half_away(v), reference(v), "{v:e}");
+            assert_eq!(round_half_away(-v), reference(-v), "{:e}", -v);
+        }
+    }
+
+    #[test]
+    fn quantize_is_clamped_round_half_away() {
+        let top = 300.0f32.to_bits();
+        for b in (0..=top).step_by(13) {
+            for v in [f32::from_bits(b), -f32::from_bits(b)] {
+                for qmax in [7i32, 127] {
+                    let want = round_half_away(v).clamp(-qmax, qmax);
+                    assert_eq!(quantize(v, qmax as f32), want, "{v:e} qmax {qmax}");
+                }
+            }
+        }
+        for v in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, -1e30] {
+            assert!(quantize(v, 127.0).abs() <= 127, "{v}");
+        }
+    }
+
+    /// The AVX2 build and the baseline build give identical bytes and values.
+    #[test]
+    fn avx2_matches_portable() {
+        use half::bf16;
+        let mut seed = 1u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Heavy-tailed-ish: a uniform mantissa times 2^[-20, 20).
+            let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            u * 2f32.powi(((seed >> 20) % 40) as i32 - 20)
+        };
+        let n = 10_001;
+        let x: Vec<f32> = (0..n).map(|_| next()).collect();
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        fn both<F: QFormat, E: Element>(bs: usize, x: &[E]) {
+            let nb = x.len().div_ceil(bs);
+            let cl = F::codes_len(x.len());
+            let (mut c1, mut s1) = (vec![0u8; cl], vec![0u8; 4 * nb]);
+            let (mut c2, mut s2) = (c1.clone(), s1.clone());
+            encode_blocks::<F, E>(bs, x, &mut c1, &mut s1).unwrap();
+            encode::<F, E>(bs, x, &mut c2, &mut s2).unwrap();
+            assert_eq!((&c1, &s1), (&c2, &s2), "{} {:?}", F::NAME, E::DTYPE);
+            let (mut y1, mut y2) = (vec![E::default(); x.len()], vec![E::default(); x.len()]);
+            decode_blocks::<F, E>(bs, &c1, &s1, &mut y1).unwrap();
+            decode::<F, E>(bs, &c1, &s1, &mut y2).unwrap();
+            assert!(y1 == y2, "{} {:?}", F::NAME, E::DTYPE);
+            let mut a1: Vec<f32> = (0..x.len()).map(|i| i as f32).collect();
+            let mut a2 = a1.clone();
+            accumulate_blocks::<F>(bs, &c1, &s1, &mut a1).unwrap();
+            accumulate::<F>(bs, &c1, &s1, &mut a2).unwrap();
+            assert!(a1 == a2, "{}", F::NAME);
+        }
+        for bs in [2, 64, 250, 2048] {
+            both::<I8, f32>(bs, &x);
+            both::<I4, f32>(bs, &x);
+            both::<I8, bf16>(bs, &xb);
+            both::<I4, bf16>(bs, &xb);
+        }
+    }
+
+    #[test]
+    fn scale_edge_cases() {
+        assert_eq!(scale_for::<I8>(0.0), 0.0);
+        assert_eq!(scale_for::<I8>(127.0), 1.0);
+        assert_eq!(scale_for::<I4>(7.0), 1.0);
+        // Underflow: smallest subnormal instead of 0.
+        assert_eq!(scale_for::<I8>(f32::from_bits(3)), f32::from_bits(1));
+        // No overflow when decoding the largest code.
+        for absmax in [f32::MAX, f32::from_bits(f32::MAX.to_bits() - 1)] {
+            assert!((scale_for::<I8>(absmax) * 127.0).is_finite());
+            assert!((scale_for::<I4>(absmax) * 7.0).is_finite());
+        }
+    }
+}
