@@ -1,11 +1,14 @@
 //! Project workflows. Run `cargo xtask --help`.
 //!
 //! - `plan`: the estimator: memory per rank and bytes on the wire for a model, topology and config.
+//! - `train`: a real training job end to end (default: a small GPT on a synthetic language, 4
+//!   in-process ranks as 2 nodes of 2, ZeRO-3 + qwZ + hpZ + qgZ).
 //! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
 //!   compiles), and the whole test suite with snapshot checks.
 
 mod plan;
 mod test;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +23,8 @@ struct Cli {
 enum Command {
     /// Estimate memory per rank and communication per step for a model, topology and config.
     Plan(plan::PlanArgs),
+    /// Train a GPT-style model with ZeRO on in-process ranks; prints and writes a report.
+    Train(Box<train::TrainArgs>),
     /// Run what CI runs: fmt check, clippy (all features that compile here), all tests.
     Test(test::TestArgs),
 }
@@ -28,6 +33,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Test(a) => test::run(a),
     };
     match result {

@@ -10,6 +10,9 @@ pub enum Error {
     /// A collective failed (a peer died, timed out, or disagreed).
     #[error(transparent)]
     Comm(#[from] zero_comm::Error),
+    /// A codec rejected its configuration.
+    #[error(transparent)]
+    Quant(#[from] zero_quant::Error),
     /// The model does not fit the trainer's expectations.
     #[error("model: {0}")]
     Model(String),

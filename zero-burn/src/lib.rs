@@ -8,12 +8,14 @@
 //! **May depend on:** zero-core, zero-comm, zero-quant and burn. It is the only library crate that
 //! names burn types.
 //!
-//! **Status:** stages 0–3 in fp32 on burn's CPU backend (flex) with the host loopback, hpZ
-//! included. Mixed precision, qwZ, qgZ, overlap and the wgpu/CUDA paths are not built yet; the
-//! trainer rejects configurations that ask for them.
+//! **Status:** stages 0–3 and ZeRO++ (qwZ, hpZ, qgZ, alone or together) in fp32 on burn's CPU
+//! backend (flex) with the host loopback. Mixed precision, overlap of communication with compute,
+//! and the wgpu/CUDA paths are not built yet; the trainer rejects configurations that ask for
+//! them.
 
 pub mod data;
 pub mod error;
+pub mod job;
 pub mod model;
 pub mod optim;
 pub mod params;

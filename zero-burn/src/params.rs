@@ -153,10 +153,11 @@ struct ReadGrads<'a> {
 impl ModuleVisitor for ReadGrads<'_> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
         if let Some(&slot) = self.want.get(&p.id)
-            && let Some(g) = self.grads.get::<D>(p.id) {
-                let data = g.into_data();
-                self.out[slot] = data.try_into_vec_as::<f32>().ok();
-            }
+            && let Some(g) = self.grads.get::<D>(p.id)
+        {
+            let data = g.into_data();
+            self.out[slot] = data.try_into_vec_as::<f32>().ok();
+        }
     }
 }
 

@@ -24,8 +24,10 @@ use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use serde::Serialize;
+use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_all_gather};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::{MemoryModel, Plan, TrafficTable, UnitKind};
+use zero_quant::{Int4Block, Int8Block};
 
 use crate::data::{Corpus, TokenBatch};
 use crate::error::{Error, Result};
@@ -96,6 +98,13 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     rank: usize,
     world: C,
     hpz: Option<C>,
+    /// qgZ's intra- and cross-node groups.
+    qgroups: Option<QuantGroups<C>>,
+    /// qwZ codec.
+    qwz: Option<Int8Block>,
+    /// qgZ codec.
+    qgz: Option<Int4Block>,
+    qscratch: QuantScratch,
     model: M,
     options: TrainOptions,
     /// Parameter infos, indexed like the plan's model.
@@ -141,13 +150,6 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 field: "precision",
                 got: format!("{:?}", plan.config().precision),
                 expected: "fp32 (mixed precision is not implemented in the trainer yet)".into(),
-            });
-        }
-        if plan.config().quantized_weights || plan.config().quantized_gradients {
-            return Err(Error::Invalid {
-                field: "ZeRO++ quantization",
-                got: "qwZ or qgZ".into(),
-                expected: "off (qwZ and qgZ are not implemented in the trainer yet)".into(),
             });
         }
         if plan.config().optimizer != options.optimizer.kind() {
@@ -229,11 +231,30 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         } else {
             None
         };
+        let qgroups = if plan.config().quantized_gradients {
+            Some(QuantGroups::new(&mut world)?)
+        } else {
+            None
+        };
+        let qwz = if plan.config().quantized_weights {
+            Some(Int8Block::new(plan.config().qwz_block_size)?)
+        } else {
+            None
+        };
+        let qgz = if plan.config().quantized_gradients {
+            Some(Int4Block::new(plan.config().qgz_block_size)?)
+        } else {
+            None
+        };
         let mut t = RankTrainer {
             plan: plan.clone(),
             rank,
             world,
             hpz,
+            qgroups,
+            qwz,
+            qgz,
+            qscratch: QuantScratch::new(),
             model,
             options,
             params,
@@ -284,6 +305,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut t = self.world.traffic().clone();
         if let Some(h) = &self.hpz {
             t.merge(h.traffic());
+        }
+        if let Some(q) = &self.qgroups {
+            t.merge(&q.traffic());
         }
         t.since(&self.traffic_base)
     }
@@ -449,7 +473,14 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             }
             return Ok(());
         }
-        let chunk = self.world.reduce_scatter_host(&g, ReduceOp::Mean)?;
+        let chunk = match (&mut self.qgroups, &self.qgz) {
+            (Some(groups), Some(codec)) if unit.kind == UnitKind::Gather => {
+                let mut chunk = vec![0.0f32; g.len() / plan.world_size()];
+                qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qscratch)?;
+                chunk
+            }
+            _ => self.world.reduce_scatter_host(&g, ReduceOp::Mean)?,
+        };
         add_into(&mut self.acc[off..off + chunk.len()], &chunk);
         Ok(())
     }
@@ -657,13 +688,19 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let plan = self.plan.clone();
         let unit = &plan.units()[u];
         let len = unit.len as usize;
-        let full = match (&mut self.hpz, backward, &self.secondary[u]) {
-            (Some(h), true, Some(sec)) => h.all_gather_host(sec)?,
-            _ => {
-                let cl = plan.chunk_len(u) as usize;
-                let so = unit.shard_offset as usize;
-                self.world.all_gather_host(&self.shard[so..so + cl])?
+        let cl = plan.chunk_len(u) as usize;
+        let so = unit.shard_offset as usize;
+        let (comm, piece): (&mut C, &[f32]) = match (&mut self.hpz, backward, &self.secondary[u]) {
+            (Some(h), true, Some(sec)) => (h, sec),
+            _ => (&mut self.world, &self.shard[so..so + cl]),
+        };
+        let full = match &self.qwz {
+            Some(codec) => {
+                let mut full = vec![0.0f32; piece.len() * comm.world_size()];
+                qwz_all_gather(comm, codec, piece, &mut full, &mut self.qscratch)?;
+                full
             }
+            None => comm.all_gather_host(piece)?,
         };
         if let (Some(layout), false) = (plan.hpz(), backward) {
             let h = layout.size;

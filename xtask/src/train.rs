@@ -1,0 +1,372 @@
+//! `cargo xtask train`: a real training job end to end, with a report.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use zero_burn::job::{DataSource, JobConfig, RunReport, run_job};
+use zero_core::report::human_bytes;
+use zero_core::{Collective, LinkClass, Precision, ZeroConfig};
+
+#[derive(Args, Debug)]
+pub(crate) struct TrainArgs {
+    /// Model size: tiny, small (default) or medium.
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// ZeRO stage 0–3 (default 3, or the config file's).
+    #[arg(long)]
+    stage: Option<u8>,
+    /// qwZ on or off (default: on at stage 3 without a config file).
+    #[arg(long)]
+    qwz: Option<bool>,
+    /// hpZ group size; 1 turns it off (default: ranks per node at stage 3 without a config file).
+    #[arg(long)]
+    hpz: Option<usize>,
+    /// qgZ on or off (default: on at stage 3 without a config file).
+    #[arg(long)]
+    qgz: Option<bool>,
+    /// Number of ranks (threads).
+    #[arg(long, default_value_t = 4)]
+    world_size: usize,
+    /// Ranks per node (nodes are simulated; bytes are classified by it).
+    #[arg(long, default_value_t = 2)]
+    ranks_per_node: usize,
+    /// Backend: host (burn flex on the CPU with the host loopback). wgpu is not built yet.
+    #[arg(long, default_value = "host")]
+    backend: String,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Sequences per rank per micro-step.
+    #[arg(long, default_value_t = 8)]
+    micro_batch: usize,
+    /// Gradient accumulation steps.
+    #[arg(long)]
+    grad_accum: Option<u32>,
+    /// Learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    /// Seed for weights and data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Global-norm clipping threshold (0 = off).
+    #[arg(long)]
+    clip: Option<f64>,
+    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Train a byte-level model on this text file instead of the synthetic language.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Run directory (default: runs/<time>-stage<N>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Collective timeout in seconds.
+    #[arg(long, default_value_t = 120)]
+    timeout: u64,
+}
+
+fn model_preset(name: &str) -> anyhow::Result<zero_burn::GptConfig> {
+    use zero_burn::GptConfig;
+    Ok(match name {
+        "tiny" => GptConfig {
+            vocab: 64,
+            context: 16,
+            d_model: 32,
+            heads: 2,
+            layers: 2,
+        },
+        "small" => JobConfig::default_job().model,
+        "medium" => GptConfig {
+            vocab: 64,
+            context: 64,
+            d_model: 128,
+            heads: 4,
+            layers: 6,
+        },
+        o => bail!("--model {o:?}: expected tiny, small or medium"),
+    })
+}
+
+pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
+    if a.backend != "host" {
+        bail!(
+            "--backend {:?}: only `host` (burn flex + host loopback) is built; wgpu and cuda are on the roadmap (README status table)",
+            a.backend
+        );
+    }
+    let mut job = JobConfig::default_job();
+    job.model = model_preset(&a.model)?;
+    let from_file = a.config.is_some();
+    let mut zero = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read config {}", path.display()))?;
+            let imp = ZeroConfig::from_any(&text)
+                .with_context(|| format!("in config {}", path.display()))?;
+            for n in &imp.notes {
+                eprintln!("note: {n}");
+            }
+            imp.config
+        }
+        None => job.zero.clone(),
+    };
+    if let Some(s) = a.stage {
+        zero.stage = s;
+    }
+    let zpp_default = zero.stage == 3 && !from_file;
+    zero.quantized_weights = a.qwz.unwrap_or(zpp_default && zero.quantized_weights);
+    zero.quantized_gradients = a.qgz.unwrap_or(zpp_default && zero.quantized_gradients);
+    zero.hpz_partition_size = a.hpz.unwrap_or(if zpp_default {
+        a.ranks_per_node
+    } else if zero.stage == 3 {
+        zero.hpz_partition_size
+    } else {
+        1
+    });
+    if let Some(g) = a.grad_accum {
+        zero.gradient_accumulation_steps = g;
+    }
+    if let Some(c) = a.clip {
+        zero.gradient_clipping = c;
+    }
+    if zero.precision != Precision::Fp32 {
+        bail!(
+            "precision {:?}: the trainer runs fp32 only for now (mixed precision is on the roadmap)",
+            zero.precision
+        );
+    }
+    job.zero = zero;
+    job.world_size = a.world_size;
+    job.ranks_per_node = a.ranks_per_node;
+    job.steps = a.steps;
+    job.micro_batch = a.micro_batch;
+    job.lr = a.lr;
+    job.seed = a.seed;
+    job.timeout = Duration::from_secs(a.timeout);
+    if let Some(path) = &a.data {
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("cannot read --data {}", path.display()))?;
+        job.data = DataSource::Text {
+            name: path.display().to_string(),
+            bytes,
+        };
+    }
+    if job.steps == 0 {
+        bail!("--steps 0: nothing to train");
+    }
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| default_run_dir(job.zero.stage));
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create run directory {}", out.display()))?;
+
+    eprintln!(
+        "training: ZeRO-{}{} | {} ranks ({} node(s) x {}) | {} steps x {} tokens | run dir {}",
+        job.zero.stage,
+        zpp_label(&job.zero),
+        job.world_size,
+        job.world_size / job.ranks_per_node.max(1),
+        job.ranks_per_node,
+        job.steps,
+        job.tokens_per_step(),
+        out.display()
+    );
+    let bar = ProgressBar::new(job.steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps  {elapsed_precise}<{eta_precise}  {msg}",
+        )
+        .expect("valid template"),
+    );
+    let tokens_per_step = job.tokens_per_step();
+    let started = std::time::Instant::now();
+    let on_step = |step: u64, loss: f32| {
+        let tps =
+            (step + 1) as f64 * tokens_per_step as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_position(step + 1);
+        bar.set_message(format!("loss {loss:.4} (rank 0)  {tps:.0} tok/s"));
+    };
+    let report = run_job(&job, &on_step);
+    bar.finish_and_clear();
+    let report = report?;
+    print_report(&report);
+    let json = out.join("report.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("cannot write {}", json.display()))?;
+    let svg = out.join("loss.svg");
+    std::fs::write(&svg, loss_svg(&report.loss, report.loss_floor))
+        .with_context(|| format!("cannot write {}", svg.display()))?;
+    println!(
+        "\nrun directory: {}  (report.json, loss.svg)",
+        out.display()
+    );
+    if !report.comm_matches_plan || !report.memory_matches_plan {
+        bail!("measured bytes differ from the plan (see the tables above and report.json)");
+    }
+    Ok(())
+}
+
+fn zpp_label(z: &ZeroConfig) -> String {
+    let mut s = String::new();
+    if z.quantized_weights {
+        s += " + qwZ";
+    }
+    if z.hpz_partition_size > 1 {
+        let _ = write!(s, " + hpZ({})", z.hpz_partition_size);
+    }
+    if z.quantized_gradients {
+        s += " + qgZ";
+    }
+    s
+}
+
+fn default_run_dir(stage: u8) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    Path::new("runs").join(format!("{secs}-zero{stage}"))
+}
+
+fn print_report(r: &RunReport) {
+    let first = r.loss.first().copied().unwrap_or(f32::NAN);
+    let last10 = &r.loss[r.loss.len().saturating_sub(10)..];
+    let last = last10.iter().sum::<f32>() / last10.len().max(1) as f32;
+    println!(
+        "\nloss: {first:.4} -> {last:.4} (mean of the last {} steps)",
+        last10.len()
+    );
+    if let Some(f) = r.loss_floor {
+        println!(
+            "loss floor (entropy rate of the synthetic language): {f:.4} nats/token; gap {:.4}",
+            f64::from(last) - f
+        );
+    }
+    println!(
+        "throughput: {:.0} tokens/s over {:.1} s",
+        r.tokens_per_sec, r.wall_secs
+    );
+
+    println!("\nmemory per rank (peak bytes; measured on rank 0 vs planned)");
+    let m = &r.memory.measured[0];
+    let p = &r.memory.planned[0];
+    let rows = [
+        ("parameters", m.parameters, p.parameters),
+        ("gradients", m.gradients, p.gradients),
+        ("optimizer_states", m.optimizer_states, p.optimizer_states),
+        ("master_weights", m.master_weights, p.master_weights),
+        ("hpz_secondary", m.hpz_secondary, p.hpz_secondary),
+        (
+            "gathered_working_set",
+            m.gathered_working_set,
+            p.gathered_working_set,
+        ),
+        (
+            "communication_buffers",
+            m.communication_buffers,
+            p.communication_buffers,
+        ),
+        ("model states", m.model_states_bytes, p.model_states_bytes),
+    ];
+    println!("  {:<24} {:>12} {:>12}", "category", "measured", "planned");
+    for (name, meas, plan) in rows {
+        let mark = if meas == plan { "=" } else { "≠" };
+        println!(
+            "  {name:<24} {:>12} {:>12}  {mark}",
+            human_bytes(meas),
+            human_bytes(plan)
+        );
+    }
+    println!(
+        "  model states equal the plan on every rank: {}",
+        if r.memory_matches_plan { "yes" } else { "NO" }
+    );
+
+    println!("\nbytes sent per rank over the whole run (rank 0; measured vs planned)");
+    println!(
+        "  {:<15} {:>8} {:>12} {:>12} {:>12} {:>12}",
+        "collective", "calls", "intra meas", "intra plan", "inter meas", "inter plan"
+    );
+    let (meas, plan) = (&r.comm.measured[0], &r.comm.planned[0]);
+    for op in Collective::ALL {
+        let (a, b) = (
+            meas.by_collective.get(&op).copied().unwrap_or_default(),
+            plan.by_collective.get(&op).copied().unwrap_or_default(),
+        );
+        if a.calls == 0 && b.calls == 0 {
+            continue;
+        }
+        println!(
+            "  {:<15} {:>8} {:>12} {:>12} {:>12} {:>12}",
+            op.name(),
+            a.calls,
+            human_bytes(a.sent.get(LinkClass::IntraNode)),
+            human_bytes(b.sent.get(LinkClass::IntraNode)),
+            human_bytes(a.sent.get(LinkClass::InterNode)),
+            human_bytes(b.sent.get(LinkClass::InterNode)),
+        );
+    }
+    println!(
+        "  measured traffic equals the plan on every rank: {}",
+        if r.comm_matches_plan { "yes" } else { "NO" }
+    );
+}
+
+/// A dependency-free SVG line plot of the loss per step, with the floor if known.
+fn loss_svg(loss: &[f32], floor: Option<f64>) -> String {
+    let (w, h, pad) = (640.0f64, 360.0f64, 48.0f64);
+    let n = loss.len().max(2);
+    let finite: Vec<f64> = loss
+        .iter()
+        .map(|&l| f64::from(l))
+        .filter(|l| l.is_finite())
+        .collect();
+    let mut lo = finite.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if let Some(f) = floor {
+        lo = lo.min(f);
+    }
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo, hi)
+    } else {
+        (0.0, 1.0)
+    };
+    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (n - 1) as f64;
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * (v - lo) / (hi - lo);
+    let mut pts = String::new();
+    for (i, &l) in loss.iter().enumerate() {
+        if l.is_finite() {
+            let _ = write!(pts, "{:.1},{:.1} ", x(i), y(f64::from(l)));
+        }
+    }
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{pad}\" y=\"20\">training loss (nats/token) per step</text>\n\
+         <text x=\"4\" y=\"{ty}\">{hi:.2}</text><text x=\"4\" y=\"{b}\">{lo:.2}</text>\n\
+         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {last}</text>\n\
+         <polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{pts}\"/>\n",
+        b = h - pad,
+        r = w - pad,
+        ty = pad + 4.0,
+        lb = h - pad + 16.0,
+        last = loss.len(),
+    );
+    if let Some(f) = floor {
+        let _ = writeln!(
+            s,
+            "<line x1=\"{pad}\" y1=\"{yf:.1}\" x2=\"{r}\" y2=\"{yf:.1}\" stroke=\"#d62728\" stroke-dasharray=\"4 3\"/><text x=\"{r}\" y=\"{yt:.1}\" text-anchor=\"end\" fill=\"#d62728\">entropy floor {f:.3}</text>",
+            yf = y(f),
+            yt = y(f) - 4.0,
+            r = w - pad
+        );
+    }
+    s + "</svg>\n"
+}

@@ -1,0 +1,225 @@
+//! A whole training job: model, data, plan, ranks, and the report `cargo xtask train` prints.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use serde::Serialize;
+use zero_core::{MemoryModel, Plan, Topology, TrafficTable, ZeroConfig};
+
+use crate::data::{ByteText, Corpus, MarkovLanguage};
+use crate::error::{Error, Result};
+use crate::model::GptConfig;
+use crate::optim::Optimizer;
+use crate::trainer::{MeasuredMemory, TrainOptions};
+use crate::world::train_host;
+
+/// Where the data comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum DataSource {
+    /// The synthetic Markov language with `vocab` tokens (known entropy floor).
+    Markov {
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// Byte-level text from a file's contents.
+    Text {
+        /// A label (the file name).
+        name: String,
+        /// The bytes.
+        #[serde(skip)]
+        bytes: Vec<u8>,
+    },
+}
+
+/// Everything a job needs.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobConfig {
+    /// Model size (its vocabulary is overridden by the data's).
+    pub model: GptConfig,
+    /// The ZeRO configuration.
+    pub zero: ZeroConfig,
+    /// World size.
+    pub world_size: usize,
+    /// Ranks per node.
+    pub ranks_per_node: usize,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Sequences per rank per micro-step.
+    pub micro_batch: usize,
+    /// Learning rate.
+    pub lr: f32,
+    /// Seed for weights and data.
+    pub seed: u64,
+    /// Data.
+    pub data: DataSource,
+    /// Collective timeout.
+    #[serde(skip)]
+    pub timeout: Duration,
+}
+
+impl JobConfig {
+    /// The embedded default: a small GPT-style decoder on the Markov language, 4 ranks as 2 nodes
+    /// of 2, ZeRO-3 with qwZ, hpZ (2) and qgZ.
+    pub fn default_job() -> Self {
+        JobConfig {
+            model: GptConfig {
+                vocab: 64,
+                context: 32,
+                d_model: 64,
+                heads: 4,
+                layers: 4,
+            },
+            zero: ZeroConfig {
+                stage: 3,
+                quantized_weights: true,
+                hpz_partition_size: 2,
+                quantized_gradients: true,
+                param_persistence_threshold: 1024,
+                ..Default::default()
+            },
+            world_size: 4,
+            ranks_per_node: 2,
+            steps: 300,
+            micro_batch: 8,
+            lr: 3e-3,
+            seed: 0,
+            data: DataSource::Markov { vocab: 64 },
+            timeout: Duration::from_secs(120),
+        }
+    }
+
+    /// Global tokens per optimizer step.
+    pub fn tokens_per_step(&self) -> u64 {
+        (self.world_size * self.micro_batch * self.model.context) as u64
+            * u64::from(self.zero.gradient_accumulation_steps)
+    }
+}
+
+/// Measured next to planned.
+#[derive(Clone, Debug, Serialize)]
+pub struct Compared<M, P> {
+    /// Measured, per rank.
+    pub measured: Vec<M>,
+    /// Planned, per rank (communication: for all steps).
+    pub planned: Vec<P>,
+}
+
+/// The result of a job.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// The job.
+    pub job: JobConfig,
+    /// Mean loss over ranks, one value per step (nats per token).
+    pub loss: Vec<f32>,
+    /// The data's entropy rate if known: the loss floor.
+    pub loss_floor: Option<f64>,
+    /// Wall time of the training loop.
+    pub wall_secs: f64,
+    /// Global tokens per second.
+    pub tokens_per_sec: f64,
+    /// Bytes moved, measured and planned, per rank, over all steps.
+    pub comm: Compared<TrafficTable, TrafficTable>,
+    /// Peak bytes per rank by category, measured and planned.
+    pub memory: Compared<MeasuredMemory, MemoryModel>,
+    /// Whether measured traffic equals the plan on every rank.
+    pub comm_matches_plan: bool,
+    /// Whether measured model-state bytes equal the plan on every rank.
+    pub memory_matches_plan: bool,
+}
+
+/// Builds everything and trains. `on_step(step, loss)` reports progress from rank 0.
+pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<RunReport> {
+    let corpus: Box<dyn Corpus> = match &job.data {
+        DataSource::Markov { vocab } => Box::new(MarkovLanguage::new(*vocab, job.seed)?),
+        DataSource::Text { bytes, .. } => Box::new(ByteText::new(bytes.clone(), job.seed)?),
+    };
+    if job.micro_batch == 0 {
+        return Err(Error::Invalid {
+            field: "micro_batch",
+            got: "0".into(),
+            expected: "at least 1".into(),
+        });
+    }
+    if job.model.heads == 0 || !job.model.d_model.is_multiple_of(job.model.heads) {
+        return Err(Error::Invalid {
+            field: "heads",
+            got: job.model.heads.to_string(),
+            expected: format!("a divisor of d_model {}", job.model.d_model),
+        });
+    }
+    let model_cfg = GptConfig {
+        vocab: corpus.vocab(),
+        ..job.model
+    };
+    let device = Device::flex().autodiff();
+    let model = model_cfg.init(&device, job.seed);
+    let topo = Topology::new(job.world_size, job.ranks_per_node)?;
+    let optimizer = Optimizer::default();
+    let zero = ZeroConfig {
+        optimizer: optimizer.kind(),
+        ..job.zero.clone()
+    };
+    let plan: Arc<Plan> = Arc::new(crate::plan_for(&model, topo, &zero)?);
+    let options = TrainOptions {
+        lr: job.lr,
+        optimizer,
+        micro_batch: job.micro_batch,
+        seq: model_cfg.context,
+    };
+    let start = Instant::now();
+    let results = train_host(
+        plan.clone(),
+        model,
+        corpus.as_ref(),
+        options,
+        job.steps,
+        job.timeout,
+        on_step,
+    )?;
+    let wall = start.elapsed().as_secs_f64();
+    let steps = job.steps as usize;
+    let loss = (0..steps)
+        .map(|s| results.iter().map(|r| r.losses[s]).sum::<f32>() / results.len() as f32)
+        .collect();
+    let planned_comm: Vec<TrafficTable> = results
+        .iter()
+        .map(|r| {
+            let per_step = plan.comm(r.rank).by_collective;
+            let mut t = TrafficTable::new();
+            for _ in 0..job.steps {
+                t.merge(&per_step);
+            }
+            t
+        })
+        .collect();
+    let measured_comm: Vec<TrafficTable> = results.iter().map(|r| r.traffic.clone()).collect();
+    let planned_mem = plan.memory();
+    let measured_mem: Vec<MeasuredMemory> = results.iter().map(|r| r.memory).collect();
+    let comm_matches_plan = measured_comm == planned_comm;
+    let memory_matches_plan = measured_mem
+        .iter()
+        .all(|m| m.model_states() == MeasuredMemory::planned_model_states(&planned_mem));
+    Ok(RunReport {
+        loss,
+        loss_floor: corpus.entropy_floor(),
+        wall_secs: wall,
+        tokens_per_sec: (job.tokens_per_step() * job.steps) as f64 / wall.max(1e-9),
+        comm: Compared {
+            measured: measured_comm,
+            planned: planned_comm,
+        },
+        memory: Compared {
+            measured: measured_mem,
+            planned: vec![planned_mem; results.len()],
+        },
+        comm_matches_plan,
+        memory_matches_plan,
+        job: JobConfig {
+            model: model_cfg,
+            zero,
+            ..job.clone()
+        },
+    })
+}
