@@ -72,8 +72,6 @@ mod element;
 mod error;
 pub mod host;
 pub mod quantized;
-#[cfg(feature = "wgpu")]
-pub mod wgpu_loopback;
 
 pub use communicator::{Communicator, Group};
 pub use element::{DType, Element, ReduceOp};
