@@ -5,7 +5,10 @@
 //!   in-process ranks as 2 nodes of 2, ZeRO-3 + qwZ + hpZ + qgZ).
 //! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
 //!   compiles), and the whole test suite with snapshot checks.
+//! - `gpu-check`: the short script for a machine with a GPU (NCCL tests and bandwidth, a report).
 
+mod bench;
+mod gpu_check;
 mod plan;
 mod test;
 mod train;
@@ -25,8 +28,12 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Train a GPT-style model with ZeRO on in-process ranks; prints and writes a report.
     Train(Box<train::TrainArgs>),
+    /// Trainer benchmarks: step time per stage and switch, loss gap, peak memory.
+    Bench(bench::BenchArgs),
     /// Run what CI runs: fmt check, clippy (all features that compile here), all tests.
     Test(test::TestArgs),
+    /// On a GPU machine: nvidia-smi, the NCCL GPU tests, a short NCCL bandwidth check, a report.
+    GpuCheck(gpu_check::GpuCheckArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -35,6 +42,8 @@ fn main() -> std::process::ExitCode {
         Command::Plan(a) => plan::run(a),
         Command::Train(a) => train::run(*a),
         Command::Test(a) => test::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::GpuCheck(a) => gpu_check::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

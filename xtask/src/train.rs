@@ -13,7 +13,7 @@ use zero_core::{Collective, LinkClass, Precision, ZeroConfig};
 
 #[derive(Args, Debug)]
 pub(crate) struct TrainArgs {
-    /// Model size: tiny, small (default) or medium.
+    /// Model size: tiny, small (default), medium, or wide (model states dominate memory).
     #[arg(long, default_value = "small")]
     model: String,
     /// ZeRO stage 0–3 (default 3, or the config file's).
@@ -80,6 +80,14 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::GptConfig> {
             layers: 2,
         },
         "small" => JobConfig::default_job().model,
+        // Wide and shallow with short sequences: model states dominate memory.
+        "wide" => GptConfig {
+            vocab: 64,
+            context: 16,
+            d_model: 384,
+            heads: 4,
+            layers: 4,
+        },
         "medium" => GptConfig {
             vocab: 64,
             context: 64,
@@ -87,7 +95,7 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::GptConfig> {
             heads: 4,
             layers: 6,
         },
-        o => bail!("--model {o:?}: expected tiny, small or medium"),
+        o => bail!("--model {o:?}: expected tiny, small, medium or wide"),
     })
 }
 
@@ -196,7 +204,12 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     let report = report?;
     print_report(&report);
     let json = out.join("report.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&report)?)
+    let mut value = serde_json::to_value(&report)?;
+    if let (Some(obj), Some(rss)) = (value.as_object_mut(), peak_rss_bytes()) {
+        // The whole process (every rank): what `cargo xtask bench` compares across stages.
+        obj.insert("peak_rss_bytes".into(), rss.into());
+    }
+    std::fs::write(&json, serde_json::to_string_pretty(&value)?)
         .with_context(|| format!("cannot write {}", json.display()))?;
     let svg = out.join("loss.svg");
     std::fs::write(&svg, loss_svg(&report.loss, report.loss_floor))
@@ -369,4 +382,12 @@ fn loss_svg(loss: &[f32], floor: Option<f64>) -> String {
         );
     }
     s + "</svg>\n"
+}
+
+/// The process's peak resident set (VmHWM), where /proc is available.
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

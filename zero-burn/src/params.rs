@@ -144,36 +144,32 @@ pub fn write_values<M: Module>(
     })
 }
 
-struct ReadGrads<'a> {
+struct ReadGrads<'a, F> {
     grads: &'a GradientsParams,
     want: &'a HashMap<ParamId, usize>,
-    out: Vec<Option<Vec<f32>>>,
+    sink: F,
 }
 
-impl ModuleVisitor for ReadGrads<'_> {
+impl<F: FnMut(usize, Vec<f32>)> ModuleVisitor for ReadGrads<'_, F> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
         if let Some(&slot) = self.want.get(&p.id)
             && let Some(g) = self.grads.get::<D>(p.id)
+            && let Ok(v) = g.into_data().try_into_vec_as::<f32>()
         {
-            let data = g.into_data();
-            self.out[slot] = data.try_into_vec_as::<f32>().ok();
+            (self.sink)(slot, v);
         }
     }
 }
 
-/// Reads the gradients of the parameters in `want`; `None` for a parameter without one.
-pub fn read_grads<M: Module>(
+/// Hands the gradient of every parameter in `want` that has one to `sink(slot, values)`, one
+/// parameter at a time (no more than one gradient is copied out at once).
+pub fn for_each_grad<M: Module>(
     model: &M,
     grads: &GradientsParams,
     want: &HashMap<ParamId, usize>,
-) -> Vec<Option<Vec<f32>>> {
-    let mut r = ReadGrads {
-        grads,
-        want,
-        out: vec![None; want.len()],
-    };
-    model.visit(&mut r);
-    r.out
+    sink: impl FnMut(usize, Vec<f32>),
+) {
+    model.visit(&mut ReadGrads { grads, want, sink });
 }
 
 struct CountResident {

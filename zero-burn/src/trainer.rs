@@ -160,17 +160,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             });
         }
         let params = params::describe(&model);
-        // Fresh autodiff leaves for this rank: clones of one module share their tensors, and
-        // burn's autodiff graph must not be shared between threads (it deadlocks on merge).
-        let all: HashMap<ParamId, usize> =
-            params.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
-        let values = params::read_values(&model, &all)?;
-        let fresh = params
-            .iter()
-            .zip(values)
-            .map(|(p, v)| (p.id, (v, p.shape.clone())))
-            .collect();
-        let model = params::write_values(model, fresh);
+
         let desc = &plan.model().params;
         if desc.len() != params.len()
             || desc
@@ -286,8 +276,35 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 }
             }
         }
+        // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
+        // share their tensors (so the clones cost nothing until here, and stage 3 never holds a
+        // full copy), and burn's autodiff graph must not be shared between threads: it
+        // deadlocks on merge.
+        let slots: Vec<usize> = (0..t.params.len())
+            .filter(|&i| !(stage == 3 && t.is_gathered_param(i)))
+            .collect();
+        let want: HashMap<ParamId, usize> = slots
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (t.params[i].id, k))
+            .collect();
+        let values = params::read_values(&t.model, &want)?;
+        let fresh = slots
+            .iter()
+            .zip(values)
+            .map(|(&i, v)| (t.params[i].id, (v, t.params[i].shape.clone())))
+            .collect();
+        let model = t.model.clone();
+        t.model = params::write_values(model, fresh);
         t.traffic_base = t.traffic();
         Ok(t)
+    }
+
+    /// Whether parameter `i` lives in a stage-3 gather unit (released between uses).
+    fn is_gathered_param(&self, i: usize) -> bool {
+        self.plan
+            .locate(i)
+            .is_some_and(|(u, _)| self.plan.units()[u].kind == UnitKind::Gather)
     }
 
     /// This rank.
@@ -353,12 +370,10 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             if stage3 {
                 self.gather_segment(i, false)?;
             }
-            let x = if i == 0 {
-                None
-            } else {
-                Some(Tensor::from_inner(acts[i - 1].clone()))
-            };
-            let y = self.model.forward_segment(i, batch, x).inner();
+            // Without autodiff: a graph recorded here would never be consumed, and it would keep
+            // the released weights alive. The backward recomputes the segment under autodiff.
+            let x = (i > 0).then(|| acts[i - 1].clone());
+            let y = self.model.valid().forward_segment(i, batch, x);
             if i + 1 == segments {
                 loss = y
                     .into_data()
@@ -425,19 +440,14 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 slots.push(i);
             }
         }
-        let grads = params::read_grads(&self.model, gp, &want);
-        for (slot, g) in grads.into_iter().enumerate() {
+        params::for_each_grad(&self.model, gp, &want, |slot, g| {
             let i = slots[slot];
-            let Some(g) = g else { continue };
-            let Some((u, off)) = plan.locate(i) else {
-                continue;
-            };
-            let buf = pending[u].get_or_insert_with(|| vec![0.0; plan.units()[u].len as usize]);
-            let off = off as usize;
-            for (d, s) in buf[off..off + g.len()].iter_mut().zip(&g) {
-                *d += s;
+            if let Some((u, off)) = plan.locate(i) {
+                let buf = pending[u].get_or_insert_with(|| vec![0.0; plan.units()[u].len as usize]);
+                let off = off as usize;
+                add_into(&mut buf[off..off + g.len()], &g);
             }
-        }
+        });
         Ok(())
     }
 

@@ -71,6 +71,7 @@ mod communicator;
 mod element;
 mod error;
 pub mod host;
+pub mod nccl;
 pub mod quantized;
 
 pub use communicator::{Communicator, Group};

@@ -1,0 +1,722 @@
+//! The NCCL backend.
+//!
+//! - The torchrun-style bootstrap (launch variables, TCP rendezvous on 127.0.0.1 with threads):
+//!   pure Rust, runs everywhere.
+//! - Without a GPU, libcuda or libnccl (or without the `nccl` feature): construction fails with a
+//!   readable error, never a panic.
+//! - On a GPU: the shared collective bodies of `tests/comm/common.rs` (world size 1, which is what
+//!   one GPU allows: NCCL refuses two ranks on one device), split, groups, validation, an init
+//!   timeout, and a bandwidth report. These run only with the `gpu-tests` feature, with
+//!   `ZERO_GPU_TESTS=1` and with a device; otherwise they print why they skip. Each one that
+//!   passes appends its name to `<target dir>/.gpu_tests_ran`, the proof `cargo xtask gpu-check`
+//!   looks for.
+
+#[allow(dead_code, unused_imports)]
+#[path = "comm/common.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use zero_comm::nccl::bootstrap::{self, LaunchEnv, RendezvousServer, UniqueId};
+use zero_comm::nccl::{NcclComm, NcclOptions, WaitMode};
+use zero_comm::{Communicator, Error};
+
+// ---------------------------------------------------------------------------------------------
+// Launch variables
+
+fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+const TORCHRUN: &[(&str, &str)] = &[
+    ("RANK", "5"),
+    ("WORLD_SIZE", "8"),
+    ("LOCAL_RANK", "1"),
+    ("LOCAL_WORLD_SIZE", "4"),
+    ("MASTER_ADDR", "127.0.0.1"),
+    ("MASTER_PORT", "29500"),
+];
+
+fn with(overrides: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+    let mut v: Vec<(&str, &str)> = TORCHRUN
+        .iter()
+        .filter(|(k, _)| !overrides.iter().any(|(o, _)| o == k))
+        .copied()
+        .collect();
+    v.extend(overrides.iter().filter(|(_, val)| !val.is_empty()));
+    v
+}
+
+#[test]
+fn launch_env_reads_torchrun_variables() {
+    let env = LaunchEnv::from_lookup(lookup(TORCHRUN)).unwrap();
+    assert_eq!(
+        env,
+        LaunchEnv {
+            rank: 5,
+            world_size: 8,
+            local_rank: 1,
+            local_world_size: 4,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+        }
+    );
+    let t = env.topology().unwrap();
+    assert_eq!(
+        (t.world_size(), t.ranks_per_node(), t.node_of(5)),
+        (8, 4, 1)
+    );
+
+    // ZERO_RANKS_PER_NODE stands in for LOCAL_WORLD_SIZE; LOCAL_RANK defaults to RANK % it.
+    let alt = with(&[
+        ("LOCAL_WORLD_SIZE", ""),
+        ("LOCAL_RANK", ""),
+        ("ZERO_RANKS_PER_NODE", "2"),
+    ]);
+    let env = LaunchEnv::from_lookup(lookup(&alt)).unwrap();
+    assert_eq!((env.local_world_size, env.local_rank), (2, 1));
+
+    // A world of one needs nothing but RANK and WORLD_SIZE.
+    let env = LaunchEnv::from_lookup(lookup(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap();
+    assert_eq!(env, LaunchEnv::single());
+}
+
+#[test]
+fn bad_launch_variables_fail_naming_the_variable() {
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[("RANK", "")], "RANK"),
+        (&[("RANK", "five")], "RANK"),
+        (&[("RANK", "8")], "RANK"),
+        (&[("WORLD_SIZE", "")], "WORLD_SIZE"),
+        (&[("WORLD_SIZE", "0")], "WORLD_SIZE"),
+        (&[("WORLD_SIZE", "-2")], "WORLD_SIZE"),
+        (&[("LOCAL_RANK", "2")], "LOCAL_RANK"),
+        (&[("LOCAL_RANK", "x")], "LOCAL_RANK"),
+        (&[("LOCAL_WORLD_SIZE", "3")], "LOCAL_WORLD_SIZE"),
+        (&[("LOCAL_WORLD_SIZE", "")], "LOCAL_WORLD_SIZE"),
+        (&[("ZERO_RANKS_PER_NODE", "2")], "ZERO_RANKS_PER_NODE"),
+        (&[("MASTER_ADDR", "")], "MASTER_ADDR"),
+        (&[("MASTER_PORT", "")], "MASTER_PORT"),
+        (&[("MASTER_PORT", "70000")], "MASTER_PORT"),
+        (&[("MASTER_PORT", "0")], "MASTER_PORT"),
+    ];
+    for (overrides, var) in cases {
+        let vars = with(overrides);
+        let err = LaunchEnv::from_lookup(lookup(&vars))
+            .map(|e| format!("unexpectedly parsed {e:?}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(var),
+            "{overrides:?}: error does not name {var}: {err}"
+        );
+    }
+}
+
+#[test]
+fn unresolvable_master_addr_is_named() {
+    let vars = with(&[("MASTER_ADDR", "no-such-host.invalid")]);
+    let env = LaunchEnv::from_lookup(lookup(&vars)).unwrap();
+    let err = env.master_addrs().unwrap_err().to_string();
+    assert!(err.contains("MASTER_ADDR"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendezvous (127.0.0.1 only)
+
+const LOOPBACK: &str = "127.0.0.1:0";
+const SAFE: Duration = Duration::from_secs(20);
+
+fn id_of(seed: u8) -> UniqueId {
+    let mut b = [0u8; UniqueId::LEN];
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = seed.wrapping_mul(31).wrapping_add(i as u8);
+    }
+    UniqueId(b)
+}
+
+/// A port nobody listens on (bound, then released).
+fn free_port() -> u16 {
+    TcpListener::bind(LOOPBACK)
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn rendezvous_hands_rank_0_s_id_to_every_rank_for_worlds_1_to_4() {
+    for world in 1..=4usize {
+        let id = id_of(world as u8);
+        let got: Vec<UniqueId> = if world == 1 {
+            vec![bootstrap::exchange_unique_id(&LaunchEnv::single(), SAFE, || Ok(id)).unwrap()]
+        } else {
+            let server = RendezvousServer::bind(LOOPBACK, world).unwrap();
+            let addr = server.local_addr().unwrap();
+            thread::scope(|s| {
+                let peers: Vec<_> = (1..world)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            let bytes = bootstrap::fetch(&[addr], rank, world, SAFE).unwrap();
+                            UniqueId::from_bytes(&bytes).unwrap()
+                        })
+                    })
+                    .collect();
+                server.serve(&id.0, SAFE).unwrap();
+                let mut all = vec![id];
+                all.extend(peers.into_iter().map(|h| h.join().unwrap()));
+                all
+            })
+        };
+        assert_eq!(got.len(), world);
+        assert!(got.iter().all(|g| *g == id), "world {world}");
+    }
+}
+
+#[test]
+fn exchange_over_launch_variables_agrees_on_one_id() {
+    let world = 3;
+    let port = free_port().to_string();
+    let envs: Vec<LaunchEnv> = (0..world)
+        .map(|r| {
+            let rank = r.to_string();
+            LaunchEnv::from_lookup(lookup(&[
+                ("RANK", &rank),
+                ("WORLD_SIZE", "3"),
+                ("LOCAL_WORLD_SIZE", "3"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+            ]))
+            .unwrap()
+        })
+        .collect();
+    let made = Mutex::new(0);
+    let ids: Vec<UniqueId> = thread::scope(|s| {
+        let hs: Vec<_> = envs
+            .iter()
+            .map(|env| {
+                let made = &made;
+                s.spawn(move || {
+                    bootstrap::exchange_unique_id(env, SAFE, || {
+                        *made.lock().unwrap() += 1;
+                        Ok(id_of(42))
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(*made.lock().unwrap(), 1, "only rank 0 makes the id");
+    assert!(ids.iter().all(|i| *i == id_of(42)));
+}
+
+#[test]
+fn ranks_that_start_first_retry_until_rank_0_listens() {
+    let world = 3;
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    thread::scope(|s| {
+        let peers: Vec<_> = (1..world)
+            .map(|rank| s.spawn(move || bootstrap::fetch(&[addr], rank, world, SAFE)))
+            .collect();
+        thread::sleep(Duration::from_millis(300));
+        let server = RendezvousServer::bind(addr, world).unwrap();
+        server.serve(b"late but fine", SAFE).unwrap();
+        for p in peers {
+            assert_eq!(p.join().unwrap().unwrap(), b"late but fine");
+        }
+    });
+}
+
+#[test]
+fn a_rank_times_out_when_rank_0_never_comes() {
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let start = Instant::now();
+    let err = bootstrap::fetch(&[addr], 2, 4, Duration::from_millis(400))
+        .unwrap_err()
+        .to_string();
+    let took = start.elapsed();
+    assert!(
+        err.contains("rank 2") && err.contains("rank 0") && err.contains("timed out"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
+
+#[test]
+fn rank_0_times_out_listing_missing_ranks_and_tells_those_that_came() {
+    let server = RendezvousServer::bind(LOOPBACK, 4).unwrap();
+    let addr = server.local_addr().unwrap();
+    thread::scope(|s| {
+        let early = s.spawn(move || {
+            let start = Instant::now();
+            (bootstrap::fetch(&[addr], 1, 4, SAFE), start.elapsed())
+        });
+        let start = Instant::now();
+        let err = server
+            .serve(b"id", Duration::from_millis(500))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[2, 3]") && err.contains("timed out"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let (res, took) = early.join().unwrap();
+        let err = res.unwrap_err().to_string();
+        assert!(err.contains("rank 1") && err.contains("[2, 3]"), "{err}");
+        assert!(
+            took < Duration::from_secs(5),
+            "the early rank waited {took:?}"
+        );
+    });
+}
+
+#[test]
+fn a_mismatched_world_size_fails_every_rank() {
+    let server = RendezvousServer::bind(LOOPBACK, 3).unwrap();
+    let addr = server.local_addr().unwrap();
+    thread::scope(|s| {
+        // Short client timeouts: should the bad rank win the race, the good one finds no
+        // server and fails by itself.
+        let t = Duration::from_secs(3);
+        let good = s.spawn(move || bootstrap::fetch(&[addr], 1, 3, t));
+        thread::sleep(Duration::from_millis(100));
+        let bad = s.spawn(move || bootstrap::fetch(&[addr], 2, 5, t));
+        let err = server.serve(b"id", SAFE).unwrap_err().to_string();
+        assert!(err.contains("WORLD_SIZE=5"), "{err}");
+        let e = bad.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains("WORLD_SIZE=5"), "{e}");
+        assert!(good.join().unwrap().is_err());
+    });
+}
+
+#[test]
+fn a_duplicate_rank_fails_the_rendezvous() {
+    let server = RendezvousServer::bind(LOOPBACK, 3).unwrap();
+    let addr = server.local_addr().unwrap();
+    thread::scope(|s| {
+        let a = s.spawn(move || bootstrap::fetch(&[addr], 1, 3, SAFE));
+        thread::sleep(Duration::from_millis(100));
+        let b = s.spawn(move || bootstrap::fetch(&[addr], 1, 3, SAFE));
+        let err = server.serve(b"id", SAFE).unwrap_err().to_string();
+        assert!(err.contains("rank 1 said hello twice"), "{err}");
+        for h in [a, b] {
+            assert!(h.join().unwrap().is_err());
+        }
+    });
+}
+
+#[test]
+fn a_stray_connection_is_ignored() {
+    let server = RendezvousServer::bind(LOOPBACK, 2).unwrap();
+    let addr = server.local_addr().unwrap();
+    thread::scope(|s| {
+        let stray = s.spawn(move || {
+            let mut c = TcpStream::connect(addr).unwrap();
+            c.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        });
+        stray.join().unwrap();
+        let rank1 = s.spawn(move || bootstrap::fetch(&[addr], 1, 2, SAFE));
+        server.serve(b"the id", SAFE).unwrap();
+        assert_eq!(rank1.join().unwrap().unwrap(), b"the id");
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Without a GPU (or libcuda, or libnccl, or the feature)
+
+#[test]
+fn without_a_gpu_construction_fails_with_a_readable_error() {
+    let probe = zero_comm::nccl::probe();
+    if let Ok(rt) = &probe
+        && rt.devices > 0
+    {
+        eprintln!(
+            "skip: this machine has {} CUDA device(s): {rt:?}",
+            rt.devices
+        );
+        return;
+    }
+    let probe_err = probe.unwrap_err().to_string();
+    let readable = |e: &str| {
+        e.contains("libcuda")
+            || e.contains("libnccl")
+            || e.contains("CUDA device")
+            || e.contains("not compiled in")
+    };
+    assert!(readable(&probe_err), "{probe_err}");
+    if cfg!(feature = "nccl") {
+        assert!(!probe_err.contains("not compiled"), "{probe_err}");
+    } else {
+        assert!(matches!(
+            zero_comm::nccl::probe(),
+            Err(Error::NotCompiled { backend: "nccl" })
+        ));
+    }
+
+    let opts = NcclOptions {
+        timeout: Duration::from_secs(2),
+        ..NcclOptions::default()
+    };
+    let err = NcclComm::new(&LaunchEnv::single(), opts.clone()).unwrap_err();
+    eprintln!("NcclComm::new: {err}");
+    assert!(readable(&err.to_string()), "{err}");
+    let err = NcclComm::single(0, opts.clone()).unwrap_err();
+    assert!(readable(&err.to_string()), "{err}");
+    let err = NcclComm::from_unique_id(
+        &id_of(1),
+        0,
+        zero_core::Topology::single_node(1).unwrap(),
+        0,
+        opts,
+    )
+    .unwrap_err();
+    assert!(readable(&err.to_string()), "{err}");
+    assert!(NcclComm::unique_id().is_err());
+    // Whatever this process's environment says, `from_env` returns an error (a missing launch
+    // variable, or the missing library), never a panic.
+    let err = NcclComm::from_env().unwrap_err();
+    eprintln!("NcclComm::from_env: {err}");
+    assert!(!err.to_string().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// On a GPU
+
+static GPU: Mutex<()> = Mutex::new(());
+
+/// `Some` (holding the GPU lock) when GPU tests should run; otherwise prints why not.
+fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
+    if !cfg!(feature = "gpu-tests") {
+        eprintln!("skip {test}: built without the `gpu-tests` feature");
+        return None;
+    }
+    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skip {test}: ZERO_GPU_TESTS=1 is not set");
+        return None;
+    }
+    match zero_comm::nccl::probe() {
+        Err(e) => {
+            eprintln!("skip {test}: {e}");
+            None
+        }
+        Ok(rt) if rt.devices == 0 => {
+            eprintln!("skip {test}: no CUDA device");
+            None
+        }
+        Ok(rt) => {
+            eprintln!("{test}: {rt:?}");
+            Some(GPU.lock().unwrap_or_else(|p| p.into_inner()))
+        }
+    }
+}
+
+/// `<target dir>/.gpu_tests_ran`: `$CARGO_TARGET_DIR`, else three levels above this test binary
+/// (`target/<profile>/deps/nccl-…`).
+fn cookie_path() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return std::path::PathBuf::from(dir).join(".gpu_tests_ran");
+    }
+    let exe = std::env::current_exe().unwrap();
+    exe.ancestors()
+        .nth(3)
+        .unwrap_or_else(|| exe.parent().unwrap())
+        .join(".gpu_tests_ran")
+}
+
+fn passed(test: &str) {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(cookie_path())
+        .unwrap();
+    writeln!(f, "{test} ok").unwrap();
+}
+
+fn opts(wait: WaitMode, check_peers: bool, nonblocking: bool) -> NcclOptions {
+    NcclOptions {
+        timeout: Duration::from_secs(60),
+        wait,
+        check_peers,
+        nonblocking,
+        device: Some(0),
+    }
+}
+
+/// The option sets every GPU test runs under.
+fn modes() -> Vec<NcclOptions> {
+    vec![
+        opts(WaitMode::Eager, true, true),
+        opts(WaitMode::Lazy, false, true),
+        opts(WaitMode::Eager, false, false),
+    ]
+}
+
+fn world(o: &NcclOptions) -> Vec<NcclComm> {
+    vec![NcclComm::single(0, o.clone()).unwrap()]
+}
+
+mod gpu_bodies {
+    use half::{bf16, f16};
+    use zero_comm::ReduceOp;
+
+    use super::common::*;
+    use super::*;
+
+    const COUNTS: &[usize] = &[0, 1, 3, 7, 64, 2049];
+    const LENS: &[usize] = &[0, 1, 2, 5, 13, 100, 4099];
+
+    #[test]
+    fn gpu_every_collective_at_world_1() {
+        let Some(_g) = gpu("gpu_every_collective_at_world_1") else {
+            return;
+        };
+        for o in modes() {
+            check_all_gather::<_, f32>(world(&o), COUNTS);
+            check_all_gather::<_, bf16>(world(&o), COUNTS);
+            check_all_gather::<_, f16>(world(&o), COUNTS);
+            check_all_gather::<_, u8>(world(&o), COUNTS);
+            for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                check_reduce_scatter::<_, f32>(world(&o), COUNTS, op);
+                check_reduce_scatter::<_, bf16>(world(&o), COUNTS, op);
+                check_reduce_scatter::<_, f16>(world(&o), COUNTS, op);
+                check_all_reduce::<_, f32>(world(&o), LENS, op);
+                check_all_reduce::<_, bf16>(world(&o), LENS, op);
+                check_all_reduce::<_, f16>(world(&o), LENS, op);
+                check_all_reduce_is_rs_ag::<_, f32>(world(&o), COUNTS, op);
+            }
+            check_broadcast::<_, f32>(world(&o), LENS);
+            check_broadcast::<_, u8>(world(&o), LENS);
+            check_all_to_all::<_, f32>(world(&o), COUNTS);
+            check_all_to_all::<_, bf16>(world(&o), COUNTS);
+            check_barrier(world(&o));
+        }
+        passed("gpu_every_collective_at_world_1");
+    }
+
+    #[test]
+    fn gpu_traffic_equals_the_formulas_at_world_1() {
+        let Some(_g) = gpu("gpu_traffic_equals_the_formulas_at_world_1") else {
+            return;
+        };
+        for o in modes() {
+            run_ranks(world(&o), |mut comm| exercise_and_check_traffic(&mut comm));
+        }
+        passed("gpu_traffic_equals_the_formulas_at_world_1");
+    }
+
+    #[test]
+    fn gpu_split_into_a_group_of_one() {
+        let Some(_g) = gpu("gpu_split_into_a_group_of_one") else {
+            return;
+        };
+        let rt = zero_comm::nccl::probe().unwrap();
+        if !rt.comm_split {
+            eprintln!("skip: libnccl {:?} has no ncclCommSplit", rt.nccl_version);
+            return;
+        }
+        for o in modes() {
+            run_ranks(world(&o), |mut comm| {
+                let mut sub = comm.split(0, 7).unwrap();
+                assert_eq!(
+                    (sub.rank(), sub.world_size(), sub.members()),
+                    (0, 1, &[0usize][..])
+                );
+                all_gather_body::<_, f32>(&mut sub, &[0, 5]);
+                reduce_scatter_body::<_, bf16>(&mut sub, &[3], ReduceOp::Mean);
+                all_reduce_body::<_, f16>(&mut sub, &[9], ReduceOp::Sum);
+                broadcast_body::<_, u8>(&mut sub, &[4]);
+                all_to_all_body::<_, f32>(&mut sub, &[2]);
+                exercise_and_check_traffic(&mut sub);
+                // The parent keeps its own table and still works.
+                all_reduce_body::<_, f32>(&mut comm, &[17], ReduceOp::Mean);
+                assert_eq!(comm.traffic().calls(), 1);
+                let mut nested = sub.split(3, 0).unwrap();
+                check_barrier_one(&mut nested);
+            });
+        }
+        passed("gpu_split_into_a_group_of_one");
+    }
+
+    fn check_barrier_one(comm: &mut NcclComm) {
+        comm.barrier().unwrap();
+        assert_eq!(comm.traffic().calls(), 1);
+    }
+
+    #[test]
+    fn gpu_groups_defer_the_mean_and_run_on_finish() {
+        let Some(_g) = gpu("gpu_groups_defer_the_mean_and_run_on_finish") else {
+            return;
+        };
+        for o in modes() {
+            let mut comm = NcclComm::single(0, o).unwrap();
+            let x = values::<f32>(0, 6, 1);
+            let send = comm.upload(&x).unwrap();
+            let mut gathered = comm.alloc::<f32>(6).unwrap();
+            let mut shard = comm.alloc::<f32>(6).unwrap();
+            let mut b = comm.upload(&[9u8; 5]).unwrap();
+            let mut ar = comm.upload(&values::<bf16>(0, 7, 2)).unwrap();
+            let mut g = comm.group();
+            g.all_gather(&send, &mut gathered)
+                .reduce_scatter(&send, &mut shard, ReduceOp::Mean)
+                .broadcast(&mut b, 0)
+                .all_reduce(&mut ar, ReduceOp::Mean);
+            g.finish().unwrap();
+            assert_bits(
+                &comm.download_vec(&gathered).unwrap(),
+                &x,
+                "group all_gather",
+            );
+            assert_bits(
+                &comm.download_vec(&shard).unwrap(),
+                &x,
+                "group reduce_scatter",
+            );
+            assert_eq!(comm.download_vec(&b).unwrap(), vec![9u8; 5]);
+            assert_bits(
+                &comm.download_vec(&ar).unwrap(),
+                &values::<bf16>(0, 7, 2),
+                "group all_reduce",
+            );
+            assert_eq!(comm.traffic().calls(), 4);
+        }
+        passed("gpu_groups_defer_the_mean_and_run_on_finish");
+    }
+
+    #[test]
+    fn gpu_validation_errors_leave_the_communicator_usable() {
+        let Some(_g) = gpu("gpu_validation_errors_leave_the_communicator_usable") else {
+            return;
+        };
+        for o in modes() {
+            let mut comm = NcclComm::single(0, o).unwrap();
+            let s = comm.upload(&[1.0f32, 2.0]).unwrap();
+            let mut r = comm.alloc::<f32>(3).unwrap();
+            assert!(matches!(
+                comm.all_gather(&s, &mut r),
+                Err(Error::LengthMismatch {
+                    expected: 2,
+                    got: 3,
+                    ..
+                })
+            ));
+            let mut bytes = comm.upload(&[1u8, 2]).unwrap();
+            assert!(matches!(
+                comm.all_reduce(&mut bytes, ReduceOp::Sum),
+                Err(Error::UnsupportedReduce { .. })
+            ));
+            assert!(matches!(
+                comm.broadcast(&mut bytes, 1),
+                Err(Error::InvalidRoot { root: 1, .. })
+            ));
+            let mut host = [0.0f32; 3];
+            assert!(matches!(
+                comm.download(&s, &mut host),
+                Err(Error::BufferLength { .. })
+            ));
+            assert!(!comm.is_aborted());
+            let mut ok = comm.upload(&[3.0f32]).unwrap();
+            comm.all_reduce(&mut ok, ReduceOp::Mean).unwrap();
+            assert_eq!(comm.download_vec(&ok).unwrap(), vec![3.0]);
+            // An explicit abort fails later calls with `Aborted`.
+            comm.abort("test abort".into());
+            assert!(matches!(comm.barrier(), Err(Error::Aborted { .. })));
+        }
+        passed("gpu_validation_errors_leave_the_communicator_usable");
+    }
+}
+
+/// A world of two where rank 1 never joins: non-blocking init must give up at the timeout, abort,
+/// and return an error (run on a thread, so a hang fails this test instead of the whole run).
+#[test]
+fn gpu_init_times_out_when_a_peer_never_joins() {
+    let Some(_g) = gpu("gpu_init_times_out_when_a_peer_never_joins") else {
+        return;
+    };
+    let rt = zero_comm::nccl::probe().unwrap();
+    if !rt.nonblocking_init {
+        eprintln!(
+            "skip: libnccl {:?} cannot create non-blocking communicators",
+            rt.nccl_version
+        );
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let start = Instant::now();
+        let o = NcclOptions {
+            timeout: Duration::from_secs(3),
+            ..opts(WaitMode::Eager, true, true)
+        };
+        let topo = zero_core::Topology::single_node(2).unwrap();
+        let r = NcclComm::unique_id()
+            .and_then(|id| NcclComm::from_unique_id(&id, 0, topo, 0, o))
+            .map(|_| ());
+        let _ = tx.send((r, start.elapsed()));
+    });
+    let (r, took) = rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("init with a missing peer hung past 90 s despite a 3 s timeout");
+    let err = r.unwrap_err().to_string();
+    eprintln!("init without rank 1 after {took:?}: {err}");
+    assert!(err.contains("did not complete"), "{err}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    passed("gpu_init_times_out_when_a_peer_never_joins");
+}
+
+/// `ZERO_GPU_BENCH=1`: all-gather, reduce-scatter and all-reduce of 64 MiB at world size 1 (a
+/// device copy, or an in-place no-op plus the launch), one `ZERO_GPU_BW …` line each.
+#[test]
+fn gpu_bandwidth_report() {
+    if std::env::var("ZERO_GPU_BENCH").as_deref() != Ok("1") {
+        eprintln!("skip gpu_bandwidth_report: ZERO_GPU_BENCH=1 is not set");
+        return;
+    }
+    let Some(_g) = gpu("gpu_bandwidth_report") else {
+        return;
+    };
+    let mib: usize = std::env::var("ZERO_GPU_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let bytes = mib << 20;
+    let len = bytes / 4;
+    let iters = 20;
+    let mut comm = NcclComm::single(0, opts(WaitMode::Lazy, false, true)).unwrap();
+    let src = comm.upload(&vec![1.0f32; len]).unwrap();
+    let mut dst = comm.alloc::<f32>(len).unwrap();
+    let mut buf = comm.upload(&vec![1.0f32; len]).unwrap();
+    let mut time = |name: &str, f: &mut dyn FnMut(&mut NcclComm)| {
+        for _ in 0..3 {
+            f(&mut comm);
+        }
+        comm.synchronize().unwrap();
+        let start = Instant::now();
+        for _ in 0..iters {
+            f(&mut comm);
+        }
+        comm.synchronize().unwrap();
+        let secs = start.elapsed().as_secs_f64() / f64::from(iters);
+        let gbps = bytes as f64 / secs / 1e9;
+        println!(
+            "ZERO_GPU_BW op={name} bytes={bytes} iters={iters} seconds={secs:.6e} algbw_gbps={gbps:.1}"
+        );
+    };
+    time("all_gather", &mut |c| c.all_gather(&src, &mut dst).unwrap());
+    time("reduce_scatter", &mut |c| {
+        c.reduce_scatter(&src, &mut dst, zero_comm::ReduceOp::Sum)
+            .unwrap()
+    });
+    time("all_reduce", &mut |c| {
+        c.all_reduce(&mut buf, zero_comm::ReduceOp::Sum).unwrap()
+    });
+    passed("gpu_bandwidth_report");
+}
