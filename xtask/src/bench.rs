@@ -50,15 +50,14 @@ fn tail_loss(v: &serde_json::Value) -> f64 {
         .as_array()
         .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
         .unwrap_or_default();
-    let k = l.len().min(10).max(1);
+    let k = l.len().clamp(1, 10);
     l[l.len().saturating_sub(k)..].iter().sum::<f64>() / k as f64
 }
 
 pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
     let out = Path::new(&a.out);
     std::fs::create_dir_all(out)?;
-    let steps = a.steps.to_string();
-    let s: &'static str = Box::leak(steps.into_boxed_str());
+    let s = a.steps.to_string();
     let rows = [
         Row {
             name: "stage0",
@@ -110,7 +109,7 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
     let mut z3_loss = None;
     for r in &rows {
         let mut args = r.args.clone();
-        args.extend(["--steps", s]);
+        args.extend(["--steps", s.as_str()]);
         let v = run_train(out, r.name, &args)?;
         let wall = v["wall_secs"].as_f64().unwrap_or(f64::NAN);
         let ms = wall * 1e3 / a.steps as f64;
