@@ -48,7 +48,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "zero-comm/nccl",
+            "zero-comm/nccl,zero-comm/wgpu,zero-quant/wgpu",
             "--",
             "-D",
             "warnings",
@@ -56,7 +56,14 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
         run_step("clippy", clippy)?;
     }
     let mut test = cargo();
-    test.args(["test", "--workspace"]);
+    // The wgpu loopback and the WGSL codecs run on Mesa's lavapipe in CI (ZERO_REQUIRE_WGPU=1
+    // makes a missing adapter a failure; elsewhere those tests print why they skip).
+    test.args([
+        "test",
+        "--workspace",
+        "--features",
+        "zero-comm/wgpu,zero-quant/wgpu",
+    ]);
     // insta: with CI set, a missing or changed snapshot fails and nothing is written.
     if std::env::var_os("CI").is_some() {
         test.env("INSTA_UPDATE", "no");

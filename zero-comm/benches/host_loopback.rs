@@ -6,6 +6,8 @@
 //! rank has finished its part). `algbw = S / t` with `S` the full buffer (the all-gather output, the
 //! reduce-scatter input, the all-reduce buffer); `busbw = algbw · (n−1)/n` for all-gather and
 //! reduce-scatter and `algbw · 2(n−1)/n` for all-reduce, as nccl-tests define them.
+//!
+//! With `--features wgpu`, the wgpu loopback follows at n = 2 and 4 (`support/wgpu.rs`).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -13,6 +15,10 @@ use std::time::{Duration, Instant};
 use zero_comm::host::HostWorld;
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::Topology;
+
+#[cfg(feature = "wgpu")]
+#[path = "support/wgpu.rs"]
+mod wgpu_loopback;
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -152,4 +158,6 @@ fn main() {
             );
         }
     }
+    #[cfg(feature = "wgpu")]
+    wgpu_loopback::run(mib, iters);
 }

@@ -10,9 +10,15 @@
 //!
 //! - [`host`]: the in-process host loopback, one thread per rank. Always built; the reference and
 //!   the oracle for the other backends.
-//! - `wgpu` (feature `wgpu`) and `nccl` (feature `nccl`, via cudarc): device backends, not written
-//!   yet. Each will live in its own module; without its feature, a stub with the same API will
-//!   return [`Error::NotCompiled`].
+//! - `wgpu_loopback` (feature `wgpu`): N ranks on one wgpu adapter (Mesa's lavapipe in CI), data
+//!   in `wgpu::Buffer`s, reductions in WGSL, bit-identical to the host loopback. It can adopt an
+//!   existing device and wrap existing buffers (the zero-copy bridge to burn-wgpu).
+//! - [`nccl`] (feature `nccl`, via cudarc with dynamic loading): one rank per GPU, torchrun-style
+//!   bootstrap. It compiles everywhere; without the feature, or without libcuda/libnccl at run
+//!   time, constructors return an error ([`Error::NotCompiled`] or [`Error::Backend`]), never a
+//!   panic. It has not run on a GPU yet.
+//! - [`quantized`]: qwZ's int8 all-gather and qgZ's int4 hierarchical all-to-all reduce-scatter
+//!   over any communicator.
 //!
 //! **May depend on:** zero-core (topology, traffic accounting), zero-quant (codecs), half, bytemuck
 //! and thiserror; wgpu/pollster and cudarc only behind their features.
@@ -73,6 +79,8 @@ mod error;
 pub mod host;
 pub mod nccl;
 pub mod quantized;
+#[cfg(feature = "wgpu")]
+pub mod wgpu_loopback;
 
 pub use communicator::{Communicator, Group};
 pub use element::{DType, Element, ReduceOp};

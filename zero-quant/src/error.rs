@@ -94,6 +94,15 @@ pub enum Error {
         /// The byte found there.
         byte: u8,
     },
+
+    // --- Device (feature `wgpu`) ----------------------------------------------
+    /// The wgpu device kernels could not run: no adapter, a device or
+    /// validation error, a buffer without the needed usage or above the
+    /// device's binding limit, or a codec without a device kernel
+    /// ([`Identity`](crate::Identity)).
+    #[cfg(feature = "wgpu")]
+    #[error("wgpu: {0}")]
+    Device(String),
 }
 
 /// `Result` with this crate's [`Error`].

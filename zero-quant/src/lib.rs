@@ -8,11 +8,13 @@
 //! quantized collectives. The communicator layer calls it to turn a shard into
 //! bytes and back; GPU kernels written elsewhere must produce the same bytes
 //! and values, and can be tested against these host codecs. The crate has no
-//! collectives, no device code and no knowledge of sharding.
+//! collectives and no knowledge of sharding. With the optional feature
+//! `wgpu` it also provides WGSL device kernels bit-identical to the host
+//! codecs (`wgpu_kernels::WgpuQuantizer`).
 //!
 //! Dependencies: `half` (bf16/f16 types and F16C conversions), `thiserror`,
-//! and `bytemuck` (declared, currently unused). It depends on no other
-//! `zero-*` crate.
+//! and `bytemuck` (used by the `wgpu` feature); `wgpu` and `pollster` with
+//! that feature. It depends on no other `zero-*` crate.
 //!
 //! # API in one screen
 //!
@@ -183,6 +185,8 @@ mod codec;
 mod element;
 mod error;
 mod kernels;
+#[cfg(feature = "wgpu")]
+pub mod wgpu_kernels;
 
 pub use codec::{
     BlockCodec, Codec, DEFAULT_INT4_BLOCK, DEFAULT_INT8_BLOCK, Identity, Int4Block, Int8Block,
@@ -190,3 +194,5 @@ pub use codec::{
 };
 pub use element::{DType, Element};
 pub use error::{Error, Result};
+#[cfg(feature = "wgpu")]
+pub use wgpu_kernels::WgpuQuantizer;

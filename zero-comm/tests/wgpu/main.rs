@@ -14,5 +14,9 @@
 #[path = "../comm/common.rs"]
 mod common;
 
+mod collectives;
 mod device;
-mod smoke;
+mod equality;
+mod failures;
+mod groups;
+mod wrap;

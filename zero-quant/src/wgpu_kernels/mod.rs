@@ -1,0 +1,831 @@
+//! WGSL device kernels for [`Int8Block`](crate::Int8Block) and [`Int4Block`](crate::Int4Block) (feature `wgpu`),
+//! **bit-identical** to the host codecs for `f32` tensors.
+//!
+//! # Use
+//!
+//! ```no_run
+//! # fn main() -> zero_quant::Result<()> {
+//! use zero_quant::{BlockCodec, Int4Block, WgpuQuantizer};
+//!
+//! // On a shared device: `WgpuQuantizer::new(device.clone(), queue.clone())`.
+//! let q = WgpuQuantizer::new_default()?;
+//! let codec = Int4Block::default();
+//! let x: Vec<f32> = (0..5000).map(|i| (i as f32).sin()).collect();
+//! let wire = q.encode_host_via_gpu(codec, &x)?; // == host encode bytes
+//! let mut host = vec![0u8; codec.encoded_len(x.len())];
+//! codec.encode(&x, &mut host)?;
+//! assert_eq!(wire, host);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The device methods take `wgpu::Buffer`s the caller owns, bound from
+//! offset 0 (sub-ranges are not supported yet):
+//!
+//! | method | reads | writes |
+//! |---|---|---|
+//! | [`encode`](WgpuQuantizer::encode) | `input`: `n` f32, `4 n` bytes | `output`: [`encoded_len(n)`](crate::BlockCodec::encoded_len) wire bytes |
+//! | [`decode`](WgpuQuantizer::decode) | `wire` | `output`: `n` f32 |
+//! | [`decode_accumulate`](WgpuQuantizer::decode_accumulate) | `wire`, `acc` | `acc += x̂` (f32, qgZ's reduction step) |
+//!
+//! Buffers need `STORAGE` usage and at least the stated size (larger is
+//! fine; only the prefix is touched). Every call records its dispatches,
+//! submits them and **waits** for a 16-byte status read-back, so that it can
+//! return the same [`Error`] as the host codec (first non-finite input, first
+//! invalid scale or code, padding); afterwards the results are in the
+//! buffers and any later submission on the same queue sees them.
+//!
+//! # Device layout
+//!
+//! The wire buffer holds exactly the host wire bytes: the codes region is
+//! padded to 4 bytes, so the whole wire is an `array<u32>` in the shader.
+//! Word `w` of the codes holds elements `4w..4w+4` (int8, byte `k` = bits
+//! `8k..8k+8`) or `8w..8w+8` (int4, nibble `k` = bits `4k..4k+4`), i.e. the
+//! little-endian bytes of the word are the host's code bytes (element `2i`
+//! in the low nibble of byte `i`). The scales follow as one f32 bit pattern
+//! per word. Inputs and outputs are f32 arrays read and written as `u32`
+//! bit patterns (no NaN canonicalisation on the way in).
+//!
+//! Encode runs two dispatches: one workgroup per block (absmax by a
+//! workgroup `atomicMax` on the magnitude bits, the non-finite check by an
+//! `atomicMin` of the index into the status buffer, then the scale and its
+//! reciprocal into a scratch buffer), then one invocation per code word.
+//! Decode is one invocation per code word. Any block size the host accepts
+//! works, including blocks that do not start on a word (e.g. int8 with
+//! block size 6): each element looks up its own block's scale.
+//!
+//! # Bit-exactness
+//!
+//! Tested against the host codecs on Mesa lavapipe
+//! (`tests/wgpu_kernels.rs`); it holds on any conforming Vulkan/Metal/DX12
+//! device because the kernels rely only on what the Vulkan precision rules
+//! guarantee:
+//!
+//! - f32 `*` and `+` are correctly rounded (required by Vulkan); no float
+//!   division is used (Vulkan allows 2.5 ulp for `/`): `absmax / qmax`,
+//!   `1 / scale` and the subnormal-scale quotient are computed by integer
+//!   long division with round-to-nearest-even done on the integers;
+//! - rounding to a code (`round_half_away`, clamp) is done on the bits of
+//!   the product `x * inv`, so no FMA contraction is possible; in
+//!   `decode_accumulate` the product `q * scale` reaches the add through an
+//!   integer `xor` with a uniform zero, so it cannot be fused either;
+//! - drivers may flush subnormals (the Vulkan rules leave denormal handling to the driver), so every
+//!   operation that could see a subnormal input or produce a subnormal
+//!   result takes an integer path: subnormal `x` in encode, blocks with a
+//!   subnormal scale (`absmax < qmax * 2^-126`) in encode and decode, and
+//!   adds whose operands or result are subnormal in `decode_accumulate`.
+//!
+//! The host quantizes subnormal-scale blocks as `f32(f64(x) * (1 / f64(scale)))`;
+//! the device uses the correctly rounded f32 quotient `x / scale`. They are
+//! equal: `x / scale = N / S` with integers `N` and `S < 2^23`, so it is
+//! either an exact f32 rounding midpoint (impossible: `x` would need 25
+//! significant bits) or at least `2^(j-47)` away from every midpoint of
+//! `[2^j, 2^(j+1))`, while the f64 path errs by less than `2^(j-50)`.
+//!
+//! Conditions: `f32` elements only (bf16 input is not implemented), `n`
+//! below `2^31`, and each bound range within the device's
+//! `max_storage_buffer_binding_size` (128 MiB on lavapipe: 32 Mi elements).
+//!
+//! # Sharing a device
+//!
+//! [`WgpuQuantizer::new`] takes a `wgpu::Device` and `wgpu::Queue` (both are
+//! cheap reference-counted handles), so a caller that already has a device
+//! passes clones of its own: zero-comm's wgpu loopback from the device its
+//! communicators use, burn-wgpu from the device and queue of its wgpu
+//! runtime. The quantizer compiles its eight pipelines once, at
+//! construction, and is `Send + Sync`. A qgZ step on such a device is
+//! `encode` into a send buffer, the all-to-all on the wire buffers, then
+//! `decode_accumulate` of each received wire into one f32 accumulator.
+
+/// The wgpu crate these kernels are built against (use it to create
+/// buffers of the matching type).
+pub use wgpu;
+
+use std::num::NonZeroU64;
+use std::sync::mpsc;
+
+use wgpu::util::DeviceExt;
+
+use crate::codec::{BlockCodec, Codec, WireLayout, sealed::Raw};
+use crate::error::{Error, Result};
+use crate::kernels::{I4, I8, QFormat};
+
+const COMMON_WGSL: &str = include_str!("common.wgsl");
+const ENCODE_WGSL: &str = include_str!("encode.wgsl");
+const DECODE_WGSL: &str = include_str!("decode.wgsl");
+
+/// Invocations per workgroup.
+const WG: u32 = 128;
+/// Status words: error key or index (`u32::MAX` = none), then the last
+/// code word (decode) or the offending value (encode), then the offending
+/// scale (decode), then padding.
+const STATUS_WORDS: u64 = 4;
+
+/// Pipelines of one code format (int8 or int4).
+#[derive(Debug)]
+struct Format {
+    enc_scales: wgpu::ComputePipeline,
+    enc_codes: wgpu::ComputePipeline,
+    enc_fix: wgpu::ComputePipeline,
+    dec: wgpu::ComputePipeline,
+    dec_acc: wgpu::ComputePipeline,
+    dec_fix: wgpu::ComputePipeline,
+    /// Bits of the largest scale `s` with `s * qmax` finite.
+    smax: u32,
+    name: &'static str,
+    bad_code: u8,
+}
+
+/// Uniform block of the kernels (`Params` in `common.wgsl`).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n: u32,
+    bs: u32,
+    nb: u32,
+    scale_word: u32,
+    grid_a: u32,
+    grid_b: u32,
+    smax: u32,
+    zero: u32,
+    p100: u32,
+    p49: u32,
+    pad: [u32; 2],
+}
+
+/// WGSL encode / decode / decode-accumulate kernels for the int8 and int4
+/// block codecs on one wgpu device. See the [module docs](self) for the
+/// layout and the bit-exactness guarantee.
+#[derive(Debug)]
+pub struct WgpuQuantizer {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    enc_layout: wgpu::BindGroupLayout,
+    dec_layout: wgpu::BindGroupLayout,
+    int8: Format,
+    int4: Format,
+    max_groups: u32,
+    max_binding: u64,
+}
+
+fn dev_err(what: &str, e: impl std::fmt::Display) -> Error {
+    let msg: Vec<String> = e
+        .to_string()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && *l != "Caused by:")
+        .map(str::to_string)
+        .collect();
+    Error::Device(format!("{what}: {}", msg.join(": ")))
+}
+
+/// Runs `f` inside validation and out-of-memory error scopes.
+fn scoped<T>(device: &wgpu::Device, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    let out = f();
+    let oom = pollster::block_on(oom.pop());
+    let validation = pollster::block_on(validation.pop());
+    match oom.or(validation) {
+        Some(e) => Err(dev_err(what, e)),
+        None => Ok(out),
+    }
+}
+
+/// The largest `s` with `s * qmax` finite, as bits (computed with the host's
+/// own f32 multiply).
+fn smax_bits(qmax: f32) -> u32 {
+    let mut b = f32::MAX.to_bits();
+    while !(f32::from_bits(b) * qmax).is_finite() {
+        b -= 1;
+    }
+    b
+}
+
+impl WgpuQuantizer {
+    /// Compiles the kernels on an existing device (e.g. clones of the device
+    /// and queue of zero-comm's wgpu loopback or of burn-wgpu). Needs no
+    /// optional feature and only default limits.
+    pub fn new(device: wgpu::Device, queue: wgpu::Queue) -> Result<Self> {
+        let entry = |binding, ty| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let ro = wgpu::BufferBindingType::Storage { read_only: true };
+        let rw = wgpu::BufferBindingType::Storage { read_only: false };
+        let uni = wgpu::BufferBindingType::Uniform;
+        let built = scoped(&device, "compiling the zero-quant kernels", || {
+            let enc_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some("zero-quant encode"),
+                entries: &[
+                    entry(0, uni),
+                    entry(1, ro),
+                    entry(2, rw),
+                    entry(3, rw),
+                    entry(4, rw),
+                ],
+            });
+            let dec_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some("zero-quant decode"),
+                entries: &[entry(0, uni), entry(1, ro), entry(2, rw), entry(3, rw)],
+            });
+            let int8 = Self::format::<I8>(&device, &enc_layout, &dec_layout, 4, 0x80);
+            let int4 = Self::format::<I4>(&device, &enc_layout, &dec_layout, 8, 0x08);
+            (enc_layout, dec_layout, int8, int4)
+        })?;
+        let (enc_layout, dec_layout, int8, int4) = built;
+        let limits = device.limits();
+        Ok(Self {
+            max_groups: limits.max_compute_workgroups_per_dimension.max(1),
+            max_binding: limits.max_storage_buffer_binding_size,
+            device,
+            queue,
+            enc_layout,
+            dec_layout,
+            int8,
+            int4,
+        })
+    }
+
+    /// Requests the default adapter (honouring `WGPU_BACKEND` and friends;
+    /// on a machine without a GPU, Mesa's lavapipe is a Vulkan adapter that
+    /// works) and opens a device with its limits. Returns
+    /// [`Error::Device`] when there is no adapter; never panics.
+    pub fn new_default() -> Result<Self> {
+        let instance =
+            wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        }))
+        .map_err(|e| dev_err("no adapter", e))?;
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("zero-quant"),
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }))
+        .map_err(|e| dev_err("request_device", e))?;
+        Self::new(device, queue)
+    }
+
+    /// The device the kernels run on.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// The queue the kernels are submitted to.
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    fn format<F: QFormat>(
+        device: &wgpu::Device,
+        enc_layout: &wgpu::BindGroupLayout,
+        dec_layout: &wgpu::BindGroupLayout,
+        pack: u32,
+        bad: u8,
+    ) -> Format {
+        let qmax = F::QMAX as u32;
+        let bits = 32 / pack;
+        let header = format!(
+            "const QMAX: u32 = {qmax}u;\nconst QMAX_BITS: u32 = {:#x}u;\nconst PACK: u32 = {pack}u;\n\
+             const BITS: u32 = {bits}u;\nconst MASK: u32 = {:#x}u;\nconst BAD: u32 = {bad:#x}u;\n\
+             const WG: u32 = {WG}u;\n",
+            (qmax as f32).to_bits(),
+            (1u32 << bits) - 1,
+        );
+        let module = |body: &str| {
+            device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(F::NAME),
+                source: wgpu::ShaderSource::Wgsl(format!("{header}{COMMON_WGSL}{body}").into()),
+            })
+        };
+        let pipeline = |layout: &wgpu::BindGroupLayout, module: &wgpu::ShaderModule, entry| {
+            let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(entry),
+                bind_group_layouts: &[Some(layout)],
+                immediate_size: 0,
+            });
+            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pl),
+                module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+        };
+        let enc = module(ENCODE_WGSL);
+        let dec = module(DECODE_WGSL);
+        Format {
+            enc_scales: pipeline(enc_layout, &enc, "enc_scales"),
+            enc_codes: pipeline(enc_layout, &enc, "enc_codes"),
+            enc_fix: pipeline(enc_layout, &enc, "enc_fix"),
+            dec: pipeline(dec_layout, &dec, "dec"),
+            dec_acc: pipeline(dec_layout, &dec, "dec_acc"),
+            dec_fix: pipeline(dec_layout, &dec, "dec_fix"),
+            smax: smax_bits(F::QMAX as f32),
+            name: F::NAME,
+            bad_code: bad,
+        }
+    }
+
+    fn pick(&self, codec: Codec) -> Result<(&Format, Codec)> {
+        match codec {
+            Codec::Int8(_) => Ok((&self.int8, codec)),
+            Codec::Int4(_) => Ok((&self.int4, codec)),
+            Codec::Identity(_) => Err(Error::Device(
+                "the identity codec has no device kernel (copy the buffer instead)".into(),
+            )),
+        }
+    }
+
+    /// Checks a buffer's size and usage for a binding of `need` bytes.
+    fn check_buffer(
+        &self,
+        codec: &'static str,
+        what: &'static str,
+        buf: &wgpu::Buffer,
+        need: u64,
+    ) -> Result<()> {
+        if buf.size() < need {
+            return Err(Error::BufferLen {
+                codec,
+                what,
+                expected: need as usize,
+                got: buf.size() as usize,
+            });
+        }
+        if !buf.usage().contains(wgpu::BufferUsages::STORAGE) {
+            return Err(Error::Device(format!("{what}: needs STORAGE usage")));
+        }
+        if need > self.max_binding {
+            return Err(Error::Device(format!(
+                "{what}: {need} bytes exceed the device's max_storage_buffer_binding_size {}",
+                self.max_binding
+            )));
+        }
+        Ok(())
+    }
+
+    /// `(x, y)` workgroup counts covering `groups`, and the x extent.
+    fn grid(&self, groups: u32) -> (u32, u32) {
+        let x = groups.clamp(1, self.max_groups);
+        (x, groups.div_ceil(x))
+    }
+
+    fn params(&self, f: &Format, codec: Codec, n: usize) -> Result<Params> {
+        if n >= 1 << 31 {
+            return Err(Error::Device(format!(
+                "{n} elements: the kernels take n < 2^31"
+            )));
+        }
+        let l = codec.layout(n);
+        let words = (l.scales_offset / 4) as u32;
+        let (grid_a, _) = self.grid(l.num_blocks as u32);
+        let (grid_b, _) = self.grid(words.div_ceil(WG));
+        Ok(Params {
+            n: n as u32,
+            bs: codec.block_size().min(n) as u32,
+            nb: l.num_blocks as u32,
+            scale_word: words,
+            grid_a,
+            grid_b,
+            smax: f.smax,
+            zero: 0,
+            p100: 2f32.powi(-100).to_bits(),
+            p49: 2f32.powi(-49).to_bits(),
+            pad: [0; 2],
+        })
+    }
+
+    fn binding(buf: &wgpu::Buffer, size: u64) -> wgpu::BindingResource<'_> {
+        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: buf,
+            offset: 0,
+            size: NonZeroU64::new(size),
+        })
+    }
+
+    fn status_buffer(&self) -> wgpu::Buffer {
+        let init: [u32; STATUS_WORDS as usize] = [u32::MAX, 0, 0, 0];
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("zero-quant status"),
+                contents: bytemuck::cast_slice(&init),
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            })
+    }
+
+    /// Records `passes` (pipeline, grid) with one bind group, copies the
+    /// status words out, submits and waits; returns the status words.
+    fn run(
+        &self,
+        what: &str,
+        layout: &wgpu::BindGroupLayout,
+        entries: &[wgpu::BindGroupEntry<'_>],
+        status: &wgpu::Buffer,
+        passes: &[(&wgpu::ComputePipeline, (u32, u32))],
+    ) -> Result<[u32; STATUS_WORDS as usize]> {
+        let staging = scoped(&self.device, what, || {
+            let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(what),
+                layout,
+                entries,
+            });
+            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("zero-quant status read-back"),
+                size: 4 * STATUS_WORDS,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(what) });
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(what),
+                    timestamp_writes: None,
+                });
+                pass.set_bind_group(0, &bind, &[]);
+                for (pipe, (x, y)) in passes {
+                    pass.set_pipeline(pipe);
+                    pass.dispatch_workgroups(*x, *y, 1);
+                }
+            }
+            enc.copy_buffer_to_buffer(status, 0, &staging, 0, 4 * STATUS_WORDS);
+            self.queue.submit([enc.finish()]);
+            staging
+        })?;
+        let bytes = self.read_back(&staging, what)?;
+        let mut out = [0u32; STATUS_WORDS as usize];
+        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *o = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        Ok(out)
+    }
+
+    /// Maps a `MAP_READ` buffer (after its copy was submitted) and copies it out.
+    fn read_back(&self, staging: &wgpu::Buffer, what: &str) -> Result<Vec<u8>> {
+        let (tx, rx) = mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| dev_err(what, e))?;
+        // Another thread's poll may have run the callback: it has been sent.
+        rx.recv()
+            .map_err(|e| dev_err(what, e))?
+            .map_err(|e| dev_err(what, e))?;
+        let out = staging
+            .get_mapped_range(..)
+            .map_err(|e| dev_err(what, e))?
+            .to_vec();
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// Encodes `n` f32 values from `input` (at least `4 n` bytes) into the
+    /// wire bytes of `codec` in `output` (at least
+    /// [`encoded_len(n)`](crate::BlockCodec::encoded_len) bytes): the same
+    /// bytes as the host [`encode`](crate::BlockCodec::encode), or the same
+    /// [`Error::NonFinite`] (first index, its value). Waits for completion.
+    pub fn encode(
+        &self,
+        codec: impl Into<Codec>,
+        input: &wgpu::Buffer,
+        n: usize,
+        output: &wgpu::Buffer,
+    ) -> Result<()> {
+        let (f, codec) = self.pick(codec.into())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let p = self.params(f, codec, n)?;
+        let wire = codec.encoded_len(n) as u64;
+        self.check_buffer(f.name, "gpu encode input bytes", input, 4 * n as u64)?;
+        self.check_buffer(f.name, "gpu encode output bytes", output, wire)?;
+        let uniform = self.uniform(&p);
+        let scratch = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("zero-quant 1/scale"),
+            size: 4 * u64::from(p.nb),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let status = self.status_buffer();
+        let entries = [
+            wgpu::BindGroupEntry {
+                binding: 0,
+                resource: uniform.as_entire_binding(),
+            },
+            wgpu::BindGroupEntry {
+                binding: 1,
+                resource: Self::binding(input, 4 * n as u64),
+            },
+            wgpu::BindGroupEntry {
+                binding: 2,
+                resource: Self::binding(output, wire),
+            },
+            wgpu::BindGroupEntry {
+                binding: 3,
+                resource: scratch.as_entire_binding(),
+            },
+            wgpu::BindGroupEntry {
+                binding: 4,
+                resource: status.as_entire_binding(),
+            },
+        ];
+        let s = self.run(
+            "zero-quant encode",
+            &self.enc_layout,
+            &entries,
+            &status,
+            &[
+                (&f.enc_scales, self.grid(p.nb)),
+                (&f.enc_fix, (1, 1)),
+                (&f.enc_codes, self.grid(p.scale_word.div_ceil(WG))),
+            ],
+        )?;
+        if s[0] != u32::MAX {
+            return Err(Error::NonFinite {
+                index: s[0] as usize,
+                value: f32::from_bits(s[1]),
+            });
+        }
+        Ok(())
+    }
+
+    /// Decodes the `codec` wire of `n` elements in `wire` into `n` f32 in
+    /// `output`: the same values, bit for bit, as the host
+    /// [`decode`](crate::BlockCodec::decode) into `f32`, and the same errors
+    /// for corrupt wires. Waits for completion.
+    pub fn decode(
+        &self,
+        codec: impl Into<Codec>,
+        wire: &wgpu::Buffer,
+        n: usize,
+        output: &wgpu::Buffer,
+    ) -> Result<()> {
+        self.decode_impl(codec.into(), wire, n, output, false)
+    }
+
+    /// `acc += decode(wire)` for `n` f32 in `acc`, each product rounded to
+    /// f32 before the add: bit for bit the host
+    /// [`decode_accumulate`](crate::BlockCodec::decode_accumulate) (qgZ's
+    /// reduction step). Waits for completion.
+    pub fn decode_accumulate(
+        &self,
+        codec: impl Into<Codec>,
+        wire: &wgpu::Buffer,
+        n: usize,
+        acc: &wgpu::Buffer,
+    ) -> Result<()> {
+        self.decode_impl(codec.into(), wire, n, acc, true)
+    }
+
+    fn uniform(&self, p: &Params) -> wgpu::Buffer {
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("zero-quant params"),
+                contents: bytemuck::bytes_of(p),
+                usage: wgpu::BufferUsages::UNIFORM,
+            })
+    }
+
+    fn decode_impl(
+        &self,
+        codec: Codec,
+        wire: &wgpu::Buffer,
+        n: usize,
+        output: &wgpu::Buffer,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (f, codec) = self.pick(codec)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let p = self.params(f, codec, n)?;
+        let l = codec.layout(n);
+        let (wire_what, out_what) = if accumulate {
+            (
+                "gpu decode_accumulate src bytes",
+                "gpu decode_accumulate acc bytes",
+            )
+        } else {
+            ("gpu decode src bytes", "gpu decode dst bytes")
+        };
+        self.check_buffer(f.name, wire_what, wire, l.total_len as u64)?;
+        self.check_buffer(f.name, out_what, output, 4 * n as u64)?;
+        let uniform = self.uniform(&p);
+        let status = self.status_buffer();
+        let entries = [
+            wgpu::BindGroupEntry {
+                binding: 0,
+                resource: uniform.as_entire_binding(),
+            },
+            wgpu::BindGroupEntry {
+                binding: 1,
+                resource: Self::binding(wire, l.total_len as u64),
+            },
+            wgpu::BindGroupEntry {
+                binding: 2,
+                resource: Self::binding(output, 4 * n as u64),
+            },
+            wgpu::BindGroupEntry {
+                binding: 3,
+                resource: status.as_entire_binding(),
+            },
+        ];
+        let main = if accumulate { &f.dec_acc } else { &f.dec };
+        let s = self.run(
+            "zero-quant decode",
+            &self.dec_layout,
+            &entries,
+            &status,
+            &[
+                (main, self.grid(p.scale_word.div_ceil(WG))),
+                (&f.dec_fix, (1, 1)),
+            ],
+        )?;
+        // Host order: padding first, then blocks in order (scale, codes).
+        check_padding(f.name, codec.packs_pairs(), n, &l, s[1])?;
+        if s[0] != u32::MAX {
+            let key = s[0] as usize;
+            return Err(if key.is_multiple_of(2) {
+                Error::InvalidScale {
+                    codec: f.name,
+                    block: key / 2 / codec.block_size().min(n),
+                    value: f32::from_bits(s[2]),
+                }
+            } else {
+                Error::InvalidCode {
+                    codec: f.name,
+                    index: key / 2,
+                    code: f.bad_code,
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Uploads `x`, encodes it on the device and reads the wire back (for
+    /// tests and one-off use; allocates two buffers per call).
+    pub fn encode_host_via_gpu(&self, codec: impl Into<Codec>, x: &[f32]) -> Result<Vec<u8>> {
+        let codec = codec.into();
+        self.pick(codec)?;
+        let len = codec.encoded_len(x.len());
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        let input = self.upload(bytemuck::cast_slice(x));
+        let output = self.scratch(len as u64);
+        self.encode(codec, &input, x.len(), &output)?;
+        self.download(&output, len)
+    }
+
+    /// Uploads `wire`, decodes `n` elements on the device and reads them back.
+    pub fn decode_host_via_gpu(
+        &self,
+        codec: impl Into<Codec>,
+        wire: &[u8],
+        n: usize,
+    ) -> Result<Vec<f32>> {
+        let codec = codec.into();
+        self.pick(codec)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let src = self.upload_wire(codec, wire, n, "gpu decode src bytes")?;
+        let out = self.scratch(4 * n as u64);
+        self.decode(codec, &src, n, &out)?;
+        let bytes = self.download(&out, 4 * n)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Uploads `wire` and `acc`, runs
+    /// [`decode_accumulate`](Self::decode_accumulate) and reads `acc` back.
+    pub fn decode_accumulate_host_via_gpu(
+        &self,
+        codec: impl Into<Codec>,
+        wire: &[u8],
+        acc: &mut [f32],
+    ) -> Result<()> {
+        let codec = codec.into();
+        self.pick(codec)?;
+        let n = acc.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let src = self.upload_wire(codec, wire, n, "gpu decode_accumulate src bytes")?;
+        let a = self.upload(bytemuck::cast_slice(acc));
+        self.decode_accumulate(codec, &src, n, &a)?;
+        let bytes = self.download(&a, 4 * n)?;
+        acc.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
+        Ok(())
+    }
+
+    fn upload_wire(
+        &self,
+        codec: Codec,
+        wire: &[u8],
+        n: usize,
+        what: &'static str,
+    ) -> Result<wgpu::Buffer> {
+        let expected = codec.encoded_len(n);
+        if wire.len() != expected {
+            return Err(Error::BufferLen {
+                codec: codec.name(),
+                what,
+                expected,
+                got: wire.len(),
+            });
+        }
+        Ok(self.upload(wire))
+    }
+
+    fn upload(&self, bytes: &[u8]) -> wgpu::Buffer {
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("zero-quant upload"),
+                contents: bytes,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            })
+    }
+
+    fn scratch(&self, size: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("zero-quant output"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// Copies the first `len` bytes (a multiple of 4) of `buf` to the host.
+    fn download(&self, buf: &wgpu::Buffer, len: usize) -> Result<Vec<u8>> {
+        let what = "zero-quant download";
+        let staging = scoped(&self.device, what, || {
+            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(what),
+                size: len as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(what) });
+            enc.copy_buffer_to_buffer(buf, 0, &staging, 0, len as u64);
+            self.queue.submit([enc.finish()]);
+            staging
+        })?;
+        self.read_back(&staging, what)
+    }
+}
+
+/// The host's padding check (`split_wire`), on the last code word as read
+/// by the device: the unused high nibble after an odd int4 tensor, then the
+/// zero bytes that pad the codes to 4 bytes.
+fn check_padding(
+    codec: &'static str,
+    pairs: bool,
+    n: usize,
+    l: &WireLayout,
+    last_word: u32,
+) -> Result<()> {
+    let bytes = last_word.to_le_bytes();
+    let base = l.scales_offset - 4;
+    if pairs && !n.is_multiple_of(2) {
+        let b = bytes[l.codes_len - 1 - base];
+        if b & 0xf0 != 0 {
+            return Err(Error::Padding {
+                codec,
+                offset: l.codes_len - 1,
+                byte: b,
+            });
+        }
+    }
+    for off in l.codes_len..l.scales_offset {
+        let b = bytes[off - base];
+        if b != 0 {
+            return Err(Error::Padding {
+                codec,
+                offset: off,
+                byte: b,
+            });
+        }
+    }
+    Ok(())
+}
+
+// The quantizer is shared across threads (wgpu handles are Send + Sync).
+const _: fn() = || {
+    fn assert<T: Send + Sync>() {}
+    assert::<WgpuQuantizer>();
+};
