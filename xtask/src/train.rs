@@ -80,13 +80,13 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::GptConfig> {
             layers: 2,
         },
         "small" => JobConfig::default_job().model,
-        // Wide and shallow with short sequences: model states dominate memory.
+        // Wide, with short sequences and tiny batches: model states dominate memory.
         "wide" => GptConfig {
             vocab: 64,
             context: 16,
             d_model: 384,
             heads: 4,
-            layers: 4,
+            layers: 8,
         },
         "medium" => GptConfig {
             vocab: 64,

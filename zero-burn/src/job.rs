@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::model::GptConfig;
 use crate::optim::Optimizer;
 use crate::trainer::{MeasuredMemory, TrainOptions};
-use crate::world::train_host;
+use crate::world::{HostRun, train_host};
 
 /// Where the data comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -177,8 +177,11 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         model,
         corpus.as_ref(),
         options,
-        job.steps,
-        job.timeout,
+        HostRun {
+            steps: job.steps,
+            timeout: job.timeout,
+            keep_final_params: false,
+        },
         on_step,
     )?;
     let wall = start.elapsed().as_secs_f64();

@@ -114,16 +114,15 @@ pub fn read_values<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> Resu
 }
 
 struct WriteValues<'a> {
-    values: &'a mut HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+    values: &'a mut NewValues,
 }
 
 impl ModuleMapper for WriteValues<'_> {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some((v, shape)) = self.values.remove(&p.id) else {
+        let Some((v, shape, require_grad)) = self.values.remove(&p.id) else {
             return p;
         };
         let (id, t, mapper) = p.consume();
-        let require_grad = t.is_require_grad();
         let device = t.device();
         let mut nt = Tensor::<D>::from_data(TensorData::new(v, shape), &device);
         if require_grad {
@@ -133,12 +132,12 @@ impl ModuleMapper for WriteValues<'_> {
     }
 }
 
-/// Replaces parameter values (id → (flat values, shape)). A shape with a zero dimension releases
-/// the parameter's storage (stage 3).
-pub fn write_values<M: Module>(
-    model: M,
-    mut values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
-) -> M {
+/// New values of parameters: id → (flat values, shape, whether it requires a gradient).
+pub type NewValues = HashMap<ParamId, (Vec<f32>, Vec<usize>, bool)>;
+
+/// Replaces parameter values. A shape with a zero dimension (and no gradient, so no autodiff
+/// node) releases the parameter's storage (stage 3).
+pub fn write_values<M: Module>(model: M, mut values: NewValues) -> M {
     model.map(&mut WriteValues {
         values: &mut values,
     })

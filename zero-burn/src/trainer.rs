@@ -292,7 +292,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let fresh = slots
             .iter()
             .zip(values)
-            .map(|(&i, v)| (t.params[i].id, (v, t.params[i].shape.clone())))
+            .map(|(&i, v)| {
+                (
+                    t.params[i].id,
+                    (v, t.params[i].shape.clone(), t.params[i].trainable),
+                )
+            })
             .collect();
         let model = t.model.clone();
         t.model = params::write_values(model, fresh);
@@ -674,7 +679,11 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             let o = e.offset as usize;
             values.insert(
                 p.id,
-                (full[o..o + e.numel as usize].to_vec(), p.shape.clone()),
+                (
+                    full[o..o + e.numel as usize].to_vec(),
+                    p.shape.clone(),
+                    p.trainable,
+                ),
             );
         }
         let model = self.model.clone();
@@ -685,7 +694,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut values = HashMap::new();
         for e in self.plan.unit_entries(u) {
             let p = &self.params[e.param];
-            values.insert(p.id, (Vec::new(), vec![0; p.rank]));
+            values.insert(p.id, (Vec::new(), vec![0; p.rank], false));
         }
         let model = self.model.clone();
         self.model = params::write_values(model, values);

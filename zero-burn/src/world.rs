@@ -25,8 +25,20 @@ pub struct RankResult<M> {
     pub memory: MeasuredMemory,
     /// The final model (stage 3: gather units released).
     pub model: M,
-    /// Every parameter's final values, indexed like the plan's model (for equivalence checks).
+    /// Every parameter's final values, indexed like the plan's model (for equivalence checks);
+    /// empty unless [`HostRun::keep_final_params`].
     pub final_params: Vec<Vec<f32>>,
+}
+
+/// How long to run and what to keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRun {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Timeout of every collective.
+    pub timeout: Duration,
+    /// Gather every parameter at the end into [`RankResult::final_params`].
+    pub keep_final_params: bool,
 }
 
 /// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
@@ -36,10 +48,14 @@ pub fn train_host<M: Segmented>(
     model: M,
     corpus: &dyn Corpus,
     options: TrainOptions,
-    steps: u64,
-    timeout: Duration,
+    run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<Vec<RankResult<M>>> {
+    let HostRun {
+        steps,
+        timeout,
+        keep_final_params,
+    } = run;
     // burn modules are Send but not Sync: hand each rank its own clone through a mutex.
     let models: Mutex<Vec<Option<M>>> = Mutex::new(
         (0..plan.world_size())
@@ -61,7 +77,12 @@ pub fn train_host<M: Segmented>(
                 losses.push(l);
             }
             let traffic = t.traffic();
-            let final_params = t.gather_all_params()?;
+            // Gathering every parameter costs a full copy per rank: only on request.
+            let final_params = if keep_final_params {
+                t.gather_all_params()?
+            } else {
+                Vec::new()
+            };
             Ok(RankResult {
                 rank: t.rank(),
                 losses,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use burn::tensor::Device;
 use zero_burn::data::MarkovLanguage;
 use zero_burn::optim::Optimizer;
-use zero_burn::world::{RankResult, train_host};
+use zero_burn::world::{HostRun, RankResult, train_host};
 use zero_burn::{Gpt, GptConfig, MeasuredMemory, TrainOptions, plan_for};
 use zero_core::{Topology, ZeroConfig};
 
@@ -43,8 +43,11 @@ fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
         model,
         &corpus,
         options(),
-        STEPS,
-        Duration::from_secs(5),
+        HostRun {
+            steps: STEPS,
+            timeout: Duration::from_secs(30),
+            keep_final_params: true,
+        },
         &|_, _| {},
     )
     .unwrap();
@@ -230,8 +233,11 @@ fn zeropp_converges_like_zero3_over_hundreds_of_steps() {
             model.clone(),
             &corpus,
             options(),
-            LONG,
-            Duration::from_secs(60),
+            HostRun {
+                steps: LONG,
+                timeout: Duration::from_secs(60),
+                keep_final_params: false,
+            },
             &|_, _| {},
         )
         .unwrap();
