@@ -5,8 +5,8 @@
 //! **Role.** [`Communicator`] is the one interface the trainer (`zero-burn`) uses to move data
 //! between ranks: all-gather (plus NCCL's in-place form), reduce-scatter, all-reduce, broadcast,
 //! all-to-all, barrier, and `split` into sub-groups (hpZ's intra-node groups, qgZ's intra- and
-//! cross-node groups). Backends are thin; the contract is checked in one place per backend, before
-//! anything moves:
+//! cross-node groups). Backends are thin; the contract is checked in one place shared by every
+//! backend, before anything moves:
 //!
 //! - [`host`]: the in-process host loopback, one thread per rank. Always built; the reference and
 //!   the oracle for the other backends.
@@ -79,6 +79,7 @@ mod error;
 pub mod host;
 pub mod nccl;
 pub mod quantized;
+mod validate;
 #[cfg(feature = "wgpu")]
 pub mod wgpu_loopback;
 

@@ -30,7 +30,7 @@
 //!   fails fast with [`Error::Aborted`].
 
 mod kernels;
-mod rendezvous;
+pub(crate) mod rendezvous;
 
 use std::cell::Cell;
 use std::fmt;
@@ -39,12 +39,13 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use zero_core::{Collective, CollectiveTraffic, LinkBytes, LinkClass, Topology, TrafficTable};
+use zero_core::{Collective, Topology, TrafficTable};
 
 use crate::communicator::Communicator;
-use crate::element::{DType, Element, ReduceOp};
+use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Op, Result};
-use rendezvous::{Call, Payload, Published, ROOT_GROUP, RawPtr, World};
+use crate::validate::{Desc, ar_chunk};
+use rendezvous::{Call, DrainGuard, Payload, Published, ROOT_GROUP, RawPtr, World, check};
 
 /// The timeout of [`HostWorld::new`] callers who have no better idea.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -207,163 +208,6 @@ impl Drop for HostComm {
     }
 }
 
-/// While armed, arrives at the remaining drain barriers of an op if the op unwinds between its
-/// arrival and its last barrier, so peers reading this rank's memory finish before it is freed.
-struct DrainGuard<'a> {
-    world: &'a World,
-    group: usize,
-    rank: usize,
-    op: Op,
-    remaining: usize,
-}
-
-impl Drop for DrainGuard<'_> {
-    fn drop(&mut self) {
-        for _ in 0..self.remaining {
-            self.world
-                .drain(self.group, self.rank, self.op, Payload::Empty);
-        }
-    }
-}
-
-/// Checks run identically on every rank over every rank's descriptor.
-struct Verdict<'a> {
-    calls: &'a [Call],
-    members: &'a [usize],
-}
-
-impl Verdict<'_> {
-    fn n(&self) -> usize {
-        self.calls.len()
-    }
-
-    fn op(&self) -> Op {
-        self.calls[0].op
-    }
-
-    fn mismatch(&self, peer: usize, detail: String) -> Error {
-        Error::PeerMismatch {
-            op: self.op(),
-            rank: self.members[0],
-            peer: self.members[peer],
-            detail,
-        }
-    }
-
-    fn length(&self, rank: usize, expected: usize, got: usize) -> Error {
-        Error::LengthMismatch {
-            op: self.op(),
-            rank: self.members[rank],
-            expected,
-            got,
-        }
-    }
-
-    /// Op, dtype, reduction and root agree with rank 0's; the dtype reduces if it must; the root is
-    /// in range.
-    fn common(&self) -> Result<()> {
-        let c0 = &self.calls[0];
-        let (g0, name) = (self.members[0], |o: Op| o.name());
-        for (j, c) in self.calls.iter().enumerate().skip(1) {
-            let gj = self.members[j];
-            if c.op != c0.op {
-                return Err(self.mismatch(
-                    j,
-                    format!(
-                        "rank {gj} called {}, rank {g0} called {}",
-                        name(c.op),
-                        name(c0.op)
-                    ),
-                ));
-            }
-            if c.dtype != c0.dtype {
-                let d = |d: Option<DType>| d.map_or("none", DType::name);
-                return Err(self.mismatch(
-                    j,
-                    format!(
-                        "dtype {} on rank {gj}, {} on rank {g0}",
-                        d(c.dtype),
-                        d(c0.dtype)
-                    ),
-                ));
-            }
-            if c.reduce != c0.reduce {
-                let r = |r: Option<ReduceOp>| r.map_or("none", ReduceOp::name);
-                return Err(self.mismatch(
-                    j,
-                    format!(
-                        "reduction {} on rank {gj}, {} on rank {g0}",
-                        r(c.reduce),
-                        r(c0.reduce)
-                    ),
-                ));
-            }
-            if c.root != c0.root {
-                let r = |r: Option<usize>| r.map_or("none".to_string(), |r| r.to_string());
-                return Err(self.mismatch(
-                    j,
-                    format!(
-                        "root {} on rank {gj}, {} on rank {g0}",
-                        r(c.root),
-                        r(c0.root)
-                    ),
-                ));
-            }
-        }
-        if c0.reduce.is_some()
-            && let Some(dtype) = c0.dtype
-            && !dtype.is_reducible()
-        {
-            return Err(Error::UnsupportedReduce { op: c0.op, dtype });
-        }
-        if let Some(root) = c0.root
-            && root >= self.n()
-        {
-            return Err(Error::InvalidRoot {
-                op: c0.op,
-                root,
-                world_size: self.n(),
-            });
-        }
-        Ok(())
-    }
-
-    /// `len` (selected by `f`) is equal on every rank.
-    fn equal(&self, what: &str, f: impl Fn(&Call) -> usize) -> Result<()> {
-        let v0 = f(&self.calls[0]);
-        match self.calls.iter().position(|c| f(c) != v0) {
-            None => Ok(()),
-            Some(j) => Err(self.mismatch(
-                j,
-                format!(
-                    "{what} of {} elements on rank {}, {v0} on rank {}",
-                    f(&self.calls[j]),
-                    self.members[j],
-                    self.members[0]
-                ),
-            )),
-        }
-    }
-}
-
-/// Rounds `len` up to a multiple of `n`.
-fn round_up(len: usize, n: usize) -> usize {
-    len.div_ceil(n) * n
-}
-
-/// Chunk `k` of an all-reduce of `len` over `n`: `(offset, length)`.
-fn ar_chunk(len: usize, n: usize, k: usize) -> (usize, usize) {
-    let (q, r) = (len / n, len % n);
-    (k * q + k.min(r), q + usize::from(k < r))
-}
-
-fn add_bytes(lb: &mut LinkBytes, class: LinkClass, bytes: u64) {
-    match class {
-        LinkClass::IntraNode => lb.intra_node += bytes,
-        LinkClass::InterNode => lb.inter_node += bytes,
-    }
-}
-
 impl HostComm {
     /// The timeout every wait of this communicator uses.
     pub fn timeout(&self) -> Duration {
@@ -380,7 +224,7 @@ impl HostComm {
         self.world.arrive(
             self.group,
             self.rank,
-            call.op,
+            call.desc.op,
             Payload::Call(call),
             self.timeout,
         )
@@ -422,19 +266,13 @@ impl HostComm {
         call: Call,
         elem_bytes: usize,
         steps: usize,
-        validate: impl FnOnce(&Verdict<'_>) -> Result<()>,
         mut work: impl FnMut(usize, &[Call], &mut [u64]),
     ) -> Result<()> {
-        let op = call.op;
+        let op = call.desc.op;
         self.check_aborted(op)?;
         let published = self.arrive(call)?;
         let calls = self.calls(op, &published)?;
-        let verdict = Verdict {
-            calls: &calls,
-            members: &self.members,
-        };
-        verdict.common()?;
-        validate(&verdict)?;
+        check(&calls, &self.members)?;
 
         let n = self.members.len();
         let mut reads = vec![0u64; n];
@@ -458,24 +296,13 @@ impl HostComm {
         }
         drop(guard);
 
-        let me = self.global_rank();
-        let topo = self.world.topology;
-        let mut t = CollectiveTraffic {
-            calls: 1,
-            ..Default::default()
-        };
-        if steps > 0 {
-            for (j, &peer) in self.members.iter().enumerate() {
-                if j == self.rank {
-                    continue;
-                }
-                let class = topo.link_class(me, peer);
-                add_bytes(&mut t.received, class, reads[j] * elem_bytes as u64);
-                if let Payload::Read(theirs) = &last.payloads[j] {
-                    add_bytes(&mut t.sent, class, theirs[self.rank] * elem_bytes as u64);
-                }
-            }
-        }
+        let t = last.traffic(
+            &self.world.topology,
+            &self.members,
+            self.rank,
+            elem_bytes,
+            &reads,
+        );
         if let Some(c) = op.collective() {
             self.traffic.record(c, t);
         }
@@ -490,34 +317,24 @@ impl HostComm {
         recv: *mut E,
         recv_len: usize,
     ) -> Result<()> {
-        let n = self.members.len();
         let me = self.rank;
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            send_len: chunk,
-            recv_len,
-            in_place,
-            src: RawPtr(src.cast()),
-            ..Call::new(Collective::AllGather.into())
-        };
-        let validate = |v: &Verdict<'_>| {
-            for (j, c) in v.calls.iter().enumerate() {
-                if c.in_place && c.recv_len % n != 0 {
-                    return Err(v.length(j, round_up(c.recv_len, n), c.recv_len));
-                }
-                if !c.in_place && c.recv_len != n * c.send_len {
-                    return Err(v.length(j, n * c.send_len, c.recv_len));
-                }
-            }
-            v.equal("a chunk", |c| c.send_len)
-        };
-        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                send_len: chunk,
+                recv_len,
+                in_place,
+                ..Desc::new(Collective::AllGather)
+            },
+            RawPtr(src.cast()),
+        );
+        self.run(call, size_of::<E>(), 1, |_, calls, reads| {
             let c = chunk;
             for (j, cj) in calls.iter().enumerate() {
                 if j == me && in_place {
                     continue;
                 }
-                let off = if cj.in_place { j * c } else { 0 };
+                let off = if cj.desc.in_place { j * c } else { 0 };
                 // SAFETY: peer `j` posted `src` valid for `recv_len` (in place) or `send_len` (= c)
                 // elements, checked above, so `[off, off + c)` is in bounds; it keeps them alive
                 // and unwritten until the drain barrier: an out-of-place peer never writes its send
@@ -610,27 +427,20 @@ impl Communicator for HostComm {
         recv: &mut HostBuffer<E>,
         op: ReduceOp,
     ) -> Result<()> {
-        let n = self.members.len();
         let me = self.rank;
         let c = recv.len();
         let out = recv.data.as_mut_ptr();
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            reduce: Some(op),
-            send_len: send.len(),
-            recv_len: c,
-            src: RawPtr(send.data.as_ptr().cast()),
-            ..Call::new(Collective::ReduceScatter.into())
-        };
-        let validate = |v: &Verdict<'_>| {
-            for (j, cj) in v.calls.iter().enumerate() {
-                if cj.send_len != n * cj.recv_len {
-                    return Err(v.length(j, n * cj.recv_len, cj.send_len));
-                }
-            }
-            v.equal("an output", |c| c.recv_len)
-        };
-        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                reduce: Some(op),
+                send_len: send.len(),
+                recv_len: c,
+                ..Desc::new(Collective::ReduceScatter)
+            },
+            RawPtr(send.data.as_ptr().cast()),
+        );
+        self.run(call, size_of::<E>(), 1, |_, calls, reads| {
             let inputs: Vec<*const E> = calls
                 .iter()
                 .map(|cj| cj.src.0.cast::<E>().wrapping_add(me * c))
@@ -652,16 +462,17 @@ impl Communicator for HostComm {
         let me = self.rank;
         let len = buf.len();
         let p = buf.data.as_mut_ptr();
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            reduce: Some(op),
-            send_len: len,
-            recv_len: len,
-            src: RawPtr(p.cast_const().cast()),
-            ..Call::new(Collective::AllReduce.into())
-        };
-        let validate = |v: &Verdict<'_>| v.equal("a buffer", |c| c.send_len);
-        self.run(call, size_of::<E>(), 2, validate, |step, calls, reads| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                reduce: Some(op),
+                send_len: len,
+                recv_len: len,
+                ..Desc::new(Collective::AllReduce)
+            },
+            RawPtr(p.cast_const().cast()),
+        );
+        self.run(call, size_of::<E>(), 2, |step, calls, reads| {
             if step == 0 {
                 // Reduce-scatter half: reduce chunk `me` of every buffer into ours.
                 let (off, cl) = ar_chunk(len, n, me);
@@ -702,16 +513,17 @@ impl Communicator for HostComm {
         let me = self.rank;
         let len = buf.len();
         let p = buf.data.as_mut_ptr();
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            root: Some(root),
-            send_len: len,
-            recv_len: len,
-            src: RawPtr(p.cast_const().cast()),
-            ..Call::new(Collective::Broadcast.into())
-        };
-        let validate = |v: &Verdict<'_>| v.equal("a buffer", |c| c.send_len);
-        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                root: Some(root),
+                send_len: len,
+                recv_len: len,
+                ..Desc::new(Collective::Broadcast)
+            },
+            RawPtr(p.cast_const().cast()),
+        );
+        self.run(call, size_of::<E>(), 1, |_, calls, reads| {
             if me != root {
                 // SAFETY: the root's buffer holds `len` elements (checked) and the root writes
                 // nothing; ours is read by nobody (only the root's is).
@@ -730,25 +542,16 @@ impl Communicator for HostComm {
         let me = self.rank;
         let len = send.len();
         let out = recv.data.as_mut_ptr();
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            send_len: len,
-            recv_len: recv.len(),
-            src: RawPtr(send.data.as_ptr().cast()),
-            ..Call::new(Collective::AllToAll.into())
-        };
-        let validate = |v: &Verdict<'_>| {
-            for (j, cj) in v.calls.iter().enumerate() {
-                if cj.send_len % n != 0 {
-                    return Err(v.length(j, round_up(cj.send_len, n), cj.send_len));
-                }
-                if cj.recv_len != cj.send_len {
-                    return Err(v.length(j, cj.send_len, cj.recv_len));
-                }
-            }
-            v.equal("a buffer", |c| c.send_len)
-        };
-        self.run(call, size_of::<E>(), 1, validate, |_, calls, reads| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                send_len: len,
+                recv_len: recv.len(),
+                ..Desc::new(Collective::AllToAll)
+            },
+            RawPtr(send.data.as_ptr().cast()),
+        );
+        self.run(call, size_of::<E>(), 1, |_, calls, reads| {
             let c = len / n;
             for (j, cj) in calls.iter().enumerate() {
                 // SAFETY: every send buffer holds `n · c` elements (checked) and is never written
@@ -764,10 +567,9 @@ impl Communicator for HostComm {
 
     fn barrier(&mut self) -> Result<()> {
         self.run(
-            Call::new(Collective::Barrier.into()),
+            Call::from(Desc::new(Collective::Barrier)),
             0,
             0,
-            |_| Ok(()),
             |_, _, _| {},
         )
     }
@@ -775,17 +577,13 @@ impl Communicator for HostComm {
     fn split(&mut self, color: usize, key: usize) -> Result<HostComm> {
         let op = Op::Split;
         self.check_aborted(op)?;
-        let published = self.arrive(Call {
+        let published = self.arrive(Call::from(Desc {
             color,
             key,
-            ..Call::new(op)
-        })?;
+            ..Desc::new(op)
+        }))?;
         let calls = self.calls(op, &published)?;
-        Verdict {
-            calls: &calls,
-            members: &self.members,
-        }
-        .common()?;
+        check(&calls, &self.members)?;
         let group = published
             .split_groups
             .iter()
@@ -821,25 +619,5 @@ impl Communicator for HostComm {
 
     fn abort(&mut self, cause: String) {
         self.aborted.get_or_insert(cause);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn all_reduce_chunks_tile_the_buffer() {
-        for len in 0..40 {
-            for n in 1..9 {
-                let mut next = 0;
-                for k in 0..n {
-                    let (off, l) = ar_chunk(len, n, k);
-                    assert_eq!(off, next);
-                    next += l;
-                }
-                assert_eq!(next, len);
-            }
-        }
     }
 }

@@ -26,10 +26,10 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use zero_core::Topology;
+use zero_core::{CollectiveTraffic, Topology};
 
-use crate::element::{DType, ReduceOp};
 use crate::error::{Error, FailureReason, Op};
+use crate::validate::{Desc, tally, validate};
 
 /// A raw pointer to a rank's memory, posted for its peers to read.
 #[derive(Clone, Copy, Debug)]
@@ -47,40 +47,23 @@ impl RawPtr {
     pub(crate) const NULL: RawPtr = RawPtr(std::ptr::null());
 }
 
-/// What one rank posts at the arrival barrier of an op.
+/// What one rank posts at the arrival barrier of an op: its call descriptor and the base of the
+/// memory peers read.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Call {
-    pub(crate) op: Op,
-    pub(crate) dtype: Option<DType>,
-    pub(crate) reduce: Option<ReduceOp>,
-    pub(crate) root: Option<usize>,
-    /// Elements this rank contributes (all-gather chunk, reduce-scatter/all-reduce/broadcast/
-    /// all-to-all input length).
-    pub(crate) send_len: usize,
-    /// Elements of this rank's output buffer.
-    pub(crate) recv_len: usize,
-    /// Whether the all-gather input sits inside the output buffer at `rank · c`.
-    pub(crate) in_place: bool,
-    /// Base of the memory peers read.
+    pub(crate) desc: Desc,
     pub(crate) src: RawPtr,
-    pub(crate) color: usize,
-    pub(crate) key: usize,
 }
 
 impl Call {
-    pub(crate) fn new(op: Op) -> Self {
-        Call {
-            op,
-            dtype: None,
-            reduce: None,
-            root: None,
-            send_len: 0,
-            recv_len: 0,
-            in_place: false,
-            src: RawPtr::NULL,
-            color: 0,
-            key: 0,
-        }
+    pub(crate) fn new(desc: Desc, src: RawPtr) -> Self {
+        Call { desc, src }
+    }
+}
+
+impl From<Desc> for Call {
+    fn from(desc: Desc) -> Self {
+        Call::new(desc, RawPtr::NULL)
     }
 }
 
@@ -102,6 +85,34 @@ pub(crate) struct Published {
     pub(crate) payloads: Vec<Payload>,
     /// For a completed split: `(color, group id)` of each new group, by color.
     pub(crate) split_groups: Vec<(usize, usize)>,
+}
+
+impl Published {
+    /// The traffic of an op whose last drain barrier this is, measured from the elements read:
+    /// this rank (group rank `me` of `members`) read `reads[j]` elements from group rank `j`, and
+    /// each peer reported at this barrier what it read from us.
+    pub(crate) fn traffic(
+        &self,
+        topology: &Topology,
+        members: &[usize],
+        me: usize,
+        elem_bytes: usize,
+        reads: &[u64],
+    ) -> CollectiveTraffic {
+        tally(topology, members, me, elem_bytes, reads, |j| {
+            match &self.payloads[j] {
+                Payload::Read(theirs) => theirs[me],
+                _ => 0,
+            }
+        })
+    }
+}
+
+/// Runs, on every rank alike, the checks of [`validate`] over the descriptors every member of a
+/// group (global ranks `members`) posted at an op's arrival barrier.
+pub(crate) fn check(calls: &[Call], members: &[usize]) -> Result<(), Error> {
+    let descs: Vec<Desc> = calls.iter().map(|c| c.desc).collect();
+    validate(&descs, members, members.len())
 }
 
 enum Wait {
@@ -384,10 +395,10 @@ impl World {
         g.count = 0;
         g.phase += 1;
         // A split creates its groups here, once, so every member finds the same ids.
-        let calls: Option<Vec<&Call>> = payloads
+        let calls: Option<Vec<&Desc>> = payloads
             .iter()
             .map(|p| match p {
-                Payload::Call(c) if c.op == Op::Split => Some(c),
+                Payload::Call(c) if c.desc.op == Op::Split => Some(&c.desc),
                 _ => None,
             })
             .collect();
@@ -411,5 +422,25 @@ impl World {
         });
         st.groups[group].published = published.clone();
         published
+    }
+}
+
+/// While armed, arrives at the remaining drain barriers of an op if the op unwinds between its
+/// arrival and its last barrier, so peers reading this rank's memory (or recording commands from
+/// its buffers) finish before it goes away, and no peer waits forever.
+pub(crate) struct DrainGuard<'a> {
+    pub(crate) world: &'a World,
+    pub(crate) group: usize,
+    pub(crate) rank: usize,
+    pub(crate) op: Op,
+    pub(crate) remaining: usize,
+}
+
+impl Drop for DrainGuard<'_> {
+    fn drop(&mut self) {
+        for _ in 0..self.remaining {
+            self.world
+                .drain(self.group, self.rank, self.op, Payload::Empty);
+        }
     }
 }

@@ -51,17 +51,8 @@
 //! run on it in place. cubecl records work lazily: flush its stream before a collective that reads
 //! its tensors. Everything then executes in queue order.
 
-// The host loopback's rendezvous, compiled a second time for this backend rather than copied: the
-// same barriers, timeouts and failure poisoning. `host::rendezvous` is private to `host`; once it is
-// `pub(crate)`, replace this with a `use` (clippy's `duplicate_mod` advice). Items the host backend
-// alone uses would be dead here, hence `dead_code`.
-#[allow(dead_code, clippy::duplicate_mod)]
-#[path = "../host/rendezvous.rs"]
-mod rendezvous;
-
 mod buffer;
 mod kernels;
-mod verdict;
 
 use std::cell::Cell;
 use std::fmt;
@@ -70,14 +61,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::Duration;
 
-use zero_core::{Collective, CollectiveTraffic, LinkBytes, LinkClass, Topology, TrafficTable};
+use zero_core::{Collective, Topology, TrafficTable};
 
 use crate::communicator::Communicator;
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, FailureReason, Op, Result};
+use crate::host::rendezvous::{
+    Call, DrainGuard, Payload, Published, ROOT_GROUP, RawPtr, World, check,
+};
+use crate::validate::{Desc, ar_chunk};
 use kernels::{Batch, Core, Loc};
-use rendezvous::{Call, Payload, Published, ROOT_GROUP, RawPtr, World};
-use verdict::Verdict;
 
 pub use buffer::{REQUIRED_USAGES, WgpuBuffer};
 /// The `wgpu` this module is built against, so that callers adopt devices and wrap buffers of the
@@ -335,26 +328,6 @@ impl Drop for WgpuComm {
     }
 }
 
-/// While armed, arrives at the remaining drain barriers of an op if the op unwinds between its
-/// arrival and its last barrier, so no peer waits forever (and no peer's buffer handle, read
-/// through the rendezvous, goes away while a peer records commands from it).
-struct DrainGuard<'a> {
-    world: &'a World,
-    group: usize,
-    rank: usize,
-    op: Op,
-    remaining: usize,
-}
-
-impl Drop for DrainGuard<'_> {
-    fn drop(&mut self) {
-        for _ in 0..self.remaining {
-            self.world
-                .drain(self.group, self.rank, self.op, Payload::Empty);
-        }
-    }
-}
-
 /// The buffer a peer posted in its call descriptor.
 ///
 /// # Safety
@@ -376,24 +349,6 @@ fn loc(view: &View, elem: usize, es: usize) -> Loc<'_> {
     Loc {
         buffer: &view.buffer,
         byte: view.offset + (elem * es) as u64,
-    }
-}
-
-/// Rounds `len` up to a multiple of `n`.
-fn round_up(len: usize, n: usize) -> usize {
-    len.div_ceil(n) * n
-}
-
-/// Chunk `k` of an all-reduce of `len` over `n`: `(offset, length)`, as on the host.
-fn ar_chunk(len: usize, n: usize, k: usize) -> (usize, usize) {
-    let (q, r) = (len / n, len % n);
-    (k * q + k.min(r), q + usize::from(k < r))
-}
-
-fn add_bytes(lb: &mut LinkBytes, class: LinkClass, bytes: u64) {
-    match class {
-        LinkClass::IntraNode => lb.intra_node += bytes,
-        LinkClass::InterNode => lb.inter_node += bytes,
     }
 }
 
@@ -477,7 +432,7 @@ impl WgpuComm {
             .arrive(
                 self.group,
                 self.rank,
-                call.op,
+                call.desc.op,
                 Payload::Call(call),
                 self.timeout,
             )
@@ -525,19 +480,13 @@ impl WgpuComm {
         call: Call,
         elem_bytes: usize,
         steps: usize,
-        validate: impl FnOnce(&Verdict<'_>) -> Result<()>,
         mut work: impl FnMut(usize, &[Call], &mut [u64], &mut Batch<'_>),
     ) -> Result<()> {
-        let op = call.op;
+        let op = call.desc.op;
         self.check_aborted(op)?;
         let published = self.arrive(call)?;
         let calls = self.calls(op, &published)?;
-        let verdict = Verdict {
-            calls: &calls,
-            members: &self.members,
-        };
-        verdict.common()?;
-        validate(&verdict)?;
+        check(&calls, &self.members)?;
 
         let n = self.members.len();
         let mut reads = vec![0u64; n];
@@ -573,24 +522,13 @@ impl WgpuComm {
             return Err(self.fail_backend(op, msg));
         }
 
-        let me = self.global_rank();
-        let topo = self.shared.world.topology;
-        let mut t = CollectiveTraffic {
-            calls: 1,
-            ..Default::default()
-        };
-        if steps > 0 {
-            for (j, &peer) in self.members.iter().enumerate() {
-                if j == self.rank {
-                    continue;
-                }
-                let class = topo.link_class(me, peer);
-                add_bytes(&mut t.received, class, reads[j] * elem_bytes as u64);
-                if let Payload::Read(theirs) = &last.payloads[j] {
-                    add_bytes(&mut t.sent, class, theirs[self.rank] * elem_bytes as u64);
-                }
-            }
-        }
+        let t = last.traffic(
+            &self.shared.world.topology,
+            &self.members,
+            self.rank,
+            elem_bytes,
+            &reads,
+        );
         if let Some(c) = op.collective() {
             self.traffic.record(c, t);
         }
@@ -605,35 +543,25 @@ impl WgpuComm {
         recv: &View,
         recv_len: usize,
     ) -> Result<()> {
-        let n = self.members.len();
         let me = self.rank;
         let es = size_of::<E>();
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            send_len: chunk,
-            recv_len,
-            in_place,
-            src: post(src),
-            ..Call::new(Collective::AllGather.into())
-        };
-        let validate = |v: &Verdict<'_>| {
-            for (j, c) in v.calls.iter().enumerate() {
-                if c.in_place && c.recv_len % n != 0 {
-                    return Err(v.length(j, round_up(c.recv_len, n), c.recv_len));
-                }
-                if !c.in_place && c.recv_len != n * c.send_len {
-                    return Err(v.length(j, n * c.send_len, c.recv_len));
-                }
-            }
-            v.equal("a chunk", |c| c.send_len)
-        };
-        self.run(call, es, 1, validate, |_, calls, reads, batch| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                send_len: chunk,
+                recv_len,
+                in_place,
+                ..Desc::new(Collective::AllGather)
+            },
+            post(src),
+        );
+        self.run(call, es, 1, |_, calls, reads, batch| {
             let c = chunk;
             for (j, cj) in calls.iter().enumerate() {
                 if j == me && in_place {
                     continue;
                 }
-                let off = if cj.in_place { j * c } else { 0 };
+                let off = if cj.desc.in_place { j * c } else { 0 };
                 // SAFETY: posted at this op's arrival; used before its drain barrier. Peer `j`'s
                 // buffer holds `recv_len` (in place) or `c` elements (checked), so chunk `[off,
                 // off + c)` is in bounds, and no rank writes it in this op: out-of-place send
@@ -738,28 +666,21 @@ impl Communicator for WgpuComm {
         recv: &mut WgpuBuffer<E>,
         op: ReduceOp,
     ) -> Result<()> {
-        let n = self.members.len();
         let me = self.rank;
         let es = size_of::<E>();
         let c = recv.len();
         let out = &recv.view;
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            reduce: Some(op),
-            send_len: send.len(),
-            recv_len: c,
-            src: post(&send.view),
-            ..Call::new(Collective::ReduceScatter.into())
-        };
-        let validate = |v: &Verdict<'_>| {
-            for (j, cj) in v.calls.iter().enumerate() {
-                if cj.send_len != n * cj.recv_len {
-                    return Err(v.length(j, n * cj.recv_len, cj.send_len));
-                }
-            }
-            v.equal("an output", |c| c.recv_len)
-        };
-        self.run(call, es, 1, validate, |_, calls, reads, batch| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                reduce: Some(op),
+                send_len: send.len(),
+                recv_len: c,
+                ..Desc::new(Collective::ReduceScatter)
+            },
+            post(&send.view),
+        );
+        self.run(call, es, 1, |_, calls, reads, batch| {
             if c > 0 {
                 // SAFETY: posted at this op's arrival; used before its drain barrier. Every send
                 // buffer holds `n · c` elements (checked), so chunk `me` is in bounds; send buffers
@@ -784,16 +705,17 @@ impl Communicator for WgpuComm {
         let es = size_of::<E>();
         let len = buf.len();
         let view = &buf.view;
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            reduce: Some(op),
-            send_len: len,
-            recv_len: len,
-            src: post(view),
-            ..Call::new(Collective::AllReduce.into())
-        };
-        let validate = |v: &Verdict<'_>| v.equal("a buffer", |c| c.send_len);
-        self.run(call, es, 2, validate, |step, calls, reads, batch| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                reduce: Some(op),
+                send_len: len,
+                recv_len: len,
+                ..Desc::new(Collective::AllReduce)
+            },
+            post(view),
+        );
+        self.run(call, es, 2, |step, calls, reads, batch| {
             if step == 0 {
                 // Reduce-scatter half: reduce chunk `me` of every buffer into ours.
                 let (off, cl) = ar_chunk(len, n, me);
@@ -837,16 +759,17 @@ impl Communicator for WgpuComm {
         let es = size_of::<E>();
         let len = buf.len();
         let view = &buf.view;
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            root: Some(root),
-            send_len: len,
-            recv_len: len,
-            src: post(view),
-            ..Call::new(Collective::Broadcast.into())
-        };
-        let validate = |v: &Verdict<'_>| v.equal("a buffer", |c| c.send_len);
-        self.run(call, es, 1, validate, |_, calls, reads, batch| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                root: Some(root),
+                send_len: len,
+                recv_len: len,
+                ..Desc::new(Collective::Broadcast)
+            },
+            post(view),
+        );
+        self.run(call, es, 1, |_, calls, reads, batch| {
             if me != root {
                 // SAFETY: posted at this op's arrival; used before its drain barrier. The root's
                 // buffer holds `len` elements (checked) and the root writes nothing; ours is read
@@ -868,25 +791,16 @@ impl Communicator for WgpuComm {
         let es = size_of::<E>();
         let len = send.len();
         let out = &recv.view;
-        let call = Call {
-            dtype: Some(E::DTYPE),
-            send_len: len,
-            recv_len: recv.len(),
-            src: post(&send.view),
-            ..Call::new(Collective::AllToAll.into())
-        };
-        let validate = |v: &Verdict<'_>| {
-            for (j, cj) in v.calls.iter().enumerate() {
-                if cj.send_len % n != 0 {
-                    return Err(v.length(j, round_up(cj.send_len, n), cj.send_len));
-                }
-                if cj.recv_len != cj.send_len {
-                    return Err(v.length(j, cj.send_len, cj.recv_len));
-                }
-            }
-            v.equal("a buffer", |c| c.send_len)
-        };
-        self.run(call, es, 1, validate, |_, calls, reads, batch| {
+        let call = Call::new(
+            Desc {
+                dtype: Some(E::DTYPE),
+                send_len: len,
+                recv_len: recv.len(),
+                ..Desc::new(Collective::AllToAll)
+            },
+            post(&send.view),
+        );
+        self.run(call, es, 1, |_, calls, reads, batch| {
             let c = len / n;
             for (j, cj) in calls.iter().enumerate() {
                 // SAFETY: posted at this op's arrival; used before its drain barrier. Every send
@@ -903,10 +817,9 @@ impl Communicator for WgpuComm {
 
     fn barrier(&mut self) -> Result<()> {
         self.run(
-            Call::new(Collective::Barrier.into()),
+            Call::from(Desc::new(Collective::Barrier)),
             0,
             0,
-            |_| Ok(()),
             |_, _, _, _| {},
         )
     }
@@ -914,17 +827,13 @@ impl Communicator for WgpuComm {
     fn split(&mut self, color: usize, key: usize) -> Result<WgpuComm> {
         let op = Op::Split;
         self.check_aborted(op)?;
-        let published = self.arrive(Call {
+        let published = self.arrive(Call::from(Desc {
             color,
             key,
-            ..Call::new(op)
-        })?;
+            ..Desc::new(op)
+        }))?;
         let calls = self.calls(op, &published)?;
-        Verdict {
-            calls: &calls,
-            members: &self.members,
-        }
-        .common()?;
+        check(&calls, &self.members)?;
         let group = published
             .split_groups
             .iter()
@@ -961,25 +870,5 @@ impl Communicator for WgpuComm {
 
     fn abort(&mut self, cause: String) {
         self.aborted.get_or_insert(cause);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn all_reduce_chunks_tile_the_buffer() {
-        for len in 0..40 {
-            for n in 1..9 {
-                let mut next = 0;
-                for k in 0..n {
-                    let (off, l) = ar_chunk(len, n, k);
-                    assert_eq!(off, next);
-                    next += l;
-                }
-                assert_eq!(next, len);
-            }
-        }
     }
 }
