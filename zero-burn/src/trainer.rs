@@ -357,7 +357,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             // Sequence indices: step-major, then micro-step, then rank, then row.
             let first = ((self.step * u64::from(a) + u64::from(m)) * n + self.rank as u64) * b;
             let batch = corpus.batch(first, self.options.micro_batch, self.options.seq);
-            loss += f64::from(self.micro_step(&batch)?);
+            let l = self.micro_step(&batch)?;
+            if !l.is_finite() {
+                // The other ranks learn of it from this rank's dropped communicator (PeerFailed).
+                return Err(Error::Model(format!(
+                    "the loss is not finite ({l}) at step {} on rank {}: the run diverged",
+                    self.step, self.rank
+                )));
+            }
+            loss += f64::from(l);
         }
         self.optimizer_step()?;
         Ok((loss / f64::from(a)) as f32)
@@ -540,6 +548,14 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                     .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
                     .fold(0.0, |a, b| a + b)
             };
+            // Every rank sums the same partials in the same order, so all see the same total
+            // and fail together (fp32 has no loss scaler whose step could be skipped).
+            if !total.is_finite() {
+                return Err(Error::Model(format!(
+                    "the global gradient norm is not finite at step {} (rank {}): the loss diverged",
+                    self.step, self.rank
+                )));
+            }
             let norm = total.sqrt();
             let k = c.gradient_clipping / (norm + 1e-6);
             if k < 1.0 {

@@ -200,7 +200,9 @@ pub enum Error {
     /// learn of it from a poisoned wire and report `source: None`. Unlike the other errors that are
     /// not validation errors, every rank still made the same collective calls, so nobody hangs and
     /// the communicators stay usable; the output buffer is unspecified.
-    #[error("quantized {op} on rank {rank}: the codec failed on rank {failed_rank}{}", .source.as_ref().map_or_else(String::new, |e| format!(": {e}")))]
+    // The codec's error is the `source`, not part of this message: reporters that walk the
+    // chain (anyhow's `{:#}`) would print it twice.
+    #[error("quantized {op} on rank {rank}: the codec failed on rank {failed_rank}")]
     Quant {
         /// The logical op (all-gather for qwZ, reduce-scatter for qgZ).
         op: Op,
