@@ -30,6 +30,7 @@
 //!   fails fast with [`Error::Aborted`].
 
 mod kernels;
+pub(crate) mod loopback;
 pub(crate) mod rendezvous;
 
 use std::cell::Cell;
@@ -43,9 +44,10 @@ use zero_core::{Collective, Topology, TrafficTable};
 
 use crate::communicator::Communicator;
 use crate::element::{Element, ReduceOp};
-use crate::error::{Error, Op, Result};
+use crate::error::{Error, Result};
 use crate::validate::{Desc, ar_chunk};
-use rendezvous::{Call, DrainGuard, Payload, Published, ROOT_GROUP, RawPtr, World, check};
+use loopback::Loopback;
+use rendezvous::{Call, DrainGuard, ROOT_GROUP, RawPtr, World};
 
 /// The timeout of [`HostWorld::new`] callers who have no better idea.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -139,26 +141,7 @@ impl HostWorld {
         R: Send,
         F: Fn(HostComm) -> R + Sync,
     {
-        let f = &f;
-        thread::scope(|s| {
-            let handles: Vec<_> = self
-                .comms
-                .into_iter()
-                .map(|comm| {
-                    let name = format!("rank-{}", comm.global_rank());
-                    thread::Builder::new()
-                        .name(name)
-                        .spawn_scoped(s, move || f(comm))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| match h {
-                    Ok(h) => h.join(),
-                    Err(e) => Err(Box::new(e) as Box<dyn std::any::Any + Send>),
-                })
-                .collect()
-        })
+        loopback::launch(self.comms, f)
     }
 }
 
@@ -191,20 +174,13 @@ pub struct HostComm {
 
 impl fmt::Debug for HostComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostComm")
-            .field("rank", &self.rank)
-            .field("world_size", &self.members.len())
-            .field("global_rank", &self.global_rank())
-            .field("members", &self.members)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
+        self.fmt_comm(f, "HostComm")
     }
 }
 
 impl Drop for HostComm {
     fn drop(&mut self) {
-        self.world
-            .leave(self.group, self.global_rank(), thread::panicking());
+        self.leave();
     }
 }
 
@@ -218,41 +194,6 @@ impl HostComm {
     /// from it).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
-    }
-
-    fn arrive(&self, call: Call) -> Result<Arc<Published>> {
-        self.world.arrive(
-            self.group,
-            self.rank,
-            call.desc.op,
-            Payload::Call(call),
-            self.timeout,
-        )
-    }
-
-    fn calls(&self, op: Op, published: &Published) -> Result<Vec<Call>> {
-        published
-            .payloads
-            .iter()
-            .map(|p| match p {
-                Payload::Call(c) => Ok(*c),
-                _ => Err(Error::Backend(format!(
-                    "host loopback: {op} on rank {} found a peer at another barrier",
-                    self.global_rank()
-                ))),
-            })
-            .collect()
-    }
-
-    fn check_aborted(&self, op: Op) -> Result<()> {
-        match &self.aborted {
-            Some(cause) => Err(Error::Aborted {
-                op,
-                rank: self.global_rank(),
-                cause: cause.clone(),
-            }),
-            None => self.world.check(self.group, op, self.global_rank()),
-        }
     }
 
     /// Runs one op: arrival barrier, identical validation on every rank, then `steps` copy steps
@@ -269,43 +210,14 @@ impl HostComm {
         mut work: impl FnMut(usize, &[Call], &mut [u64]),
     ) -> Result<()> {
         let op = call.desc.op;
-        self.check_aborted(op)?;
-        let published = self.arrive(call)?;
-        let calls = self.calls(op, &published)?;
-        check(&calls, &self.members)?;
+        let (published, calls) = self.open(call)?;
 
-        let n = self.members.len();
-        let mut reads = vec![0u64; n];
-        let mut guard = DrainGuard {
-            world: &self.world,
-            group: self.group,
-            rank: self.rank,
-            op,
-            remaining: steps,
-        };
-        let mut last = published;
-        for step in 0..steps {
-            work(step, &calls, &mut reads);
-            let payload = if step + 1 == steps {
-                Payload::Read(reads.clone())
-            } else {
-                Payload::Empty
-            };
-            guard.remaining -= 1;
-            last = self.world.drain(self.group, self.rank, op, payload);
-        }
-        drop(guard);
-
-        let t = last.traffic(
-            &self.world.topology,
-            &self.members,
-            self.rank,
-            elem_bytes,
-            &reads,
-        );
-        if let Some(c) = op.collective() {
-            self.traffic.record(c, t);
-        }
+        let mut reads = vec![0u64; self.members.len()];
+        let guard = DrainGuard::new(&self.world, self.group, self.rank, op, steps);
+        let last = guard.run(published, &mut reads, |step, reads| {
+            work(step, &calls, reads)
+        });
+        self.account(op, &last, elem_bytes, &reads);
         Ok(())
     }
 
@@ -348,6 +260,30 @@ impl HostComm {
                 }
             }
         })
+    }
+}
+
+impl Loopback for HostComm {
+    const NAME: &'static str = "host loopback";
+
+    fn world(&self) -> &Arc<World> {
+        &self.world
+    }
+
+    fn group(&self) -> usize {
+        self.group
+    }
+
+    fn wait(&self) -> Duration {
+        self.timeout
+    }
+
+    fn aborted(&self) -> Option<&String> {
+        self.aborted.as_ref()
+    }
+
+    fn traffic_mut(&mut self) -> &mut TrafficTable {
+        &mut self.traffic
     }
 }
 
@@ -575,32 +511,7 @@ impl Communicator for HostComm {
     }
 
     fn split(&mut self, color: usize, key: usize) -> Result<HostComm> {
-        let op = Op::Split;
-        self.check_aborted(op)?;
-        let published = self.arrive(Call::from(Desc {
-            color,
-            key,
-            ..Desc::new(op)
-        }))?;
-        let calls = self.calls(op, &published)?;
-        check(&calls, &self.members)?;
-        let group = published
-            .split_groups
-            .iter()
-            .find(|&&(c, _)| c == color)
-            .map(|&(_, g)| g)
-            .ok_or_else(|| {
-                Error::Backend(format!(
-                    "host loopback: split lost the group of color {color}"
-                ))
-            })?;
-        let members = self.world.members(group);
-        let me = self.global_rank();
-        let rank = members.iter().position(|&g| g == me).ok_or_else(|| {
-            Error::Backend(format!(
-                "host loopback: rank {me} missing from its split group"
-            ))
-        })?;
+        let (group, members, rank) = self.split_group(color, key)?;
         Ok(HostComm {
             world: self.world.clone(),
             group,

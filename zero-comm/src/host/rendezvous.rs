@@ -429,11 +429,48 @@ impl World {
 /// arrival and its last barrier, so peers reading this rank's memory (or recording commands from
 /// its buffers) finish before it goes away, and no peer waits forever.
 pub(crate) struct DrainGuard<'a> {
-    pub(crate) world: &'a World,
-    pub(crate) group: usize,
-    pub(crate) rank: usize,
-    pub(crate) op: Op,
-    pub(crate) remaining: usize,
+    world: &'a World,
+    group: usize,
+    rank: usize,
+    op: Op,
+    remaining: usize,
+}
+
+impl<'a> DrainGuard<'a> {
+    /// Armed for the `steps` drain barriers of `op` by group rank `rank` of `group`.
+    pub(crate) fn new(world: &'a World, group: usize, rank: usize, op: Op, steps: usize) -> Self {
+        DrainGuard {
+            world,
+            group,
+            rank,
+            op,
+            remaining: steps,
+        }
+    }
+
+    /// Runs the op's steps after its arrival barrier published `published`: each step runs
+    /// `work(step, reads)`, then waits at its drain barrier; the last one publishes `reads`.
+    /// Returns the last barrier's snapshot.
+    pub(crate) fn run(
+        mut self,
+        published: Arc<Published>,
+        reads: &mut [u64],
+        mut work: impl FnMut(usize, &mut [u64]),
+    ) -> Arc<Published> {
+        let steps = self.remaining;
+        let mut last = published;
+        for step in 0..steps {
+            work(step, reads);
+            let payload = if step + 1 == steps {
+                Payload::Read(reads.to_vec())
+            } else {
+                Payload::Empty
+            };
+            self.remaining -= 1;
+            last = self.world.drain(self.group, self.rank, self.op, payload);
+        }
+        last
+    }
 }
 
 impl Drop for DrainGuard<'_> {

@@ -66,9 +66,8 @@ use zero_core::{Collective, Topology, TrafficTable};
 use crate::communicator::Communicator;
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, FailureReason, Op, Result};
-use crate::host::rendezvous::{
-    Call, DrainGuard, Payload, Published, ROOT_GROUP, RawPtr, World, check,
-};
+use crate::host::loopback::{self, Loopback};
+use crate::host::rendezvous::{Call, DrainGuard, ROOT_GROUP, RawPtr, World};
 use crate::validate::{Desc, ar_chunk};
 use kernels::{Batch, Core, Loc};
 
@@ -250,26 +249,7 @@ impl WgpuWorld {
         R: Send,
         F: Fn(WgpuComm) -> R + Sync,
     {
-        let f = &f;
-        thread::scope(|s| {
-            let handles: Vec<_> = self
-                .comms
-                .into_iter()
-                .map(|comm| {
-                    let name = format!("rank-{}", comm.global_rank());
-                    thread::Builder::new()
-                        .name(name)
-                        .spawn_scoped(s, move || f(comm))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| match h {
-                    Ok(h) => h.join(),
-                    Err(e) => Err(Box::new(e) as Box<dyn std::any::Any + Send>),
-                })
-                .collect()
-        })
+        loopback::launch(self.comms, f)
     }
 }
 
@@ -310,21 +290,13 @@ pub struct WgpuComm {
 
 impl fmt::Debug for WgpuComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("WgpuComm")
-            .field("rank", &self.rank)
-            .field("world_size", &self.members.len())
-            .field("global_rank", &self.global_rank())
-            .field("members", &self.members)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
+        self.fmt_comm(f, "WgpuComm")
     }
 }
 
 impl Drop for WgpuComm {
     fn drop(&mut self) {
-        self.shared
-            .world
-            .leave(self.group, self.global_rank(), thread::panicking());
+        self.leave();
     }
 }
 
@@ -386,73 +358,6 @@ impl WgpuComm {
         WgpuBuffer::from_wgpu(buffer, offset, len)
     }
 
-    /// Turns a rendezvous error into this backend's: a rank that failed in the backend is
-    /// recorded by the rendezvous as failed; name the real reason.
-    fn translate(&self, e: Error) -> Error {
-        match e {
-            Error::PeerFailed {
-                op,
-                rank,
-                failed_rank,
-                reason: FailureReason::Panicked,
-            } => {
-                let reason = self
-                    .shared
-                    .backend_failure(failed_rank)
-                    .map_or(FailureReason::Panicked, FailureReason::Backend);
-                Error::PeerFailed {
-                    op,
-                    rank,
-                    failed_rank,
-                    reason,
-                }
-            }
-            e => e,
-        }
-    }
-
-    fn check_aborted(&self, op: Op) -> Result<()> {
-        match &self.aborted {
-            Some(cause) => Err(Error::Aborted {
-                op,
-                rank: self.global_rank(),
-                cause: cause.clone(),
-            }),
-            None => self
-                .shared
-                .world
-                .check(self.group, op, self.global_rank())
-                .map_err(|e| self.translate(e)),
-        }
-    }
-
-    fn arrive(&self, call: Call) -> Result<Arc<Published>> {
-        self.shared
-            .world
-            .arrive(
-                self.group,
-                self.rank,
-                call.desc.op,
-                Payload::Call(call),
-                self.timeout,
-            )
-            .map_err(|e| self.translate(e))
-    }
-
-    fn calls(&self, op: Op, published: &Published) -> Result<Vec<Call>> {
-        published
-            .payloads
-            .iter()
-            .map(|p| match p {
-                Payload::Call(c) => Ok(*c),
-                _ => Err(Error::Backend(format!(
-                    "wgpu loopback: {op} on rank {} found a peer at another barrier",
-                    self.global_rank()
-                ))),
-            })
-            .collect()
-    }
-
     /// Fails this rank in the backend: records why, fails the world (peers get
     /// [`FailureReason::Backend`]) and aborts this communicator.
     fn fail_backend(&mut self, op: Op, msg: String) -> Error {
@@ -483,55 +388,26 @@ impl WgpuComm {
         mut work: impl FnMut(usize, &[Call], &mut [u64], &mut Batch<'_>),
     ) -> Result<()> {
         let op = call.desc.op;
-        self.check_aborted(op)?;
-        let published = self.arrive(call)?;
-        let calls = self.calls(op, &published)?;
-        check(&calls, &self.members)?;
+        let (published, calls) = self.open(call)?;
 
-        let n = self.members.len();
-        let mut reads = vec![0u64; n];
+        let mut reads = vec![0u64; self.members.len()];
         let mut failure = None;
-        let mut last = published;
-        {
-            let shared = &*self.shared;
-            let mut guard = DrainGuard {
-                world: &shared.world,
-                group: self.group,
-                rank: self.rank,
-                op,
-                remaining: steps,
-            };
-            for step in 0..steps {
-                if failure.is_none() {
-                    let mut batch = Batch::new(&shared.device.core);
-                    work(step, &calls, &mut reads, &mut batch);
-                    if let Err(e) = batch.submit(&mut self.scratch) {
-                        failure = Some(e);
-                    }
+        let shared = &*self.shared;
+        let scratch = &mut self.scratch;
+        let guard = DrainGuard::new(&shared.world, self.group, self.rank, op, steps);
+        let last = guard.run(published, &mut reads, |step, reads| {
+            if failure.is_none() {
+                let mut batch = Batch::new(&shared.device.core);
+                work(step, &calls, reads, &mut batch);
+                if let Err(e) = batch.submit(scratch) {
+                    failure = Some(e);
                 }
-                let payload = if step + 1 == steps {
-                    Payload::Read(reads.clone())
-                } else {
-                    Payload::Empty
-                };
-                guard.remaining -= 1;
-                last = shared.world.drain(self.group, self.rank, op, payload);
             }
-        }
+        });
         if let Some(msg) = failure {
             return Err(self.fail_backend(op, msg));
         }
-
-        let t = last.traffic(
-            &self.shared.world.topology,
-            &self.members,
-            self.rank,
-            elem_bytes,
-            &reads,
-        );
-        if let Some(c) = op.collective() {
-            self.traffic.record(c, t);
-        }
+        self.account(op, &last, elem_bytes, &reads);
         Ok(())
     }
 
@@ -575,6 +451,55 @@ impl WgpuComm {
                 }
             }
         })
+    }
+}
+
+impl Loopback for WgpuComm {
+    const NAME: &'static str = "wgpu loopback";
+
+    fn world(&self) -> &Arc<World> {
+        &self.shared.world
+    }
+
+    fn group(&self) -> usize {
+        self.group
+    }
+
+    fn wait(&self) -> Duration {
+        self.timeout
+    }
+
+    fn aborted(&self) -> Option<&String> {
+        self.aborted.as_ref()
+    }
+
+    fn traffic_mut(&mut self) -> &mut TrafficTable {
+        &mut self.traffic
+    }
+
+    /// Turns a rendezvous error into this backend's: a rank that failed in the backend is
+    /// recorded by the rendezvous as failed; name the real reason.
+    fn translate(&self, e: Error) -> Error {
+        match e {
+            Error::PeerFailed {
+                op,
+                rank,
+                failed_rank,
+                reason: FailureReason::Panicked,
+            } => {
+                let reason = self
+                    .shared
+                    .backend_failure(failed_rank)
+                    .map_or(FailureReason::Panicked, FailureReason::Backend);
+                Error::PeerFailed {
+                    op,
+                    rank,
+                    failed_rank,
+                    reason,
+                }
+            }
+            e => e,
+        }
     }
 }
 
@@ -825,32 +750,7 @@ impl Communicator for WgpuComm {
     }
 
     fn split(&mut self, color: usize, key: usize) -> Result<WgpuComm> {
-        let op = Op::Split;
-        self.check_aborted(op)?;
-        let published = self.arrive(Call::from(Desc {
-            color,
-            key,
-            ..Desc::new(op)
-        }))?;
-        let calls = self.calls(op, &published)?;
-        check(&calls, &self.members)?;
-        let group = published
-            .split_groups
-            .iter()
-            .find(|&&(c, _)| c == color)
-            .map(|&(_, g)| g)
-            .ok_or_else(|| {
-                Error::Backend(format!(
-                    "wgpu loopback: split lost the group of color {color}"
-                ))
-            })?;
-        let members = self.shared.world.members(group);
-        let me = self.global_rank();
-        let rank = members.iter().position(|&g| g == me).ok_or_else(|| {
-            Error::Backend(format!(
-                "wgpu loopback: rank {me} missing from its split group"
-            ))
-        })?;
+        let (group, members, rank) = self.split_group(color, key)?;
         Ok(WgpuComm {
             shared: self.shared.clone(),
             group,
