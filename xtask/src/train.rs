@@ -345,7 +345,8 @@ fn loss_svg(loss: &[f32], floor: Option<f64>) -> String {
         lo = lo.min(f);
     }
     let (lo, hi) = if lo.is_finite() && hi > lo {
-        (lo, hi)
+        // A margin below, so the floor line and its label stand clear of the axis.
+        (lo - 0.06 * (hi - lo), hi)
     } else {
         (0.0, 1.0)
     };
@@ -375,9 +376,10 @@ fn loss_svg(loss: &[f32], floor: Option<f64>) -> String {
     if let Some(f) = floor {
         let _ = writeln!(
             s,
-            "<line x1=\"{pad}\" y1=\"{yf:.1}\" x2=\"{r}\" y2=\"{yf:.1}\" stroke=\"#d62728\" stroke-dasharray=\"4 3\"/><text x=\"{r}\" y=\"{yt:.1}\" text-anchor=\"end\" fill=\"#d62728\">entropy floor {f:.3}</text>",
+            "<line x1=\"{pad}\" y1=\"{yf:.1}\" x2=\"{r}\" y2=\"{yf:.1}\" stroke=\"#d62728\" stroke-dasharray=\"4 3\"/><text x=\"{tx:.1}\" y=\"{yt:.1}\" text-anchor=\"start\" fill=\"#d62728\">entropy floor {f:.3}</text>",
             yf = y(f),
-            yt = y(f) - 4.0,
+            yt = y(f) + 14.0,
+            tx = pad + 6.0,
             r = w - pad
         );
     }
