@@ -55,16 +55,7 @@ pub(crate) struct PlanArgs {
 pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     let model = load_model(&a)?;
     let mut cfg = match &a.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read config {}", path.display()))?;
-            let imp = ZeroConfig::from_any(&text)
-                .with_context(|| format!("in config {}", path.display()))?;
-            for n in &imp.notes {
-                eprintln!("note: {n}");
-            }
-            imp.config
-        }
+        Some(path) => load_config(path)?,
         None => ZeroConfig::default(),
     };
     if let Some(s) = a.stage {
@@ -102,6 +93,18 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
         print!("{report}");
     }
     Ok(())
+}
+
+/// Reads a config file (ours in TOML/JSON, or DeepSpeed's JSON), printing the import's notes.
+pub(crate) fn load_config(path: &std::path::Path) -> anyhow::Result<ZeroConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config {}", path.display()))?;
+    let imp =
+        ZeroConfig::from_any(&text).with_context(|| format!("in config {}", path.display()))?;
+    for n in &imp.notes {
+        eprintln!("note: {n}");
+    }
+    Ok(imp.config)
 }
 
 fn load_model(a: &PlanArgs) -> anyhow::Result<ModelDesc> {

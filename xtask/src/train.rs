@@ -110,16 +110,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     job.model = model_preset(&a.model)?;
     let from_file = a.config.is_some();
     let mut zero = match &a.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read config {}", path.display()))?;
-            let imp = ZeroConfig::from_any(&text)
-                .with_context(|| format!("in config {}", path.display()))?;
-            for n in &imp.notes {
-                eprintln!("note: {n}");
-            }
-            imp.config
-        }
+        Some(path) => crate::plan::load_config(path)?,
         None => job.zero.clone(),
     };
     if let Some(s) = a.stage {

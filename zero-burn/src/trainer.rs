@@ -299,8 +299,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 )
             })
             .collect();
-        let model = t.model.clone();
-        t.model = params::write_values(model, fresh);
+        t.set_params(fresh);
         t.traffic_base = t.traffic();
         Ok(t)
     }
@@ -702,6 +701,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 ),
             );
         }
+        self.set_params(values);
+    }
+
+    /// Replaces the values of the parameters in `values` (burn's mapper consumes the module, so
+    /// it maps a clone, which shares every other tensor).
+    fn set_params(&mut self, values: params::NewValues) {
         let model = self.model.clone();
         self.model = params::write_values(model, values);
     }
@@ -712,8 +717,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             let p = &self.params[e.param];
             values.insert(p.id, (Vec::new(), vec![0; p.rank], false));
         }
-        let model = self.model.clone();
-        self.model = params::write_values(model, values);
+        self.set_params(values);
     }
 
     fn gather_unit(&mut self, u: usize, backward: bool) -> Result<()> {
