@@ -11,6 +11,7 @@ use crate::data::{ByteText, Corpus, MarkovLanguage};
 use crate::error::{Error, Result};
 use crate::model::GptConfig;
 use crate::optim::Optimizer;
+use crate::reduction::Reduction;
 use crate::trainer::{MeasuredMemory, TrainOptions};
 use crate::world::{HostRun, train_host};
 
@@ -170,6 +171,7 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         optimizer,
         micro_batch: job.micro_batch,
         seq: model_cfg.context,
+        reduction: Reduction::RankOrdered,
     };
     let start = Instant::now();
     let results = train_host(

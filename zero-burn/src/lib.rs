@@ -9,9 +9,11 @@
 //! names burn types.
 //!
 //! **Status:** stages 0–3 and ZeRO++ (qwZ, hpZ, qgZ, alone or together) in fp32 on burn's CPU
-//! backend (flex) with the host loopback. Mixed precision, overlap of communication with compute,
-//! and the wgpu/CUDA paths are not built yet; the trainer rejects configurations that ask for
-//! them.
+//! backend (flex) with the host loopback. Stages 0–3 are bit-identical to each other; with
+//! [`Reduction::CanonicalTree`] also across world sizes for the same global batch (any
+//! power-of-two N, or accumulation 1; not with clipping, qwZ or qgZ), see [`reduction`]. Mixed
+//! precision, overlap of communication with compute, and the wgpu/CUDA paths are not built yet;
+//! the trainer rejects configurations that ask for them.
 
 pub mod data;
 pub mod error;
@@ -19,11 +21,13 @@ pub mod job;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod reduction;
 pub mod trainer;
 pub mod world;
 
 pub use error::{Error, Result};
 pub use model::{Gpt, GptConfig, Segmented};
+pub use reduction::Reduction;
 pub use trainer::{MeasuredMemory, RankTrainer, TrainOptions};
 
 use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};

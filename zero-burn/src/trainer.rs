@@ -15,7 +15,9 @@
 //!
 //! Every stage performs the same floating-point operations in the same order; only where the
 //! bytes live changes. With fp32 and the host loopback's rank-ordered reduction, stages 0–3 are
-//! bit-identical (invariant I1).
+//! bit-identical (invariant I1). With [`Reduction::CanonicalTree`] the micro-step gradients are
+//! summed unscaled over the canonical pairwise tree instead, and divided once by `N·A` before
+//! step 3, which makes the bits independent of the world size too (see [`crate::reduction`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::model::Segmented;
 use crate::optim::{self, OptimState, Optimizer};
 use crate::params::{self, ParamInfo};
+use crate::reduction::{Reduction, TreeAccumulator};
 
 /// Training options that are not part of the ZeRO plan.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -46,6 +49,8 @@ pub struct TrainOptions {
     pub micro_batch: usize,
     /// Tokens per sequence.
     pub seq: usize,
+    /// How gradients are summed over micro-steps and ranks.
+    pub reduction: Reduction,
 }
 
 /// Measured bytes per rank, in the plan's categories.
@@ -122,12 +127,16 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
     /// otherwise this rank's chunks of trainable units.
     acc: Vec<f32>,
+    /// [`Reduction::CanonicalTree`]: the pending subtrees of the micro-step sum beyond `acc`.
+    tree: TreeAccumulator,
     opt: OptimState,
     /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step).
     secondary: Vec<Option<Vec<f32>>>,
     gathered: Vec<bool>,
     step: u64,
     micro: u32,
+    /// The unscaled loss of each micro-step of the last step.
+    micro_losses: Vec<f32>,
     peak: MeasuredMemory,
     live_gathered: u64,
     traffic_base: TrafficTable,
@@ -158,6 +167,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 got: format!("{:?} in the plan", plan.config().optimizer),
                 expected: format!("{:?}, the trainer's optimizer", options.optimizer.kind()),
             });
+        }
+        if options.reduction == Reduction::CanonicalTree {
+            check_canonical_tree(&plan, &world)?;
         }
         let params = params::describe(&model);
 
@@ -254,11 +266,18 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             acc_offset,
             shard: Vec::new(),
             acc: vec![0.0; acc_len],
+            tree: match options.reduction {
+                Reduction::RankOrdered => TreeAccumulator::default(),
+                Reduction::CanonicalTree => {
+                    TreeAccumulator::new(plan.config().gradient_accumulation_steps, acc_len)
+                }
+            },
             opt: OptimState::new(&options.optimizer, acc_len),
             secondary: vec![None; units.len()],
             gathered: vec![false; units.len()],
             step: 0,
             micro: 0,
+            micro_losses: Vec::new(),
             peak: MeasuredMemory::default(),
             live_gathered: 0,
             traffic_base: TrafficTable::new(),
@@ -345,6 +364,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.step
     }
 
+    /// The loss of each micro-step of the last optimizer step (this rank's micro-batches, in
+    /// order), unscaled: what [`crate::world::global_losses`] sums over the canonical tree.
+    pub fn last_micro_losses(&self) -> &[f32] {
+        &self.micro_losses
+    }
+
     /// One optimizer step: `gradient_accumulation_steps` micro-steps over the global batch
     /// `step`, then the update. Returns this rank's mean micro-step loss.
     pub fn train_step(&mut self, corpus: &dyn Corpus) -> Result<f32> {
@@ -352,6 +377,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let n = self.plan.world_size() as u64;
         let b = self.options.micro_batch as u64;
         let mut loss = 0.0f64;
+        self.micro_losses.clear();
         for m in 0..a {
             // Sequence indices: step-major, then micro-step, then rank, then row.
             let first = ((self.step * u64::from(a) + u64::from(m)) * n + self.rank as u64) * b;
@@ -365,6 +391,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 )));
             }
             loss += f64::from(l);
+            self.micro_losses.push(l);
         }
         self.optimizer_step()?;
         Ok((loss / f64::from(a)) as f32)
@@ -374,7 +401,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let plan = self.plan.clone();
         let stage3 = plan.stage() == 3;
         let segments = self.model.num_segments();
-        let a = plan.config().gradient_accumulation_steps as f32;
+        // Rank-ordered: each micro-step's loss is scaled by 1/A. Canonical tree: unscaled (so a
+        // micro-batch's gradient does not depend on A), divided once by N·A after the sum.
+        let scale = match self.options.reduction {
+            Reduction::RankOrdered => 1.0 / plan.config().gradient_accumulation_steps as f32,
+            Reduction::CanonicalTree => 1.0,
+        };
         // Forward, keeping only the activations between segments.
         let mut acts: Vec<Tensor<3>> = Vec::with_capacity(segments);
         let mut loss = 0.0f32;
@@ -408,7 +440,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             let x = (i > 0).then(|| Tensor::from_inner(acts[i - 1].clone()).require_grad());
             let y = self.model.forward_segment(i, batch, x.clone());
             let surrogate = match &grad_out {
-                None => y.mul_scalar(1.0 / a).sum(),
+                None => y.mul_scalar(scale).sum(),
                 Some(g) => (y * Tensor::from_inner(g.clone())).sum(),
             };
             let grads = surrogate.backward();
@@ -470,18 +502,23 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let stage = plan.stage();
         let defer = plan.config().accumulate_before_reduce;
         let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
+        // The canonical tree sums across ranks and divides once, after the last micro-step.
+        let op = match self.options.reduction {
+            Reduction::RankOrdered => ReduceOp::Mean,
+            Reduction::CanonicalTree => ReduceOp::Sum,
+        };
         if stage == 0 {
             if defer {
                 add_into(&mut self.acc[off..off + g.len()], &g);
                 if last_micro {
                     let mut full = self.acc[off..off + g.len()].to_vec();
-                    self.world.all_reduce_host(&mut full, ReduceOp::Mean)?;
+                    self.world.all_reduce_host(&mut full, op)?;
                     self.acc[off..off + full.len()].copy_from_slice(&full);
                 }
             } else {
                 let mut g = g;
-                self.world.all_reduce_host(&mut g, ReduceOp::Mean)?;
-                add_into(&mut self.acc[off..off + g.len()], &g);
+                self.world.all_reduce_host(&mut g, op)?;
+                self.accumulate(off, g);
             }
             return Ok(());
         }
@@ -489,7 +526,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             add_into(&mut self.acc[off..off + g.len()], &g);
             if last_micro {
                 let full = self.acc[off..off + unit.len as usize].to_vec();
-                let chunk = self.world.reduce_scatter_host(&full, ReduceOp::Mean)?;
+                let chunk = self.world.reduce_scatter_host(&full, op)?;
                 // Keep the reduced chunk at the start of the unit's slot.
                 self.acc[off..off + chunk.len()].copy_from_slice(&chunk);
             }
@@ -501,10 +538,18 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qscratch)?;
                 chunk
             }
-            _ => self.world.reduce_scatter_host(&g, ReduceOp::Mean)?,
+            _ => self.world.reduce_scatter_host(&g, op)?,
         };
-        add_into(&mut self.acc[off..off + chunk.len()], &chunk);
+        self.accumulate(off, chunk);
         Ok(())
+    }
+
+    /// Adds this micro-step's reduced values for `acc[off..off + reduced.len()]`.
+    fn accumulate(&mut self, off: usize, reduced: Vec<f32>) {
+        match self.options.reduction {
+            Reduction::RankOrdered => add_into(&mut self.acc[off..off + reduced.len()], &reduced),
+            Reduction::CanonicalTree => self.tree.push(&mut self.acc, self.micro, off, reduced),
+        }
     }
 
     fn optimizer_step(&mut self) -> Result<()> {
@@ -513,6 +558,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let n = plan.world_size();
         let stage = plan.stage();
         self.step += 1;
+        if self.options.reduction == Reduction::CanonicalTree {
+            // The root of the tree over all N·A micro-batches, then the one division.
+            let a = c.gradient_accumulation_steps;
+            self.tree.finish(&mut self.acc, a);
+            let total = (n as u64 * u64::from(a)) as f32;
+            for g in &mut self.acc {
+                *g /= total;
+            }
+        }
         // Where each trainable unit's reduced chunk r lives in `acc`.
         let chunk_at = |u: usize, r: usize| -> usize {
             let off = self.acc_offset[u].expect("trainable");
@@ -802,7 +856,10 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let resident = params::resident_elems(&self.model) - gathered;
         let p = &mut self.peak;
         p.parameters = p.parameters.max((resident + self.shard.len() as u64) * 4);
-        p.gradients = p.gradients.max(self.acc.len() as u64 * 4);
+        // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
+        p.gradients = p
+            .gradients
+            .max((self.acc.len() + self.tree.len()) as u64 * 4);
         p.optimizer_states = p.optimizer_states.max(self.opt.bytes());
         let sec: u64 = self
             .secondary
@@ -812,6 +869,39 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             .sum();
         p.hpz_secondary = p.hpz_secondary.max(sec);
     }
+}
+
+/// What [`Reduction::CanonicalTree`] needs: a communicator that sums in the pairwise-tree order,
+/// and no reduction path with an order of its own.
+fn check_canonical_tree<C: Communicator>(plan: &Plan, world: &C) -> Result<()> {
+    let c = plan.config();
+    let order = world.reduce_order();
+    if order != Some(zero_comm::ReduceOrder::PairwiseTree) {
+        return Err(Error::Invalid {
+            field: "reduction",
+            got: format!("canonical_tree on a communicator whose reduce order is {order:?}"),
+            expected: "a communicator that sums over the pairwise tree (the host loopback built \
+                       with ReduceOrder::PairwiseTree), or rank_ordered"
+                .into(),
+        });
+    }
+    if c.quantized_gradients {
+        return Err(Error::Invalid {
+            field: "reduction",
+            got: "canonical_tree with qgZ".into(),
+            expected: "rank_ordered (qgZ's all-to-all sums in its own order)".into(),
+        });
+    }
+    if c.accumulate_before_reduce && c.gradient_accumulation_steps > 1 {
+        return Err(Error::Invalid {
+            field: "reduction",
+            got: "canonical_tree with accumulate_before_reduce and gradient accumulation".into(),
+            expected: "rank_ordered, or a reduction every micro-step (the tree numbers \
+                       micro-batches micro-step-major)"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 fn add_into(dst: &mut [f32], src: &[f32]) {

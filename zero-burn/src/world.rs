@@ -4,12 +4,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use zero_comm::Communicator;
-use zero_comm::host::HostLoopback;
+use zero_comm::ReduceOrder;
+use zero_comm::host::HostWorld;
 use zero_core::{Plan, TrafficTable};
 
 use crate::data::Corpus;
 use crate::error::{Error, Result};
 use crate::model::Segmented;
+use crate::reduction::{Reduction, canonical_sum};
 use crate::trainer::{MeasuredMemory, RankTrainer, TrainOptions};
 
 /// What one rank reports after training.
@@ -19,6 +21,8 @@ pub struct RankResult<M> {
     pub rank: usize,
     /// This rank's mean loss per step.
     pub losses: Vec<f32>,
+    /// This rank's unscaled loss of each micro-step, per step (for [`global_losses`]).
+    pub micro_losses: Vec<Vec<f32>>,
     /// Traffic measured over all steps.
     pub traffic: TrafficTable,
     /// Peak measured memory.
@@ -42,7 +46,8 @@ pub struct HostRun {
 }
 
 /// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
-/// from a clone of `model`. `on_step(step, mean_loss)` is called by rank 0 after each step.
+/// from a clone of `model`. The loopback sums in the order `options.reduction` needs (rank order,
+/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step(step, mean_loss)` is called by rank 0 after each step.
 pub fn train_host<M: Segmented>(
     plan: Arc<Plan>,
     model: M,
@@ -62,19 +67,26 @@ pub fn train_host<M: Segmented>(
             .map(|_| Some(model.clone()))
             .collect(),
     );
-    let results =
-        HostLoopback::launch(*plan.topology(), timeout, |comm| -> Result<RankResult<M>> {
+    let order = match options.reduction {
+        Reduction::RankOrdered => ReduceOrder::RankSequential,
+        Reduction::CanonicalTree => ReduceOrder::PairwiseTree,
+    };
+    let results = HostWorld::new(*plan.topology(), timeout)
+        .with_reduce_order(order)
+        .launch(|comm| -> Result<RankResult<M>> {
             let rank = comm.rank();
             let mine = models.lock().unwrap_or_else(|e| e.into_inner())[rank].take();
             let mine = mine.ok_or_else(|| Error::Model(format!("rank {rank} launched twice")))?;
             let mut t = RankTrainer::new(plan.clone(), comm, mine, options)?;
             let mut losses = Vec::with_capacity(steps as usize);
+            let mut micro_losses = Vec::with_capacity(steps as usize);
             for s in 0..steps {
                 let l = t.train_step(corpus)?;
                 if t.rank() == 0 {
                     on_step(s, l);
                 }
                 losses.push(l);
+                micro_losses.push(t.last_micro_losses().to_vec());
             }
             let traffic = t.traffic();
             // Gathering every parameter costs a full copy per rank: only on request.
@@ -86,6 +98,7 @@ pub fn train_host<M: Segmented>(
             Ok(RankResult {
                 rank: t.rank(),
                 losses,
+                micro_losses,
                 traffic,
                 memory: t.measured_memory(),
                 model: t.model().clone(),
@@ -114,4 +127,23 @@ pub fn train_host<M: Segmented>(
         Some(e) => Err(e),
         None => Ok(out),
     }
+}
+
+/// The global loss of every step: the canonical pairwise-tree sum of all `N·A` micro-batch losses,
+/// numbered `a·N + rank` like the data, divided once by `N·A`. With
+/// [`Reduction::CanonicalTree`] it is bit-identical across the world sizes the gradients are (see
+/// [`crate::reduction`]); ranks' [`RankResult::losses`] are per-rank means.
+pub fn global_losses<M>(results: &[RankResult<M>]) -> Vec<f32> {
+    let Some(first) = results.first() else {
+        return Vec::new();
+    };
+    (0..first.micro_losses.len())
+        .map(|s| {
+            let a = first.micro_losses[s].len();
+            let leaves: Vec<f32> = (0..a)
+                .flat_map(|m| results.iter().map(move |r| r.micro_losses[s][m]))
+                .collect();
+            canonical_sum(&leaves) / leaves.len() as f32
+        })
+        .collect()
 }

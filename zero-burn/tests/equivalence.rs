@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use zero_burn::data::MarkovLanguage;
 use zero_burn::optim::Optimizer;
 use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, GptConfig, MeasuredMemory, TrainOptions, plan_for};
+use zero_burn::{Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
 use zero_core::{Topology, ZeroConfig};
 
 const STEPS: u64 = 3;
@@ -32,6 +32,7 @@ fn options() -> TrainOptions {
         optimizer: Optimizer::default(),
         micro_batch: 2,
         seq: 8,
+        reduction: Reduction::RankOrdered,
     }
 }
 

@@ -37,7 +37,12 @@ use crate::error::Result;
 /// | [`broadcast`](Communicator::broadcast) | any length, equal on every rank |
 /// | [`all_to_all`](Communicator::all_to_all) | `send = recv = len`, `len % n == 0`; chunk `j` of rank `k`'s send lands in chunk `k` of rank `j`'s recv |
 ///
-/// Reductions follow [`ReduceOp`]: rank-ordered, `f32` accumulation, one rounding. An all-reduce
+/// Reductions follow [`ReduceOp`]: `f32` accumulation, one rounding, and by default rank-ordered
+/// (`((x₀ + x₁) + x₂) + …`). The host loopback can instead sum over the canonical pairwise tree
+/// ([`ReduceOrder::PairwiseTree`], chosen per world); [`reduce_order`](Communicator::reduce_order)
+/// says which order a communicator promises. NCCL cannot honour either order (its rings and trees
+/// depend on the topology and the NCCL version) and promises none; the wgpu loopback reduces in
+/// rank order, bit for bit like the host's default, but does not report an order. An all-reduce
 /// runs as a reduce-scatter over chunks `k` of `len/n` elements plus one for `k < len % n`,
 /// followed by an all-gather of those chunks, so its bits equal a reduce-scatter's on the same
 /// elements.
@@ -121,6 +126,14 @@ pub trait Communicator: Send {
     fn split(&mut self, color: usize, key: usize) -> Result<Self>
     where
         Self: Sized;
+
+    /// The summation order this communicator's reductions promise, or `None` when it promises
+    /// none (the default: NCCL, whose order depends on its algorithm choice, and any backend that
+    /// does not say). Only a backend that returns `Some` may be relied on for results that are
+    /// bit-identical across world sizes (see [`ReduceOrder::PairwiseTree`]).
+    fn reduce_order(&self) -> Option<ReduceOrder> {
+        None
+    }
 
     /// Cumulative traffic of this rank on this communicator (sub-communicators count their own).
     fn traffic(&self) -> &TrafficTable;
@@ -207,6 +220,45 @@ pub trait Communicator: Send {
 }
 
 type QueuedOp<'g, C> = Box<dyn FnOnce(&mut C) -> Result<()> + 'g>;
+
+/// The order in which a reduction combines the `n` ranks' inputs (each element independently,
+/// accumulating in `f32` and rounding once, as [`ReduceOp`] says).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ReduceOrder {
+    /// `((x₀ + x₁) + x₂) + … + xₙ₋₁`: the host loopback's default, and the wgpu loopback's order.
+    #[default]
+    RankSequential,
+    /// The canonical pairwise tree: the sum over ranks `[lo, hi)` is the sum over `[lo, mid)` plus
+    /// the sum over `[mid, hi)`, with `mid = lo + `[`pairwise_split`]`(hi - lo)` (the largest power
+    /// of two strictly below `hi - lo`).
+    ///
+    /// Every aligned block of `2^k` leaves is a subtree of this tree, and the tree over the blocks
+    /// is the same rule over the block count. So `G` groups of `n` consecutive leaves, each summed
+    /// by this tree and then combined by this tree, give the tree over all `G·n` leaves whenever
+    /// `n` is a power of two or `G = 1`: a trainer that numbers micro-batches `a·n + rank` sums the
+    /// same tree for every world size `n` that is a power of two. Only the host loopback
+    /// implements it; NCCL cannot honour it.
+    PairwiseTree,
+}
+
+/// Where [`ReduceOrder::PairwiseTree`] splits a range of `len ≥ 2` leaves: the largest power of
+/// two strictly less than `len` (so the left part is a full power-of-two subtree).
+///
+/// ```
+/// use zero_comm::pairwise_split;
+/// assert_eq!([2, 3, 4, 5, 8, 9].map(pairwise_split), [1, 2, 2, 4, 4, 8]);
+/// ```
+///
+/// # Panics
+///
+/// If `len < 2` (there is nothing to split).
+pub fn pairwise_split(len: usize) -> usize {
+    assert!(
+        len >= 2,
+        "a pairwise split needs at least 2 leaves, got {len}"
+    );
+    1 << (usize::BITS - 1 - (len - 1).leading_zeros())
+}
 
 /// A batch of collectives issued together, NCCL-group style, as an RAII guard.
 ///

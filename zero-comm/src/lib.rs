@@ -40,7 +40,10 @@
 //!
 //! Reductions are rank-ordered and accumulate in `f32` with a single rounding ([`ReduceOp`]); an
 //! all-reduce is a reduce-scatter followed by an all-gather over the same chunks. Results are
-//! bit-identical across runs, thread timings and backends that honour the order.
+//! bit-identical across runs, thread timings and backends that honour the order. The host loopback
+//! can sum over the canonical pairwise tree instead ([`ReduceOrder::PairwiseTree`],
+//! [`host::HostWorld::with_reduce_order`]), which lets a trainer get the same bits for every world
+//! size; NCCL honours neither order.
 //!
 //! # Accounting
 //!
@@ -83,6 +86,6 @@ mod validate;
 #[cfg(feature = "wgpu")]
 pub mod wgpu_loopback;
 
-pub use communicator::{Communicator, Group};
+pub use communicator::{Communicator, Group, ReduceOrder, pairwise_split};
 pub use element::{DType, Element, ReduceOp};
 pub use error::{Error, FailureReason, Op, Result};

@@ -19,6 +19,13 @@
 //! its reduce-scatter and all-gather halves. Reductions read the inputs in rank order, so results
 //! do not depend on thread timing.
 //!
+//! # Reduction order
+//!
+//! Reductions sum in rank order by default ([`ReduceOrder::RankSequential`]).
+//! [`HostWorld::with_reduce_order`] switches a whole world (and every communicator split from it)
+//! to [`ReduceOrder::PairwiseTree`], the canonical tree that makes a trainer's sums independent of
+//! the world size; [`Communicator::reduce_order`] reports the choice.
+//!
 //! # Failures
 //!
 //! - A rank whose thread panics fails the whole world (every communicator split from it): every
@@ -42,7 +49,7 @@ use std::time::Duration;
 
 use zero_core::{Collective, Topology, TrafficTable};
 
-use crate::communicator::Communicator;
+use crate::communicator::{Communicator, ReduceOrder};
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::validate::{Desc, ar_chunk};
@@ -120,12 +127,23 @@ impl HostWorld {
                 rank,
                 members: members.clone(),
                 timeout,
+                order: ReduceOrder::default(),
                 traffic: TrafficTable::new(),
                 aborted: None,
                 _not_sync: PhantomData,
             })
             .collect();
         HostWorld { comms }
+    }
+
+    /// Makes every reduction of this world (and of communicators later split from it) sum in
+    /// `order`; the default is [`ReduceOrder::RankSequential`]. Set per world, so the ranks cannot
+    /// disagree.
+    pub fn with_reduce_order(mut self, order: ReduceOrder) -> HostWorld {
+        for c in &mut self.comms {
+            c.order = order;
+        }
+        self
     }
 
     /// The communicators, indexed by rank. Move each to its own thread.
@@ -167,6 +185,7 @@ pub struct HostComm {
     rank: usize,
     members: Arc<[usize]>,
     timeout: Duration,
+    order: ReduceOrder,
     traffic: TrafficTable,
     aborted: Option<String>,
     _not_sync: PhantomData<Cell<()>>,
@@ -364,6 +383,7 @@ impl Communicator for HostComm {
         op: ReduceOp,
     ) -> Result<()> {
         let me = self.rank;
+        let order = self.order;
         let c = recv.len();
         let out = recv.data.as_mut_ptr();
         let call = Call::new(
@@ -384,7 +404,7 @@ impl Communicator for HostComm {
             // SAFETY: every peer's send buffer holds `n · c` elements (checked), so chunk `me` is
             // in bounds; send buffers are never written during the op. `out` is our own receive
             // buffer, distinct from every send buffer and read by no peer.
-            unsafe { kernels::reduce(&inputs, out, c, op) };
+            unsafe { kernels::reduce(&inputs, out, c, op, order) };
             for (j, r) in reads.iter_mut().enumerate() {
                 if j != me {
                     *r += c as u64;
@@ -396,6 +416,7 @@ impl Communicator for HostComm {
     fn all_reduce<E: Element>(&mut self, buf: &mut HostBuffer<E>, op: ReduceOp) -> Result<()> {
         let n = self.members.len();
         let me = self.rank;
+        let order = self.order;
         let len = buf.len();
         let p = buf.data.as_mut_ptr();
         let call = Call::new(
@@ -421,7 +442,7 @@ impl Communicator for HostComm {
                 // only that chunk of the others', so nobody writes the ranges we read and nobody
                 // else touches our chunk `me`. `out` starts exactly at our own input `inputs[me]`,
                 // which `reduce` allows.
-                unsafe { kernels::reduce(&inputs, p.add(off), cl, op) };
+                unsafe { kernels::reduce(&inputs, p.add(off), cl, op, order) };
                 for (j, r) in reads.iter_mut().enumerate() {
                     if j != me {
                         *r += cl as u64;
@@ -518,10 +539,15 @@ impl Communicator for HostComm {
             rank,
             members,
             timeout: self.timeout,
+            order: self.order,
             traffic: TrafficTable::new(),
             aborted: None,
             _not_sync: PhantomData,
         })
+    }
+
+    fn reduce_order(&self) -> Option<ReduceOrder> {
+        Some(self.order)
     }
 
     fn traffic(&self) -> &TrafficTable {

@@ -8,5 +8,6 @@ mod collectives;
 mod common;
 mod failures;
 mod group;
+mod order;
 mod split;
 mod traffic;
