@@ -6,18 +6,25 @@
 //! 1. **gpu**: `nvidia-smi` (name, driver, memory per GPU). No GPU (no `nvidia-smi`, no
 //!    `/dev/nvidia*`) stops here with a reason and a non-zero exit.
 //! 2. **libs**: finds libcuda and libnccl. cudarc looks for `libnccl.so` but not `libnccl.so.2`
-//!    (the name Debian's `libnccl2` and pip's `nvidia-nccl-cu12` install), so a `libnccl.so`
-//!    symlink is made under `<target>/gpu-check/lib` and put first on `LD_LIBRARY_PATH`.
-//! 3. **build**: `cargo test -p zero-comm --features gpu-tests --no-run`.
-//! 4. **tests**: the same with `ZERO_GPU_TESTS=1`: the whole zero-comm suite, whose GPU tests
-//!    (collectives, split, groups, validation, init timeout, the mean kernels) then run on
-//!    device 0. Each GPU test that passes appends its name to `<target>/.gpu_tests_ran`, removed
+//!    (the name Debian's `libnccl2` and pip's `nvidia-nccl-cu12`/`-cu13` install), so a
+//!    `libnccl.so` symlink is made under `<work>/gpu-check/lib` and put first on
+//!    `LD_LIBRARY_PATH` (`<work>`: the target dir, or the bundle).
+//! 3. **build**: `cargo test --no-run -p zero-comm -p zero-quant --features
+//!    zero-comm/gpu-tests,zero-quant/gpu-tests`, keeping three programs: zero-comm's unit tests
+//!    (the mean kernels), its `nccl` tests, and zero-quant's `cuda_kernels` tests.
+//! 4. **tests**: each program with `ZERO_GPU_TESTS=1`: the NCCL collectives, split, groups,
+//!    validation and init timeout at world size 1, the mean kernels, and the CUDA quantization
+//!    kernels bit for bit against the host codecs (f32, bf16, f16). Each GPU test that passes
+//!    appends its name to the cookie `<work>/.gpu_tests_ran` (`ZERO_GPU_COOKIE`), removed
 //!    beforehand; no name there means they all skipped, which fails the step.
-//! 5. **bench**: all-gather, reduce-scatter and all-reduce of 64 MiB at world size 1
-//!    (`ZERO_GPU_BENCH=1`): device-copy-like bandwidth, one line per op.
+//! 5. **bench**: NCCL all-gather, reduce-scatter and all-reduce of 64 MiB at world size 1
+//!    (`ZERO_GPU_BENCH=1`), and **quant**: int8/int4 encode and decode throughput of a 256 MiB
+//!    tensor on the device (printed by the CUDA kernel tests).
 //!
-//! A short report (pass/fail per step, figures) ends the run; any failed step makes the exit
-//! status non-zero.
+//! A GPU machine without cargo (the lent ones have none) runs a bundle: `cargo xtask gpu-check
+//! --bundle DIR` builds the programs here and copies them, stripped, with the xtask binary into
+//! DIR; `DIR/xtask gpu-check --prebuilt DIR` there skips the build. A short report (pass/fail
+//! per step, figures) ends the run; any failed step makes the exit status non-zero.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
@@ -37,9 +44,17 @@ pub(crate) struct GpuCheckArgs {
     /// Buffer size of the bandwidth check, in MiB.
     #[arg(long, default_value_t = 64)]
     bench_mib: usize,
-    /// Wall-clock limit of each cargo step, in seconds.
+    /// Wall-clock limit of each step (build, each test program, bench), in seconds.
     #[arg(long, default_value_t = 360)]
     step_timeout: u64,
+    /// Only build the GPU test programs and copy them (debug info stripped), with this xtask,
+    /// into DIR; no GPU needed. On a GPU machine without cargo, run `DIR/xtask gpu-check
+    /// --prebuilt DIR` from the repository root.
+    #[arg(long, value_name = "DIR", conflicts_with = "prebuilt")]
+    bundle: Option<PathBuf>,
+    /// Run the programs of a bundle made with `--bundle` instead of building them.
+    #[arg(long, value_name = "DIR")]
+    prebuilt: Option<PathBuf>,
 }
 
 /// Every GPU test that writes the cookie when it passes (the bandwidth report excepted).
@@ -51,6 +66,14 @@ const GPU_TESTS: &[&str] = &[
     "gpu_validation_errors_leave_the_communicator_usable",
     "gpu_init_times_out_when_a_peer_never_joins",
     "gpu_mean_kernels_divide_like_the_host",
+    "cuda_encode_decode_accumulate_match_host_bit_for_bit",
+    "cuda_every_length_up_to_70_with_small_blocks",
+    "cuda_hand_computed_int4_wire",
+    "cuda_non_finite_input_reports_the_first_index",
+    "cuda_corrupt_wires_give_the_host_errors",
+    "cuda_bf16_and_f16_tensors_match_host_bit_for_bit",
+    "cuda_a_large_tensor_matches_the_host_and_reports_throughput",
+    "cuda_buffers_and_codecs_are_checked",
 ];
 
 const BW_PREFIX: &str = "ZERO_GPU_BW ";
@@ -91,11 +114,14 @@ fn run_limited(name: &str, mut cmd: Command, limit: Duration) -> anyhow::Result<
         .spawn()
         .with_context(|| format!("cannot start {name}"))?;
     let out = child.stdout.take();
+    let quiet = QUIET.with(|q| q.get());
     let reader = thread::spawn(move || {
         let mut lines = Vec::new();
         if let Some(out) = out {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                println!("{line}");
+                if !quiet {
+                    println!("{line}");
+                }
                 lines.push(line);
             }
         }
@@ -341,20 +367,158 @@ fn parse_bw_line(line: &str) -> Option<(String, u64, f64, f64)> {
     Some((op?, bytes?, secs?, gbps?))
 }
 
-fn gpu_test_cmd(root: &Path, target: &Path, ld_path: &str) -> Command {
+/// One GPU test program: a test binary of a workspace crate, built with its `gpu-tests` feature.
+struct Program {
+    /// Its name in a bundle.
+    name: &'static str,
+    /// The crate directory (and package name).
+    package: &'static str,
+    /// `None`: the library's unit tests; `Some(t)`: the integration test `t`.
+    test: Option<&'static str>,
+    /// Arguments for the test harness (a filter).
+    args: &'static [&'static str],
+}
+
+const PROGRAMS: &[Program] = &[
+    Program {
+        name: "zero-comm-lib",
+        package: "zero-comm",
+        test: None,
+        args: &["nccl"],
+    },
+    Program {
+        name: "zero-comm-nccl",
+        package: "zero-comm",
+        test: Some("nccl"),
+        args: &[],
+    },
+    Program {
+        name: "zero-quant-cuda",
+        package: "zero-quant",
+        test: Some("cuda_kernels"),
+        args: &["--nocapture"],
+    },
+];
+
+const QUANT_PREFIX: &str = "ZERO_GPU_QUANT ";
+
+/// Builds the GPU test programs and returns `(program, executable)` pairs.
+fn build_programs(
+    root: &Path,
+    target: &Path,
+    limit: Duration,
+) -> anyhow::Result<(Ran, Vec<(usize, PathBuf)>)> {
     let mut c = cargo();
     c.current_dir(root)
-        .args(["test", "-p", "zero-comm", "--features", "gpu-tests"])
-        .env("CARGO_TARGET_DIR", target)
-        .env("LD_LIBRARY_PATH", ld_path)
-        .env("ZERO_GPU_TESTS", "1");
-    c
+        .args([
+            "test",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ])
+        .args(["-p", "zero-comm", "-p", "zero-quant"])
+        .args(["--features", "zero-comm/gpu-tests,zero-quant/gpu-tests"])
+        .env("CARGO_TARGET_DIR", target);
+    let ran = run_limited_quiet("build", c, limit)?;
+    let mut found = Vec::new();
+    for line in &ran.stdout {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v["reason"] != "compiler-artifact" || v["profile"]["test"] != true {
+            continue;
+        }
+        let Some(exe) = v["executable"].as_str() else {
+            continue;
+        };
+        let manifest = Path::new(v["manifest_path"].as_str().unwrap_or_default());
+        let package = manifest
+            .parent()
+            .and_then(|d| d.file_name())
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let kind = v["target"]["kind"][0].as_str().unwrap_or_default();
+        let tname = v["target"]["name"].as_str().unwrap_or_default();
+        for (i, p) in PROGRAMS.iter().enumerate() {
+            let hit = match p.test {
+                None => kind == "lib",
+                Some(t) => kind == "test" && tname == t,
+            };
+            if hit && p.package == package {
+                found.push((i, PathBuf::from(exe)));
+            }
+        }
+    }
+    Ok((ran, found))
+}
+
+/// Like [`run_limited`], but keeps stdout to itself (cargo's JSON) and shows stderr.
+fn run_limited_quiet(name: &str, cmd: Command, limit: Duration) -> anyhow::Result<Ran> {
+    QUIET.with(|q| q.set(true));
+    let r = run_limited(name, cmd, limit);
+    QUIET.with(|q| q.set(false));
+    r
+}
+
+thread_local! {
+    static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `--bundle DIR`: the programs (debug info stripped) and this xtask, for a GPU machine without
+/// cargo.
+fn bundle(dir: &Path, programs: &[(usize, PathBuf)]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut files = Vec::new();
+    for (i, exe) in programs {
+        files.push((PROGRAMS[*i].name.to_string(), exe.clone()));
+    }
+    files.push(("xtask".into(), std::env::current_exe()?));
+    let mut total = 0;
+    for (name, src) in &files {
+        let dst = dir.join(name);
+        let _ = std::fs::remove_file(&dst);
+        std::fs::copy(src, &dst).with_context(|| format!("copying {}", src.display()))?;
+        // Debug info is most of a test binary; the tool may be missing (then keep it).
+        let _ = Command::new("strip")
+            .arg("--strip-debug")
+            .arg(&dst)
+            .status();
+        total += std::fs::metadata(&dst)?.len();
+    }
+    println!(
+        "bundle: {} files, {:.1} MiB in {}\nrun on the GPU machine, from the repository root:\n  {}/xtask gpu-check --prebuilt {}",
+        files.len(),
+        total as f64 / (1 << 20) as f64,
+        dir.display(),
+        dir.display(),
+        dir.display()
+    );
+    Ok(())
 }
 
 pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
-    let root = crate::test::workspace_root();
+    // A bundle runs where it was copied to, not where it was built.
+    let root = match a.prebuilt {
+        Some(_) => std::env::current_dir()?,
+        None => crate::test::workspace_root(),
+    };
     let limit = Duration::from_secs(a.step_timeout);
     let mut steps: Vec<Step> = Vec::new();
+
+    if let Some(dir) = &a.bundle {
+        let target = target_dir(&root)?;
+        let (b, programs) = build_programs(&root, &target, limit)?;
+        if !b.ok {
+            bail!("building the GPU test programs failed: {}", b.status);
+        }
+        if programs.len() != PROGRAMS.len() {
+            bail!(
+                "cargo built {} of the {} GPU test programs",
+                programs.len(),
+                PROGRAMS.len()
+            );
+        }
+        return bundle(dir, &programs);
+    }
 
     // 1. The GPU, or a clear reason to stop.
     let t = Instant::now();
@@ -370,8 +534,11 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     });
 
     // 2. Libraries.
-    let target = target_dir(&root)?;
-    let (ld_path, libs_ok) = match libraries(&target) {
+    let work = match &a.prebuilt {
+        Some(dir) => dir.clone(),
+        None => target_dir(&root)?,
+    };
+    let (ld_path, libs_ok) = match libraries(&work) {
         Ok((p, detail)) => {
             steps.push(Step {
                 name: "libs",
@@ -392,22 +559,85 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         }
     };
 
-    // 3. Build.
-    let mut build = gpu_test_cmd(&root, &target, &ld_path);
-    build.arg("--no-run");
-    let b = run_limited("build", build, limit)?;
-    steps.push(Step {
-        name: "build",
-        verdict: if b.ok { Verdict::Pass } else { Verdict::Fail },
-        secs: Some(b.secs),
-        detail: if b.ok { String::new() } else { b.status },
-    });
+    // 3. Build (or find the bundle's programs).
+    let programs: Vec<(usize, PathBuf)> = match &a.prebuilt {
+        Some(dir) => {
+            let found: Vec<(usize, PathBuf)> = PROGRAMS
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (i, dir.join(p.name)))
+                .filter(|(_, p)| p.is_file())
+                .collect();
+            steps.push(Step {
+                name: "build",
+                verdict: if found.len() == PROGRAMS.len() {
+                    Verdict::Pass
+                } else {
+                    Verdict::Fail
+                },
+                secs: None,
+                detail: format!(
+                    "prebuilt: {} of {} programs in {}",
+                    found.len(),
+                    PROGRAMS.len(),
+                    dir.display()
+                ),
+            });
+            found
+        }
+        None => {
+            let (b, found) = build_programs(&root, &work, limit)?;
+            let ok = b.ok && found.len() == PROGRAMS.len();
+            steps.push(Step {
+                name: "build",
+                verdict: if ok { Verdict::Pass } else { Verdict::Fail },
+                secs: Some(b.secs),
+                detail: if ok {
+                    String::new()
+                } else {
+                    format!("{}; {} programs", b.status, found.len())
+                },
+            });
+            found
+        }
+    };
 
     // 4. Tests, with the cookie as proof that the GPU ones ran.
-    let cookie = target.join(".gpu_tests_ran");
+    let cookie = work.join(".gpu_tests_ran");
     let _ = std::fs::remove_file(&cookie);
-    if b.ok {
-        let r = run_limited("tests", gpu_test_cmd(&root, &target, &ld_path), limit)?;
+    let program_cmd = |exe: &Path| {
+        let mut c = Command::new(exe);
+        c.current_dir(&root)
+            .env("LD_LIBRARY_PATH", &ld_path)
+            .env("ZERO_GPU_TESTS", "1")
+            .env("ZERO_GPU_COOKIE", &cookie);
+        c
+    };
+    let mut quant_figures = Vec::new();
+    if programs.is_empty() {
+        steps.push(Step {
+            name: "tests",
+            verdict: Verdict::Skip,
+            secs: None,
+            detail: "no programs".into(),
+        });
+    } else {
+        let t = Instant::now();
+        let mut failed = Vec::new();
+        for (i, exe) in &programs {
+            let p = &PROGRAMS[*i];
+            let mut c = program_cmd(exe);
+            c.args(p.args);
+            let r = run_limited(p.name, c, limit)?;
+            if !r.ok {
+                failed.push(format!("{}: {}", p.name, r.status));
+            }
+            quant_figures.extend(
+                r.stdout
+                    .iter()
+                    .filter_map(|l| l.trim().strip_prefix(QUANT_PREFIX).map(str::to_string)),
+            );
+        }
         let ran: BTreeSet<String> = std::fs::read_to_string(&cookie)
             .unwrap_or_default()
             .lines()
@@ -418,7 +648,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             .copied()
             .filter(|t| !ran.contains(*t))
             .collect();
-        let verdict = if r.ok && !ran.is_empty() {
+        let verdict = if failed.is_empty() && !ran.is_empty() {
             Verdict::Pass
         } else {
             Verdict::Fail
@@ -431,74 +661,78 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             detail += " (all skipped: see their \"skip\" lines above";
             detail += if libs_ok { ")" } else { "; libraries missing)" };
         }
-        if !r.ok {
-            detail = format!("{}; {detail}", r.status);
+        if !failed.is_empty() {
+            detail = format!("failed: {}; {detail}", failed.join(", "));
         }
         steps.push(Step {
             name: "tests",
             verdict,
-            secs: Some(r.secs),
+            secs: Some(t.elapsed().as_secs_f64()),
             detail,
-        });
-    } else {
-        steps.push(Step {
-            name: "tests",
-            verdict: Verdict::Skip,
-            secs: None,
-            detail: "build failed".into(),
         });
     }
 
-    // 5. Bandwidth.
-    if a.no_bench || !b.ok {
-        steps.push(Step {
+    // 5. Bandwidth: NCCL collectives, and the quantization kernels' figures from step 4.
+    let nccl = programs
+        .iter()
+        .find(|(i, _)| PROGRAMS[*i].name == "zero-comm-nccl");
+    match (a.no_bench, nccl) {
+        (true, _) | (_, None) => steps.push(Step {
             name: "bench",
             verdict: Verdict::Skip,
             secs: None,
             detail: if a.no_bench {
                 "--no-bench".into()
             } else {
-                "build failed".into()
+                "no NCCL test program".into()
             },
-        });
-    } else {
-        let mut bench = gpu_test_cmd(&root, &target, &ld_path);
-        bench
-            .args([
-                "--test",
-                "nccl",
-                "gpu_bandwidth_report",
-                "--",
-                "--exact",
-                "--nocapture",
-            ])
-            .env("ZERO_GPU_BENCH", "1")
-            .env("ZERO_GPU_BENCH_MIB", a.bench_mib.to_string());
-        let r = run_limited("bench", bench, limit)?;
-        let figures: Vec<String> = r
-            .stdout
-            .iter()
-            .filter_map(|l| parse_bw_line(l))
-            .map(|(op, bytes, secs, gbps)| {
-                format!(
-                    "{op} {} MiB: {gbps:.1} GB/s ({:.1} µs)",
-                    bytes >> 20,
-                    secs * 1e6
-                )
-            })
-            .collect();
-        let ok = r.ok && figures.len() == 3;
-        steps.push(Step {
-            name: "bench",
-            verdict: if ok { Verdict::Pass } else { Verdict::Fail },
-            secs: Some(r.secs),
-            detail: if figures.is_empty() {
-                format!("{}; no figures (skipped? see above)", r.status)
-            } else {
-                figures.join("; ")
-            },
-        });
+        }),
+        (false, Some((_, exe))) => {
+            let mut bench = program_cmd(exe);
+            bench
+                .args(["gpu_bandwidth_report", "--exact", "--nocapture"])
+                .env("ZERO_GPU_BENCH", "1")
+                .env("ZERO_GPU_BENCH_MIB", a.bench_mib.to_string());
+            let r = run_limited("bench", bench, limit)?;
+            let figures: Vec<String> = r
+                .stdout
+                .iter()
+                .filter_map(|l| parse_bw_line(l))
+                .map(|(op, bytes, secs, gbps)| {
+                    format!(
+                        "{op} {} MiB: {gbps:.1} GB/s ({:.1} µs)",
+                        bytes >> 20,
+                        secs * 1e6
+                    )
+                })
+                .collect();
+            let ok = r.ok && figures.len() == 3;
+            steps.push(Step {
+                name: "bench",
+                verdict: if ok { Verdict::Pass } else { Verdict::Fail },
+                secs: Some(r.secs),
+                detail: if figures.is_empty() {
+                    format!("{}; no figures (skipped? see above)", r.status)
+                } else {
+                    figures.join("; ")
+                },
+            });
+        }
     }
+    steps.push(Step {
+        name: "quant",
+        verdict: if quant_figures.is_empty() {
+            Verdict::Skip
+        } else {
+            Verdict::Pass
+        },
+        secs: None,
+        detail: if quant_figures.is_empty() {
+            "no figures (the CUDA kernel test did not run)".into()
+        } else {
+            quant_figures.join("; ")
+        },
+    });
 
     print_report(&steps);
     let failed: Vec<&str> = steps

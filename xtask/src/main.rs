@@ -6,10 +6,12 @@
 //! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
 //!   compiles), and the whole test suite with snapshot checks.
 //! - `gpu-check`: the short script for a machine with a GPU (NCCL tests and bandwidth, a report).
+//! - `ptx`: compiles zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
 
 mod bench;
 mod gpu_check;
 mod plan;
+mod ptx;
 mod test;
 mod train;
 
@@ -34,6 +36,8 @@ enum Command {
     Test(test::TestArgs),
     /// On a GPU machine: nvidia-smi, the NCCL GPU tests, a short NCCL bandwidth check, a report.
     GpuCheck(gpu_check::GpuCheckArgs),
+    /// Compile zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
+    Ptx(ptx::PtxArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -44,6 +48,7 @@ fn main() -> std::process::ExitCode {
         Command::Test(a) => test::run(a),
         Command::Bench(a) => bench::run(a),
         Command::GpuCheck(a) => gpu_check::run(a),
+        Command::Ptx(a) => ptx::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

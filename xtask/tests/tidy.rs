@@ -67,7 +67,8 @@ fn dependency_graph_is_one_way() {
             }
         }
     }
-    // Only zero-burn and xtask may name burn; only zero-comm may name cudarc or wgpu.
+    // Only zero-burn and xtask may name burn; cudarc and wgpu stay in the device crates (xtask
+    // names cudarc for its NVRTC, to make zero-quant's PTX).
     for p in v["packages"].as_array().unwrap() {
         let name = p["name"].as_str().unwrap();
         for d in p["dependencies"].as_array().unwrap() {
@@ -80,7 +81,10 @@ fn dependency_graph_is_one_way() {
             }
             if dep == "cudarc" || dep == "wgpu" {
                 assert!(
-                    name == "zero-comm" || name == "zero-burn" || name == "zero-quant",
+                    name == "zero-comm"
+                        || name == "zero-burn"
+                        || name == "zero-quant"
+                        || (name == "xtask" && dep == "cudarc"),
                     "{name} must not depend on {dep}"
                 );
             }

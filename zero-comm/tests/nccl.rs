@@ -419,9 +419,12 @@ fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
     }
 }
 
-/// `<target dir>/.gpu_tests_ran`: `$CARGO_TARGET_DIR`, else three levels above this test binary
-/// (`target/<profile>/deps/nccl-…`).
+/// `$ZERO_GPU_COOKIE`, else `<target dir>/.gpu_tests_ran`: `$CARGO_TARGET_DIR`, else three
+/// levels above this test binary (`target/<profile>/deps/nccl-…`).
 fn cookie_path() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("ZERO_GPU_COOKIE") {
+        return std::path::PathBuf::from(p);
+    }
     if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
         return std::path::PathBuf::from(dir).join(".gpu_tests_ran");
     }
@@ -530,12 +533,13 @@ mod gpu_bodies {
                     (sub.rank(), sub.world_size(), sub.members()),
                     (0, 1, &[0usize][..])
                 );
+                // The child starts with an empty table (checked first, before other calls).
+                exercise_and_check_traffic(&mut sub);
                 all_gather_body::<_, f32>(&mut sub, &[0, 5]);
                 reduce_scatter_body::<_, bf16>(&mut sub, &[3], ReduceOp::Mean);
                 all_reduce_body::<_, f16>(&mut sub, &[9], ReduceOp::Sum);
                 broadcast_body::<_, u8>(&mut sub, &[4]);
                 all_to_all_body::<_, f32>(&mut sub, &[2]);
-                exercise_and_check_traffic(&mut sub);
                 // The parent keeps its own table and still works.
                 all_reduce_body::<_, f32>(&mut comm, &[17], ReduceOp::Mean);
                 assert_eq!(comm.traffic().calls(), 1);

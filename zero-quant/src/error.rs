@@ -103,6 +103,15 @@ pub enum Error {
     #[cfg(feature = "wgpu")]
     #[error("wgpu: {0}")]
     Device(String),
+
+    // --- Device (feature `cuda`) ----------------------------------------------
+    /// The CUDA kernels could not run: no libcuda or device, a driver error
+    /// (module load, launch, copy), a misaligned wire, a tensor above the
+    /// kernels' limits, or a codec without a device kernel
+    /// ([`Identity`](crate::Identity)).
+    #[cfg(feature = "cuda")]
+    #[error("cuda: {0}")]
+    Cuda(String),
 }
 
 /// `Result` with this crate's [`Error`].

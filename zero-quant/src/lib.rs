@@ -182,6 +182,9 @@
 //! are in the `## zero-quant` section of the workspace `BENCHMARKS.md`.
 
 mod codec;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod cuda_src;
 mod element;
 mod error;
 mod kernels;
@@ -192,6 +195,9 @@ pub use codec::{
     BlockCodec, Codec, DEFAULT_INT4_BLOCK, DEFAULT_INT8_BLOCK, Identity, Int4Block, Int8Block,
     WireLayout,
 };
+#[cfg(feature = "cuda")]
+pub use cuda::CudaQuantizer;
+pub use cuda_src::cuda_ptx_header;
 pub use element::{DType, Element};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]

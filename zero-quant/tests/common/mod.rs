@@ -2,6 +2,8 @@
 //! deterministic PRNG (splitmix64 + Box–Muller) and small utilities.
 #![allow(dead_code)]
 
+pub(crate) mod device;
+
 use std::fmt::Write as _;
 
 /// splitmix64: small, fast, deterministic; good enough for test data.

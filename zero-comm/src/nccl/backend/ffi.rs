@@ -416,32 +416,63 @@ pub(super) fn init_rank(
 }
 
 /// `ncclCommSplit(parent, color, key)` with the parent's config. Waits at most `timeout`.
+///
+/// NCCL leaves `*newcomm` null until the split has fully completed, and in non-blocking mode it
+/// returns `ncclInProgress` and writes `*newcomm` later, from its init thread (`job->newcomm` in
+/// NCCL's `ncclCommInitChildComm`). So the out-slot lives on the heap, is read only after the
+/// parent reports success (`ncclCommGetAsyncError` on the parent joins the init job), and is
+/// leaked rather than freed if we give up first, since NCCL may still write it. (Reading a stack
+/// copy taken before the wait was the bug the first GPU run found: "returned success but no
+/// communicator".)
 pub(super) fn split(
     parent: sys::ncclComm_t,
     color: c_int,
     key: c_int,
     timeout: Duration,
 ) -> std::result::Result<RawComm, Fail> {
-    let mut child: sys::ncclComm_t = std::ptr::null_mut();
+    let slot: *mut sys::ncclComm_t = Box::into_raw(Box::new(std::ptr::null_mut()));
+    // SAFETY: `slot` is a live heap allocation (freed below only once NCCL is done with it).
+    let read = || unsafe { std::ptr::read_volatile(slot) };
     let started = Instant::now();
     // SAFETY: `parent` is live; presence of the symbol was checked by the caller; a null config
-    // makes the child inherit the parent's.
-    let code = unsafe { sys::ncclCommSplit(parent, color, key, &mut child, std::ptr::null_mut()) };
-    let raw = RawComm(child);
-    let poll = if raw.ptr().is_null() {
-        parent
-    } else {
-        raw.ptr()
-    };
-    settle(code, "ncclCommSplit", poll, started, timeout)?;
-    if !raw.ptr().is_null() {
-        wait_ready(parent, "ncclCommSplit", started, timeout)?;
-    } else {
-        return Err(Fail::Nccl(
-            "ncclCommSplit returned success but no communicator".into(),
-        ));
+    // makes the child inherit the parent's; `slot` stays valid for as long as NCCL may write it.
+    let code = unsafe { sys::ncclCommSplit(parent, color, key, slot, std::ptr::null_mut()) };
+    let settled = settle(code, "ncclCommSplit", parent, started, timeout).and_then(|()| {
+        // The parent reported success, so the init job was joined and the slot written; wait a
+        // little in case a library writes it just after.
+        let mut backoff = Backoff::default();
+        loop {
+            let child = read();
+            if !child.is_null() {
+                return Ok(child);
+            }
+            if started.elapsed() >= timeout {
+                return Err(Fail::Nccl(
+                    "ncclCommSplit returned success but no communicator".into(),
+                ));
+            }
+            backoff.pause();
+        }
+    });
+    match settled {
+        Ok(child) => {
+            // SAFETY: allocated by `Box::into_raw` above; NCCL wrote it and is done with it.
+            drop(unsafe { Box::from_raw(slot) });
+            // Owns the child from here on, so a failure below aborts it.
+            let raw = RawComm(child);
+            wait_ready(raw.ptr(), "ncclCommSplit", started, timeout)?;
+            Ok(raw)
+        }
+        Err(e) => {
+            // NCCL may still write the slot: leak it (one pointer). A child already written is
+            // owned, and aborted, by the `RawComm`.
+            let child = read();
+            if !child.is_null() {
+                drop(RawComm(child));
+            }
+            Err(e)
+        }
     }
-    Ok(raw)
 }
 
 /// `(ncclCommCount, ncclCommUserRank)` of a ready communicator.

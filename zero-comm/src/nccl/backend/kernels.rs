@@ -412,14 +412,17 @@ mod tests {
                 );
             }
         }
-        let cookie = std::env::var_os("CARGO_TARGET_DIR")
+        let cookie = std::env::var_os("ZERO_GPU_COOKIE")
             .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("CARGO_TARGET_DIR")
+                    .map(|d| std::path::PathBuf::from(d).join(".gpu_tests_ran"))
+            })
             .or_else(|| {
                 std::env::current_exe()
                     .ok()
-                    .and_then(|e| e.ancestors().nth(3).map(|p| p.to_path_buf()))
-            })
-            .map(|d| d.join(".gpu_tests_ran"));
+                    .and_then(|e| e.ancestors().nth(3).map(|p| p.join(".gpu_tests_ran")))
+            });
         if let Some(path) = cookie {
             use std::io::Write;
             let mut f = std::fs::OpenOptions::new()
