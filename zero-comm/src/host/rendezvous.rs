@@ -145,6 +145,8 @@ struct GroupState {
     published: Arc<Published>,
     /// A member (global rank) that dropped its communicator of this group.
     left: Option<usize>,
+    /// Members whose communicator of this group is still alive.
+    live: usize,
 }
 
 impl GroupState {
@@ -158,6 +160,7 @@ impl GroupState {
             slots: vec![Payload::Empty; n],
             published: Arc::default(),
             left: None,
+            live: n,
         }
     }
 }
@@ -165,7 +168,11 @@ impl GroupState {
 #[derive(Debug)]
 struct WorldState {
     failure: Option<WorldFailure>,
+    /// Indexed by group id. A split group whose members have all dropped their communicators is
+    /// emptied and its id put on `free`, where the next split reuses it, so a program that splits
+    /// in a loop keeps a bounded table.
     groups: Vec<GroupState>,
+    free: Vec<usize>,
 }
 
 /// Shared state of one host world (the root communicator and everything split from it).
@@ -187,6 +194,7 @@ impl World {
             state: Mutex::new(WorldState {
                 failure: None,
                 groups: vec![GroupState::new(members)],
+                free: Vec::new(),
             }),
             cv: Condvar::new(),
         })
@@ -196,6 +204,13 @@ impl World {
         // Nothing panics while holding the lock; if something did, the state is still consistent
         // at every unlock point, so keep going rather than cascade panics through every rank.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Group ids in use and freed (for tests of the free list).
+    #[cfg(test)]
+    pub(crate) fn group_table(&self) -> (usize, usize) {
+        let st = self.lock();
+        (st.groups.len(), st.free.len())
     }
 
     pub(crate) fn members(&self, group: usize) -> Arc<[usize]> {
@@ -217,6 +232,12 @@ impl World {
             let g = &mut st.groups[group];
             if g.left.is_none() {
                 g.left = Some(global_rank);
+            }
+            g.live = g.live.saturating_sub(1);
+            if g.live == 0 && group != ROOT_GROUP {
+                // Nobody can reach this group any more: free its state, keep the id for reuse.
+                st.groups[group] = GroupState::new(Arc::from([]));
+                st.free.push(group);
             }
         }
         drop(st);
@@ -412,8 +433,17 @@ impl World {
                 let mut ranks: Vec<usize> = (0..n).filter(|&k| calls[k].color == color).collect();
                 ranks.sort_by_key(|&k| (calls[k].key, k));
                 let members: Arc<[usize]> = ranks.iter().map(|&k| parent[k]).collect();
-                split_groups.push((color, st.groups.len()));
-                st.groups.push(GroupState::new(members));
+                let id = match st.free.pop() {
+                    Some(id) => {
+                        st.groups[id] = GroupState::new(members);
+                        id
+                    }
+                    None => {
+                        st.groups.push(GroupState::new(members));
+                        st.groups.len() - 1
+                    }
+                };
+                split_groups.push((color, id));
             }
         }
         let published = Arc::new(Published {
@@ -478,6 +508,36 @@ impl Drop for DrainGuard<'_> {
         for _ in 0..self.remaining {
             self.world
                 .drain(self.group, self.rank, self.op, Payload::Empty);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use zero_core::Topology;
+
+    use crate::Communicator;
+    use crate::host::HostWorld;
+    use crate::host::loopback::Loopback;
+
+    #[test]
+    fn dropped_split_groups_are_freed_and_their_ids_reused() {
+        let topo = Topology::new(4, 2).unwrap();
+        let res = HostWorld::new(topo, Duration::from_secs(20)).launch(|mut comm| {
+            for round in 0..50 {
+                let mut sub = comm.split(comm.rank() % 2, round).unwrap();
+                sub.barrier().unwrap();
+                drop(sub);
+                // Every rank dropped its sub-communicator before anyone splits again.
+                comm.barrier().unwrap();
+            }
+            comm.world().group_table()
+        });
+        for r in res {
+            // The root group plus the two colours' groups, both freed again; 101 without reuse.
+            assert_eq!(r.unwrap(), (3, 2));
         }
     }
 }
