@@ -81,6 +81,12 @@ pub trait Communicator: Send {
     /// Copies `buf` into `dst` (waiting for pending work on it). `dst.len()` must equal the buffer's.
     fn download<E: Element>(&self, buf: &Self::Buffer<E>, dst: &mut [E]) -> Result<()>;
 
+    /// Copies `src` into the existing buffer `dst`, ordered after work already issued on it, with
+    /// no allocation (a trainer reuses its staging buffers step after step). `src.len()` must
+    /// equal the buffer's; a buffer that wraps part of a larger one (wgpu's `from_wgpu`) keeps
+    /// the bytes around it.
+    fn upload_into<E: Element>(&self, src: &[E], dst: &mut Self::Buffer<E>) -> Result<()>;
+
     /// Number of elements in `buf`.
     fn buffer_len<E: Element>(&self, buf: &Self::Buffer<E>) -> usize;
 

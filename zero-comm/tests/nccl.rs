@@ -501,6 +501,11 @@ mod gpu_bodies {
             check_all_to_all::<_, f32>(world(&o), COUNTS);
             check_all_to_all::<_, bf16>(world(&o), COUNTS);
             check_barrier(world(&o));
+            run_ranks(world(&o), |mut c| {
+                upload_into_body::<_, f32>(&mut c);
+                upload_into_body::<_, bf16>(&mut c);
+                upload_into_body::<_, u8>(&mut c);
+            });
         }
         passed("gpu_every_collective_at_world_1");
     }

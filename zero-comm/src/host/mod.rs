@@ -351,6 +351,18 @@ impl Communicator for HostComm {
         Ok(())
     }
 
+    fn upload_into<E: Element>(&self, src: &[E], dst: &mut HostBuffer<E>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::BufferLength {
+                what: "upload_into",
+                buffer: dst.len(),
+                host: src.len(),
+            });
+        }
+        dst.data.copy_from_slice(src);
+        Ok(())
+    }
+
     fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {
         buf.len()
     }

@@ -546,6 +546,38 @@ impl Communicator for WgpuComm {
         Ok(WgpuBuffer::owned(buffer, src.len()))
     }
 
+    fn upload_into<E: Element>(&self, src: &[E], dst: &mut WgpuBuffer<E>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::BufferLength {
+                what: "upload_into",
+                buffer: dst.len(),
+                host: src.len(),
+            });
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let bytes: &[u8] = bytemuck::cast_slice(src);
+        let core = &self.shared.device.core;
+        let buffer = &dst.view.buffer;
+        let start = dst.view.offset;
+        let end = start + bytes.len() as u64;
+        // WebGPU writes whole 4-byte words: widen to the words that hold [start, end), keeping
+        // the neighbours' bytes in the first and last word (a wrapped view may share them).
+        let (a0, a1) = (start & !3, end.next_multiple_of(4));
+        let mut window = vec![0u8; (a1 - a0) as usize];
+        if a0 != start || a1 != end {
+            let last = window.len() - 4;
+            core.download(buffer, a0, &mut window[..4], self.timeout)
+                .map_err(backend)?;
+            core.download(buffer, a1 - 4, &mut window[last..], self.timeout)
+                .map_err(backend)?;
+        }
+        window[(start - a0) as usize..][..bytes.len()].copy_from_slice(bytes);
+        core.queue.write_buffer(buffer, a0, &window);
+        Ok(())
+    }
+
     fn download<E: Element>(&self, buf: &WgpuBuffer<E>, dst: &mut [E]) -> Result<()> {
         if dst.len() != buf.len() {
             return Err(Error::BufferLength {

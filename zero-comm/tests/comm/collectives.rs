@@ -129,3 +129,15 @@ fn test_inputs_are_order_sensitive() {
             .any(|(a, b)| a.to_bits() != b.to_bits())
     );
 }
+
+#[test]
+fn upload_into_rewrites_existing_buffers() {
+    for n in [1, 2, 3] {
+        let t = Topology::single_node(n).unwrap();
+        run_ranks(host_world(t), |mut c| {
+            upload_into_body::<_, f32>(&mut c);
+            upload_into_body::<_, bf16>(&mut c);
+            upload_into_body::<_, u8>(&mut c);
+        });
+    }
+}

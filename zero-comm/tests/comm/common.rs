@@ -212,6 +212,30 @@ pub(crate) fn all_gather_body<C: Communicator, E: Val>(comm: &mut C, counts: &[u
     }
 }
 
+/// `upload_into` rewrites an existing buffer in place (lengths 0..=9 cover every tail of a 4-byte
+/// word for 1- and 2-byte elements), is ordered after a collective already issued on it, and
+/// refuses a length that differs from the buffer's.
+pub(crate) fn upload_into_body<C: Communicator, E: Val>(comm: &mut C) {
+    let me = comm.rank();
+    for len in 0..=9usize {
+        let mut buf = comm.upload(&values::<E>(me + 50, len, 1)).unwrap();
+        let fresh = values::<E>(me, len, 2);
+        comm.upload_into(&fresh, &mut buf).unwrap();
+        let what = label::<C, E>(comm, &format!("upload_into len={len}"));
+        assert_bits(&comm.download_vec(&buf).unwrap(), &fresh, &what);
+        // Reuse after a collective: the write lands after the broadcast, not before it.
+        comm.broadcast(&mut buf, 0).unwrap();
+        let again = values::<E>(me, len, 3);
+        comm.upload_into(&again, &mut buf).unwrap();
+        assert_bits(&comm.download_vec(&buf).unwrap(), &again, &what);
+    }
+    let mut buf = comm.alloc::<E>(4).unwrap();
+    assert!(matches!(
+        comm.upload_into(&values::<E>(me, 3, 0), &mut buf),
+        Err(zero_comm::Error::BufferLength { .. })
+    ));
+}
+
 /// Reduce-scatter with `op` for each output length in `counts`, bit-exact against the reference.
 pub(crate) fn check_reduce_scatter<C: Communicator, E: Val>(
     comms: Vec<C>,

@@ -93,3 +93,15 @@ fn sixteen_bit_and_byte_moves() {
         check_all_to_all::<_, u8>(wgpu_world(t), COUNTS);
     });
 }
+
+#[test]
+fn upload_into_rewrites_existing_buffers() {
+    worlds([1, 2, 3], |t| {
+        run_ranks(wgpu_world(t), |mut c| {
+            upload_into_body::<_, f32>(&mut c);
+            upload_into_body::<_, bf16>(&mut c);
+            upload_into_body::<_, f16>(&mut c);
+            upload_into_body::<_, u8>(&mut c);
+        });
+    });
+}

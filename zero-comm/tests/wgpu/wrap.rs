@@ -235,3 +235,39 @@ fn in_place_reduce_scatter_views() {
         });
     }
 }
+
+#[test]
+fn upload_into_a_view_keeps_its_neighbours() {
+    let Some(device) = or_skip() else {
+        return;
+    };
+    let pool = device.device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("pool"),
+        size: 16,
+        usage: REQUIRED_USAGES,
+        mapped_at_creation: true,
+    });
+    pool.get_mapped_range_mut(..)
+        .unwrap()
+        .copy_from_slice(&[GAP_BYTE; 16]);
+    pool.unmap();
+    let one = wgpu_world(topo(1, 1));
+    // Bytes 2..8 (three bf16 from element 1) and byte 9 (one u8): neither starts or ends on a
+    // 4-byte word boundary.
+    let mut v: WgpuBuffer<bf16> = one[0].wrap(pool.clone(), 2, 3).unwrap();
+    let x = [
+        bf16::from_f32(1.5),
+        bf16::from_f32(-2.0),
+        bf16::from_f32(3.25),
+    ];
+    one[0].upload_into(&x, &mut v).unwrap();
+    let mut b: WgpuBuffer<u8> = one[0].wrap(pool.clone(), 9, 1).unwrap();
+    one[0].upload_into(&[7u8], &mut b).unwrap();
+    assert_eq!(one[0].download_vec(&v).unwrap(), x);
+    let all: WgpuBuffer<u8> = one[0].wrap(pool, 0, 16).unwrap();
+    let after = one[0].download_vec(&all).unwrap();
+    let mut want = vec![GAP_BYTE; 16];
+    want[2..8].copy_from_slice(bytemuck::cast_slice(&x));
+    want[9] = 7;
+    assert_eq!(after, want);
+}

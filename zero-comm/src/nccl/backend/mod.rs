@@ -808,6 +808,26 @@ impl Communicator for NcclComm {
         Ok(buf)
     }
 
+    fn upload_into<E: Element>(&self, src: &[E], dst: &mut NcclBuffer<E>) -> Result<()> {
+        if src.len() != dst.len {
+            return Err(Error::BufferLength {
+                what: "upload_into",
+                buffer: dst.len,
+                host: src.len(),
+            });
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        // As in `upload`: the copy synchronises the stream, so first wait with a timeout.
+        self.drain(true)?;
+        let n = dst.num_bytes();
+        let mut bytes = dst.bytes.slice_mut(0..n);
+        self.stream
+            .memcpy_htod(bytemuck::cast_slice::<E, u8>(src), &mut bytes)
+            .map_err(|e| driver("upload_into", e))
+    }
+
     fn download<E: Element>(&self, buf: &NcclBuffer<E>, dst: &mut [E]) -> Result<()> {
         if dst.len() != buf.len {
             return Err(Error::BufferLength {
