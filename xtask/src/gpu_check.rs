@@ -9,17 +9,20 @@
 //!    (the name Debian's `libnccl2` and pip's `nvidia-nccl-cu12`/`-cu13` install), so a
 //!    `libnccl.so` symlink is made under `<work>/gpu-check/lib` and put first on
 //!    `LD_LIBRARY_PATH` (`<work>`: the target dir, or the bundle).
-//! 3. **build**: `cargo test --no-run -p zero-comm -p zero-quant --features
-//!    zero-comm/gpu-tests,zero-quant/gpu-tests`, keeping three programs: zero-comm's unit tests
-//!    (the mean kernels), its `nccl` tests, and zero-quant's `cuda_kernels` tests.
+//! 3. **build**: `cargo test --no-run -p zero-comm -p zero-quant -p zero-burn --features
+//!    zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests`, keeping four programs:
+//!    zero-comm's unit tests (the mean kernels), its `nccl` tests, zero-burn's `nccl_path` test and
+//!    zero-quant's `cuda_kernels` tests.
 //! 4. **tests**: each program with `ZERO_GPU_TESTS=1`: the NCCL collectives, split, groups,
-//!    validation and init timeout at world size 1, the mean kernels, and the CUDA quantization
-//!    kernels bit for bit against the host codecs (f32, bf16, f16). Each GPU test that passes
-//!    appends its name to the cookie `<work>/.gpu_tests_ran` (`ZERO_GPU_COOKIE`), removed
-//!    beforehand; no name there means they all skipped, which fails the step.
+//!    validation and init timeout at world size 1, the mean kernels, the ZeRO-3 trainer over NCCL
+//!    (bit-identical to the host loopback at world size 1), and the CUDA quantization kernels bit
+//!    for bit against the host codecs (f32, bf16, f16). Each GPU test that passes appends its name
+//!    to the cookie `<work>/.gpu_tests_ran` (`ZERO_GPU_COOKIE`), removed beforehand; no name there
+//!    means they all skipped, which fails the step.
 //! 5. **bench**: NCCL all-gather, reduce-scatter and all-reduce of 64 MiB at world size 1
 //!    (`ZERO_GPU_BENCH=1`), and **quant**: int8/int4 encode and decode throughput of a 256 MiB
-//!    tensor on the device (printed by the CUDA kernel tests).
+//!    tensor on the device (printed by the CUDA kernel tests), and **train**: the NCCL trainer
+//!    test's losses and time.
 //!
 //! A GPU machine without cargo (the lent ones have none) runs a bundle: `cargo xtask gpu-check
 //! --bundle DIR` builds the programs here and copies them, stripped, with the xtask binary into
@@ -74,6 +77,8 @@ const GPU_TESTS: &[&str] = &[
     "cuda_bf16_and_f16_tensors_match_host_bit_for_bit",
     "cuda_a_large_tensor_matches_the_host_and_reports_throughput",
     "cuda_buffers_and_codecs_are_checked",
+    "zero3_over_nccl_is_bit_identical_to_the_host_loopback",
+    "gpu_qwz_on_device_matches_the_host_path",
 ];
 
 const BW_PREFIX: &str = "ZERO_GPU_BW ";
@@ -393,6 +398,12 @@ const PROGRAMS: &[Program] = &[
         args: &[],
     },
     Program {
+        name: "zero-burn-nccl",
+        package: "zero-burn",
+        test: Some("nccl_path"),
+        args: &["--nocapture"],
+    },
+    Program {
         name: "zero-quant-cuda",
         package: "zero-quant",
         test: Some("cuda_kernels"),
@@ -401,6 +412,7 @@ const PROGRAMS: &[Program] = &[
 ];
 
 const QUANT_PREFIX: &str = "ZERO_GPU_QUANT ";
+const TRAIN_PREFIX: &str = "ZERO_GPU_TRAIN ";
 
 /// Builds the GPU test programs and returns `(program, executable)` pairs.
 fn build_programs(
@@ -415,8 +427,11 @@ fn build_programs(
             "--no-run",
             "--message-format=json-render-diagnostics",
         ])
-        .args(["-p", "zero-comm", "-p", "zero-quant"])
-        .args(["--features", "zero-comm/gpu-tests,zero-quant/gpu-tests"])
+        .args(["-p", "zero-comm", "-p", "zero-quant", "-p", "zero-burn"])
+        .args([
+            "--features",
+            "zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests",
+        ])
         .env("CARGO_TARGET_DIR", target);
     let ran = run_limited_quiet("build", c, limit)?;
     let mut found = Vec::new();
@@ -614,6 +629,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         c
     };
     let mut quant_figures = Vec::new();
+    let mut train_figures: Vec<String> = Vec::new();
     if programs.is_empty() {
         steps.push(Step {
             name: "tests",
@@ -636,6 +652,11 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
                 r.stdout
                     .iter()
                     .filter_map(|l| l.trim().strip_prefix(QUANT_PREFIX).map(str::to_string)),
+            );
+            train_figures.extend(
+                r.stdout
+                    .iter()
+                    .filter_map(|l| l.trim().strip_prefix(TRAIN_PREFIX).map(str::to_string)),
             );
         }
         let ran: BTreeSet<String> = std::fs::read_to_string(&cookie)
@@ -731,6 +752,21 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             "no figures (the CUDA kernel test did not run)".into()
         } else {
             quant_figures.join("; ")
+        },
+    });
+
+    steps.push(Step {
+        name: "train",
+        verdict: if train_figures.is_empty() {
+            Verdict::Skip
+        } else {
+            Verdict::Pass
+        },
+        secs: None,
+        detail: if train_figures.is_empty() {
+            "no figures (the NCCL trainer test did not run)".into()
+        } else {
+            train_figures.join("; ")
         },
     });
 

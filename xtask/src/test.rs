@@ -48,7 +48,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "zero-comm/nccl,zero-comm/wgpu,zero-quant/wgpu",
+            "zero-comm/nccl,zero-comm/wgpu,zero-quant/wgpu,zero-quant/cuda,zero-burn/wgpu,zero-burn/nccl",
             "--",
             "-D",
             "warnings",
@@ -56,13 +56,15 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
         run_step("clippy", clippy)?;
     }
     let mut test = cargo();
-    // The wgpu loopback and the WGSL codecs run on Mesa's lavapipe in CI (ZERO_REQUIRE_WGPU=1
-    // makes a missing adapter a failure; elsewhere those tests print why they skip).
+    // The wgpu loopback, the WGSL codecs and the trainer on burn's wgpu backend run on Mesa's
+    // lavapipe in CI (ZERO_REQUIRE_WGPU=1 makes a missing adapter a failure; elsewhere those tests
+    // print why they skip). zero-burn/wgpu is for these debug builds only: burn-wgpu takes more
+    // than 20 minutes to build in release, so `cargo xtask train` never enables it.
     test.args([
         "test",
         "--workspace",
         "--features",
-        "zero-comm/wgpu,zero-quant/wgpu",
+        "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu",
     ]);
     // insta: with CI set, a missing or changed snapshot fails and nothing is written.
     if std::env::var_os("CI").is_some() {

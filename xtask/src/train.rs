@@ -55,6 +55,10 @@ pub(crate) struct TrainArgs {
     /// Global-norm clipping threshold (0 = off).
     #[arg(long)]
     clip: Option<f64>,
+    /// Precision: fp32, bf16 or fp16 (16-bit weights and gradients with fp32 master weights;
+    /// fp16 with dynamic loss scaling). Default fp32, or the config file's.
+    #[arg(long)]
+    precision: Option<String>,
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -132,11 +136,8 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(c) = a.clip {
         zero.gradient_clipping = c;
     }
-    if zero.precision != Precision::Fp32 {
-        bail!(
-            "precision {:?}: the trainer runs fp32 only for now (mixed precision is on the roadmap)",
-            zero.precision
-        );
+    if let Some(p) = &a.precision {
+        zero.precision = Precision::parse(p)?;
     }
     job.zero = zero;
     job.world_size = a.world_size;
@@ -165,9 +166,10 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create run directory {}", out.display()))?;
 
     eprintln!(
-        "training: ZeRO-{}{} | {} ranks ({} node(s) x {}) | {} steps x {} tokens | run dir {}",
+        "training: ZeRO-{}{} | {} | {} ranks ({} node(s) x {}) | {} steps x {} tokens | run dir {}",
         job.zero.stage,
         zpp_label(&job.zero),
+        precision_label(job.zero.precision),
         job.world_size,
         job.world_size / job.ranks_per_node.max(1),
         job.ranks_per_node,
@@ -215,6 +217,14 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn precision_label(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16 (fp32 master; compute f32 on the CPU backend)",
+        Precision::Fp16 => "fp16 (fp32 master, loss scaling; compute f32 on the CPU backend)",
+    }
+}
+
 fn zpp_label(z: &ZeroConfig) -> String {
     let mut s = String::new();
     if z.quantized_weights {
@@ -255,6 +265,18 @@ fn print_report(r: &RunReport) {
         "throughput: {:.0} tokens/s over {:.1} s",
         r.tokens_per_sec, r.wall_secs
     );
+    if r.job.zero.precision == Precision::Fp16 {
+        println!(
+            "fp16 loss scale: {} -> {}; skipped steps (overflow, every rank together): {}",
+            r.loss_scale.first().copied().unwrap_or(f32::NAN),
+            r.loss_scale.last().copied().unwrap_or(f32::NAN),
+            if r.skipped_steps.is_empty() {
+                "none".to_string()
+            } else {
+                format!("{} {:?}", r.skipped_steps.len(), r.skipped_steps)
+            }
+        );
+    }
 
     println!("\nmemory per rank (peak bytes; measured on rank 0 vs planned)");
     let m = &r.memory.measured[0];
@@ -284,6 +306,14 @@ fn print_report(r: &RunReport) {
             "  {name:<24} {:>12} {:>12}  {mark}",
             human_bytes(meas),
             human_bytes(plan)
+        );
+    }
+    if m.f32_compute_copies > 0 {
+        println!(
+            "  {:<24} {:>12} {:>12}  (burn's f32 copies of the 16-bit weights on the CPU backend)",
+            "f32 compute copies",
+            human_bytes(m.f32_compute_copies),
+            "-"
         );
     }
     println!(

@@ -29,6 +29,9 @@ pub enum Error {
     /// The data source is unusable.
     #[error("data: {0}")]
     Data(String),
+    /// A compute backend could not be set up (e.g. no wgpu adapter).
+    #[error("backend: {0}")]
+    Backend(String),
     /// A rank's thread panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

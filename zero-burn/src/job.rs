@@ -106,7 +106,8 @@ impl JobConfig {
 pub struct Compared<M, P> {
     /// Measured, per rank.
     pub measured: Vec<M>,
-    /// Planned, per rank (communication: for all steps).
+    /// Planned, per rank (communication: for all steps; a skipped fp16 step without its post-step
+    /// all-gathers).
     pub planned: Vec<P>,
 }
 
@@ -119,6 +120,11 @@ pub struct RunReport {
     pub loss: Vec<f32>,
     /// The data's entropy rate if known: the loss floor.
     pub loss_floor: Option<f64>,
+    /// Steps (0-based) skipped because fp16 gradients overflowed: every rank skipped them
+    /// together, leaving weights and optimizer state unchanged. Empty in fp32 and bf16.
+    pub skipped_steps: Vec<u64>,
+    /// The loss scale each step's backward used (1 in fp32 and bf16).
+    pub loss_scale: Vec<f32>,
     /// Wall time of the training loop.
     pub wall_secs: f64,
     /// Global tokens per second.
@@ -191,17 +197,32 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     let loss = (0..steps)
         .map(|s| results.iter().map(|r| r.losses[s]).sum::<f32>() / results.len() as f32)
         .collect();
+    // A skipped fp16 step issues no post-step all-gathers (the weights did not change).
     let planned_comm: Vec<TrafficTable> = results
         .iter()
         .map(|r| {
             let per_step = plan.comm(r.rank).by_collective;
+            let skipped = plan.comm_skipped_step(r.rank).by_collective;
             let mut t = TrafficTable::new();
-            for _ in 0..job.steps {
-                t.merge(&per_step);
+            for info in &r.step_info {
+                t.merge(if info.skipped { &skipped } else { &per_step });
             }
             t
         })
         .collect();
+    let first = &results[0];
+    for r in &results[1..] {
+        if r.step_info != first.step_info {
+            return Err(Error::Model(format!(
+                "rank {} skipped different steps or used different loss scales than rank 0",
+                r.rank
+            )));
+        }
+    }
+    let skipped_steps = (0..job.steps)
+        .filter(|&s| first.step_info[s as usize].skipped)
+        .collect();
+    let loss_scale = first.step_info.iter().map(|i| i.loss_scale).collect();
     let measured_comm: Vec<TrafficTable> = results.iter().map(|r| r.traffic.clone()).collect();
     let planned_mem = plan.memory();
     let measured_mem: Vec<MeasuredMemory> = results.iter().map(|r| r.memory).collect();
@@ -212,6 +233,8 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     Ok(RunReport {
         loss,
         loss_floor: corpus.entropy_floor(),
+        skipped_steps,
+        loss_scale,
         wall_secs: wall,
         tokens_per_sec: (job.tokens_per_step() * job.steps) as f64 / wall.max(1e-9),
         comm: Compared {

@@ -8,12 +8,16 @@
 //! **May depend on:** zero-core, zero-comm, zero-quant and burn. It is the only library crate that
 //! names burn types.
 //!
-//! **Status:** stages 0–3 and ZeRO++ (qwZ, hpZ, qgZ, alone or together) in fp32 on burn's CPU
-//! backend (flex) with the host loopback. Stages 0–3 are bit-identical to each other; with
-//! [`Reduction::CanonicalTree`] also across world sizes for the same global batch (any
-//! power-of-two N, or accumulation 1; not with clipping, qwZ or qgZ), see [`reduction`]. Mixed
-//! precision, overlap of communication with compute, and the wgpu/CUDA paths are not built yet;
-//! the trainer rejects configurations that ask for them.
+//! **Status:** stages 0–3 and ZeRO++ (qwZ, hpZ, qgZ, alone or together) in fp32, bf16 and fp16
+//! on burn's CPU backend (flex) with the host loopback. Stages 0–3 are bit-identical to each
+//! other; with [`Reduction::CanonicalTree`] also across world sizes for the same global batch
+//! (fp32 only; any power-of-two N, or accumulation 1; not with clipping, qwZ or qgZ), see
+//! [`reduction`]. bf16/fp16 keep fp32 master weights and optimizer states, move and store 16-bit
+//! weights and gradients, and (fp16) scale the loss and skip overflowing steps on every rank
+//! together; compute stays f32 on the CPU backend, see [`precision`]. Feature `wgpu`:
+//! the same trainer on burn's wgpu backend with the wgpu loopback on one shared device
+//! (`world::train_wgpu`; collectives round-trip through host memory). Overlap of communication
+//! with compute, and the CUDA path, are not built yet.
 
 pub mod data;
 pub mod error;
@@ -21,12 +25,14 @@ pub mod job;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod precision;
 pub mod reduction;
 pub mod trainer;
 pub mod world;
 
 pub use error::{Error, Result};
 pub use model::{Gpt, GptConfig, Segmented};
+pub use precision::StepInfo;
 pub use reduction::Reduction;
 pub use trainer::{MeasuredMemory, RankTrainer, TrainOptions};
 

@@ -13,6 +13,11 @@
 //! 3. After the last micro-step: the global norm (if clipping), the optimizer on the local shard,
 //!    and the post-step all-gathers (stages 1–2: every bucket; stage 3: persistent units).
 //!
+//! In bf16/fp16 (see [`crate::precision`]) the gathered and reduced elements are 16-bit, the
+//! accumulator is 16-bit, and step 3 widens the gradients, unscales them (fp16), checks for
+//! overflow (fp16: every rank skips the step together) and steps the fp32 master, whose rounding
+//! is the new working weights.
+//!
 //! Every stage performs the same floating-point operations in the same order; only where the
 //! bytes live changes. With fp32 and the host loopback's rank-ordered reduction, stages 0–3 are
 //! bit-identical (invariant I1). With [`Reduction::CanonicalTree`] the micro-step gradients are
@@ -36,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::model::Segmented;
 use crate::optim::{self, OptimState, Optimizer};
 use crate::params::{self, ParamInfo};
+use crate::precision::{Half, LossScaler, StepInfo};
 use crate::reduction::{Reduction, TreeAccumulator};
 
 /// Training options that are not part of the ZeRO plan.
@@ -70,6 +76,10 @@ pub struct MeasuredMemory {
     pub gathered_working_set: u64,
     /// Peak transient reduction buffers.
     pub communication_buffers: u64,
+    /// bf16/fp16 on the CPU backend: the bytes by which burn's f32 copies of the working weights
+    /// exceed the 16-bit working weights counted in `parameters` and `gathered_working_set`
+    /// (2 B per resident element; see [`crate::precision`]). Zero in fp32. Not in the plan.
+    pub f32_compute_copies: u64,
     /// parameters + gradients + optimizer states + master weights.
     pub model_states_bytes: u64,
 }
@@ -122,8 +132,25 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     seg_units: Vec<Vec<usize>>,
     /// Offset of each trainable unit in the gradient accumulator / optimizer state.
     acc_offset: Vec<Option<usize>>,
-    /// Stage 3: the rank's shard of every unit (the fp32 master).
+    /// Stage 3 in fp32: the rank's shard of every unit (the fp32 master).
     shard: Vec<f32>,
+    /// bf16/fp16: the 16-bit working type.
+    half: Option<Half>,
+    /// Stage 3 in bf16/fp16: the rank's 16-bit working shard of every unit (what is gathered).
+    shard16: Vec<u16>,
+    /// bf16/fp16: the fp32 master weights of the rank's part of every trainable unit, laid out
+    /// like the gradient accumulator.
+    master: Vec<f32>,
+    /// bf16/fp16: the 16-bit gradient accumulator (`acc` is empty).
+    acc16: Vec<u16>,
+    /// fp16: the loss scaler.
+    scaler: Option<LossScaler>,
+    /// Optimizer updates applied (a skipped step does not count: Adam's bias correction).
+    opt_steps: u64,
+    /// What happened at the last optimizer step.
+    last_step: StepInfo,
+    /// Testing aid: poison this rank's reduced gradients at the next optimizer step.
+    inject_overflow: bool,
     /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
     /// otherwise this rank's chunks of trainable units.
     acc: Vec<f32>,
@@ -132,6 +159,8 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     opt: OptimState,
     /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step).
     secondary: Vec<Option<Vec<f32>>>,
+    /// bf16/fp16: the same, 16-bit.
+    secondary16: Vec<Option<Vec<u16>>>,
     gathered: Vec<bool>,
     step: u64,
     micro: u32,
@@ -154,11 +183,13 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 plan.world_size()
             )));
         }
-        if plan.config().precision != zero_core::Precision::Fp32 {
+        let half = Half::of(plan.config().precision);
+        if half.is_some() && options.reduction == Reduction::CanonicalTree {
             return Err(Error::Invalid {
-                field: "precision",
-                got: format!("{:?}", plan.config().precision),
-                expected: "fp32 (mixed precision is not implemented in the trainer yet)".into(),
+                field: "reduction",
+                got: format!("canonical_tree with {:?}", plan.config().precision),
+                expected: "rank_ordered (the canonical tree is built for fp32 only), or fp32"
+                    .into(),
             });
         }
         if plan.config().optimizer != options.optimizer.kind() {
@@ -265,7 +296,24 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             seg_units,
             acc_offset,
             shard: Vec::new(),
-            acc: vec![0.0; acc_len],
+            half,
+            shard16: Vec::new(),
+            master: Vec::new(),
+            acc16: if half.is_some() {
+                vec![0; acc_len]
+            } else {
+                Vec::new()
+            },
+            scaler: (plan.config().precision == zero_core::Precision::Fp16)
+                .then(|| LossScaler::new(plan.config().loss_scaler)),
+            opt_steps: 0,
+            last_step: StepInfo::default(),
+            inject_overflow: false,
+            acc: if half.is_some() {
+                Vec::new()
+            } else {
+                vec![0.0; acc_len]
+            },
             tree: match options.reduction {
                 Reduction::RankOrdered => TreeAccumulator::default(),
                 Reduction::CanonicalTree => {
@@ -274,6 +322,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             },
             opt: OptimState::new(&options.optimizer, acc_len),
             secondary: vec![None; units.len()],
+            secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
             step: 0,
             micro: 0,
@@ -282,14 +331,41 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             live_gathered: 0,
             traffic_base: TrafficTable::new(),
         };
+        if half.is_some() {
+            // The fp32 master of this rank's part of every trainable unit, from the initial
+            // values (stage 0: whole units; otherwise the rank's chunk at the slot's start).
+            t.master = vec![0.0; acc_len];
+            for u in 0..units.len() {
+                let Some(off) = t.acc_offset[u] else { continue };
+                let full = t.read_unit(u)?;
+                let c = plan.chunk_len(u) as usize;
+                let mine = if stage == 0 {
+                    &full[..]
+                } else {
+                    &full[rank * c..(rank + 1) * c]
+                };
+                t.master[off..off + mine.len()].copy_from_slice(mine);
+            }
+        }
         if stage == 3 {
             // The shard of every unit, from the initial full values; then release gather units.
-            t.shard = vec![0.0; plan.shard_len() as usize];
+            match half {
+                None => t.shard = vec![0.0; plan.shard_len() as usize],
+                Some(_) => t.shard16 = vec![0; plan.shard_len() as usize],
+            }
             for (u, unit) in units.iter().enumerate() {
                 let full = t.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
                 let off = unit.shard_offset as usize;
-                t.shard[off..off + c].copy_from_slice(&full[rank * c..(rank + 1) * c]);
+                let mine = &full[rank * c..(rank + 1) * c];
+                match half {
+                    None => t.shard[off..off + c].copy_from_slice(mine),
+                    Some(h) => {
+                        for (d, &x) in t.shard16[off..off + c].iter_mut().zip(mine) {
+                            *d = h.round(x);
+                        }
+                    }
+                }
                 if unit.kind == UnitKind::Gather {
                     t.release(u);
                 }
@@ -307,7 +383,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             .enumerate()
             .map(|(k, &i)| (t.params[i].id, k))
             .collect();
-        let values = params::read_values(&t.model, &want)?;
+        let mut values = params::read_values(&t.model, &want)?;
+        if let Some(h) = half {
+            // The working weights: the initial values rounded to 16 bits (widened for burn).
+            for v in &mut values {
+                for x in v.iter_mut() {
+                    *x = h.quantize(*x);
+                }
+            }
+        }
         let fresh = slots
             .iter()
             .zip(values)
@@ -359,9 +443,38 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         m
     }
 
-    /// Steps taken.
+    /// Steps taken (skipped fp16 steps included).
     pub fn steps(&self) -> u64 {
         self.step
+    }
+
+    /// What happened at the last optimizer step: skipped (fp16 overflow) or not, and the loss
+    /// scale its backward used.
+    pub fn last_step(&self) -> StepInfo {
+        self.last_step
+    }
+
+    /// fp16: the loss scale the next step will use.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(LossScaler::scale)
+    }
+
+    /// bf16/fp16: this rank's fp32 master weights (its part of every trainable unit, laid out
+    /// like the gradient accumulator); empty in fp32.
+    pub fn master_weights(&self) -> &[f32] {
+        &self.master
+    }
+
+    /// Testing aid (fp16): makes the first element of this rank's reduced gradient shard inf at
+    /// the next optimizer step, as an overflow confined to one rank would. Every rank must then
+    /// skip that step together.
+    pub fn inject_overflow_next_step(&mut self) {
+        self.inject_overflow = true;
+    }
+
+    /// This rank's optimizer state: first and second moment (empty when the optimizer has none).
+    pub fn optimizer_state(&self) -> (&[f32], &[f32]) {
+        (&self.opt.m, &self.opt.v)
     }
 
     /// The loss of each micro-step of the last optimizer step (this rank's micro-batches, in
@@ -407,6 +520,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             Reduction::RankOrdered => 1.0 / plan.config().gradient_accumulation_steps as f32,
             Reduction::CanonicalTree => 1.0,
         };
+        // fp16: the loss scale multiplies the loss before the backward (1 otherwise: exact).
+        let scale = scale * self.scaler.as_ref().map_or(1.0, |s| s.scale() as f32);
         // Forward, keeping only the activations between segments.
         let mut acts: Vec<Tensor<3>> = Vec::with_capacity(segments);
         let mut loss = 0.0f32;
@@ -460,7 +575,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 let g = pending[u]
                     .take()
                     .unwrap_or_else(|| vec![0.0; plan.units()[u].len as usize]);
-                self.track_comm_buffer(g.len() as u64 * 4);
+                let w = if self.half.is_some() { 2 } else { 4 };
+                self.track_comm_buffer(g.len() as u64 * w);
                 self.reduce_unit(u, g)?;
             }
         }
@@ -496,6 +612,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     }
 
     fn reduce_unit(&mut self, u: usize, g: Vec<f32>) -> Result<()> {
+        if let Some(h) = self.half {
+            return self.reduce_unit16(h, u, g);
+        }
         let plan = self.plan.clone();
         let unit = &plan.units()[u];
         let off = self.acc_offset[u].expect("only trainable units are reduced");
@@ -544,6 +663,52 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         Ok(())
     }
 
+    /// [`Self::reduce_unit`] in bf16/fp16: the gradient is rounded to 16 bits, reduced as 16-bit
+    /// elements (summed in f32, rounded once) and added into the 16-bit accumulator in f32.
+    fn reduce_unit16(&mut self, h: Half, u: usize, g: Vec<f32>) -> Result<()> {
+        let plan = self.plan.clone();
+        let unit = &plan.units()[u];
+        let off = self.acc_offset[u].expect("only trainable units are reduced");
+        let len = unit.len as usize;
+        let stage = plan.stage();
+        let defer = plan.config().accumulate_before_reduce;
+        let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
+        let op = ReduceOp::Mean;
+        if stage == 0 && !defer {
+            let mut g16 = h.round_all(&g);
+            h.all_reduce(&mut self.world, &mut g16, op)?;
+            h.add_into(&mut self.acc16[off..off + len], &g16);
+            return Ok(());
+        }
+        if stage <= 1 && defer {
+            h.add_f32_into(&mut self.acc16[off..off + len], &g);
+            if last_micro {
+                let mut full = self.acc16[off..off + len].to_vec();
+                if stage == 0 {
+                    h.all_reduce(&mut self.world, &mut full, op)?;
+                    self.acc16[off..off + len].copy_from_slice(&full);
+                } else {
+                    let chunk = h.reduce_scatter(&mut self.world, &full, op)?;
+                    // Keep the reduced chunk at the start of the unit's slot.
+                    self.acc16[off..off + chunk.len()].copy_from_slice(&chunk);
+                }
+            }
+            return Ok(());
+        }
+        let chunk = match (&mut self.qgroups, &self.qgz) {
+            (Some(groups), Some(codec)) if unit.kind == UnitKind::Gather => {
+                // qgZ quantizes the 16-bit gradient (widened) and dequantizes into f32.
+                let g: Vec<f32> = g.iter().map(|&x| h.quantize(x)).collect();
+                let mut chunk = vec![0.0f32; len / plan.world_size()];
+                qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qscratch)?;
+                h.round_all(&chunk)
+            }
+            _ => h.reduce_scatter(&mut self.world, &h.round_all(&g), op)?,
+        };
+        h.add_into(&mut self.acc16[off..off + chunk.len()], &chunk);
+        Ok(())
+    }
+
     /// Adds this micro-step's reduced values for `acc[off..off + reduced.len()]`.
     fn accumulate(&mut self, off: usize, reduced: Vec<f32>) {
         match self.options.reduction {
@@ -553,6 +718,13 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     }
 
     fn optimizer_step(&mut self) -> Result<()> {
+        if let Some(h) = self.half {
+            return self.optimizer_step16(h);
+        }
+        self.last_step = StepInfo {
+            skipped: false,
+            loss_scale: 1.0,
+        };
         let plan = self.plan.clone();
         let c = plan.config();
         let n = plan.world_size();
@@ -699,6 +871,151 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         Ok(())
     }
 
+    /// [`Self::optimizer_step`] in bf16/fp16: widen the 16-bit reduced gradients to fp32, unscale
+    /// (fp16), check for overflow (fp16: every rank sees the same total and skips together),
+    /// clip, step the fp32 master, and round it to the 16-bit working weights.
+    fn optimizer_step16(&mut self, h: Half) -> Result<()> {
+        let plan = self.plan.clone();
+        let c = plan.config();
+        let n = plan.world_size();
+        let stage = plan.stage();
+        self.step += 1;
+        let loss_scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        // A power of two: unscaling is exact (barring subnormals).
+        let inv = (1.0 / loss_scale) as f32;
+        let chunk_at = |u: usize, r: usize| -> usize {
+            let off = self.acc_offset[u].expect("trainable");
+            if stage == 0 {
+                off + r * plan.chunk_len(u) as usize
+            } else {
+                off
+            }
+        };
+        let fp16 = self.scaler.is_some();
+        if std::mem::take(&mut self.inject_overflow)
+            && let Some(g) = self.acc16.first_mut()
+        {
+            *g = h.round(f32::INFINITY);
+        }
+        let mut coef = 1.0f32;
+        let mut overflow = false;
+        // fp16 always checks (the plan schedules the 8-byte partial for it); bf16 only to clip.
+        if c.gradient_clipping > 0.0 || fp16 {
+            let partial = |r: usize| -> f64 {
+                let mut s = 0.0f64;
+                for (u, unit) in plan.units().iter().enumerate() {
+                    if !unit.trainable {
+                        continue;
+                    }
+                    let at = chunk_at(u, r);
+                    for &b in &self.acc16[at..at + plan.chunk_len(u) as usize] {
+                        let g = f64::from(h.widen(b) * inv);
+                        s += g * g;
+                    }
+                }
+                s
+            };
+            // A non-finite element makes its rank's partial, and so every rank's total,
+            // non-finite: the partials are the overflow flag.
+            let total: f64 = if stage == 0 {
+                (0..n).map(partial).fold(0.0, |a, b| a + b)
+            } else {
+                let mine = partial(self.rank);
+                let all = self.world.all_gather_host(&mine.to_le_bytes())?;
+                all.chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .fold(0.0, |a, b| a + b)
+            };
+            if !total.is_finite() {
+                if !fp16 {
+                    return Err(Error::Model(format!(
+                        "the global gradient norm is not finite at step {} (rank {}): the loss \
+                         diverged",
+                        self.step, self.rank
+                    )));
+                }
+                overflow = true;
+            } else if c.gradient_clipping > 0.0 {
+                let k = c.gradient_clipping / (total.sqrt() + 1e-6);
+                if k < 1.0 {
+                    coef = k as f32;
+                }
+            }
+        }
+        if let Some(s) = &mut self.scaler {
+            s.update(overflow)?;
+        }
+        self.last_step = StepInfo {
+            skipped: overflow,
+            loss_scale: loss_scale as f32,
+        };
+        if overflow {
+            // Skip: master, working weights and optimizer state stay as they are.
+            self.sample_memory();
+            self.acc16.iter_mut().for_each(|g| *g = 0);
+            self.micro = 0;
+            return Ok(());
+        }
+        self.opt_steps += 1;
+        let grads = |acc: &[u16]| -> Vec<f32> {
+            acc.iter()
+                .map(|&b| {
+                    let g = h.widen(b) * inv;
+                    if coef != 1.0 { g * coef } else { g }
+                })
+                .collect()
+        };
+        let lr = self.options.lr;
+        let opt = self.options.optimizer;
+        let mut updates: Vec<(usize, Vec<f32>)> = Vec::new();
+        for (u, unit) in plan.units().iter().enumerate() {
+            if !unit.trainable {
+                continue;
+            }
+            let off = self.acc_offset[u].expect("trainable");
+            let len = if stage == 0 {
+                unit.len as usize
+            } else {
+                plan.chunk_len(u) as usize
+            };
+            let g = grads(&self.acc16[off..off + len]);
+            let master = &mut self.master[off..off + len];
+            optim::step(&opt, lr, self.opt_steps, master, &g, &mut self.opt, off);
+            let w16 = h.round_all(master);
+            match stage {
+                0 => updates.push((u, h.widen_all(&w16))),
+                1 | 2 => {
+                    let gathered = h.all_gather(&mut self.world, &w16)?;
+                    updates.push((u, h.widen_all(&gathered)));
+                }
+                _ => {
+                    let so = unit.shard_offset as usize;
+                    self.shard16[so..so + len].copy_from_slice(&w16);
+                }
+            }
+        }
+        if stage == 3 {
+            for (u, unit) in plan.units().iter().enumerate() {
+                if unit.kind == UnitKind::Persistent && unit.trainable {
+                    let cl = plan.chunk_len(u) as usize;
+                    let so = unit.shard_offset as usize;
+                    let gathered = h.all_gather(&mut self.world, &self.shard16[so..so + cl])?;
+                    updates.push((u, h.widen_all(&gathered)));
+                }
+            }
+            for s in &mut self.secondary16 {
+                *s = None;
+            }
+        }
+        for (u, full) in updates {
+            self.write_unit(u, &full);
+        }
+        self.sample_memory();
+        self.acc16.iter_mut().for_each(|g| *g = 0);
+        self.micro = 0;
+        Ok(())
+    }
+
     /// Every parameter's current values, indexed like the plan's model (stage 3 gathers each unit
     /// with one all-gather; call it after reading [`Self::traffic`]).
     pub fn gather_all_params(&mut self) -> Result<Vec<Vec<f32>>> {
@@ -708,7 +1025,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             for (u, unit) in plan.units().iter().enumerate() {
                 let cl = plan.chunk_len(u) as usize;
                 let so = unit.shard_offset as usize;
-                let full = self.world.all_gather_host(&self.shard[so..so + cl])?;
+                let full = match self.half {
+                    None => self.world.all_gather_host(&self.shard[so..so + cl])?,
+                    Some(h) => {
+                        h.widen_all(&h.all_gather(&mut self.world, &self.shard16[so..so + cl])?)
+                    }
+                };
                 for e in plan.unit_entries(u) {
                     out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
                 }
@@ -783,6 +1105,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let len = unit.len as usize;
         let cl = plan.chunk_len(u) as usize;
         let so = unit.shard_offset as usize;
+        if let Some(h) = self.half {
+            return self.gather_unit16(h, u, backward);
+        }
         let (comm, piece): (&mut C, &[f32]) = match (&mut self.hpz, backward, &self.secondary[u]) {
             (Some(h), true, Some(sec)) => (h, sec),
             _ => (&mut self.world, &self.shard[so..so + cl]),
@@ -805,6 +1130,40 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.gathered[u] = true;
         self.live_gathered += unit.len;
         self.peak.gathered_working_set = self.peak.gathered_working_set.max(self.live_gathered * 4);
+        Ok(())
+    }
+
+    /// [`Self::gather_unit`] in bf16/fp16: the 16-bit shard is gathered as 16-bit elements (qwZ:
+    /// widened, int8 on the wire, rounded back), and written to the model widened to f32.
+    fn gather_unit16(&mut self, h: Half, u: usize, backward: bool) -> Result<()> {
+        let plan = self.plan.clone();
+        let unit = &plan.units()[u];
+        let len = unit.len as usize;
+        let cl = plan.chunk_len(u) as usize;
+        let so = unit.shard_offset as usize;
+        let (comm, piece): (&mut C, &[u16]) = match (&mut self.hpz, backward, &self.secondary16[u])
+        {
+            (Some(hc), true, Some(sec)) => (hc, sec),
+            _ => (&mut self.world, &self.shard16[so..so + cl]),
+        };
+        let full = match &self.qwz {
+            Some(codec) => {
+                let piece = h.widen_all(piece);
+                let mut full = vec![0.0f32; piece.len() * comm.world_size()];
+                qwz_all_gather(comm, codec, &piece, &mut full, &mut self.qscratch)?;
+                h.round_all(&full)
+            }
+            None => h.all_gather(comm, piece)?,
+        };
+        if let (Some(layout), false) = (plan.hpz(), backward) {
+            let g = self.rank % layout.size;
+            let s = len / layout.size;
+            self.secondary16[u] = Some(full[g * s..(g + 1) * s].to_vec());
+        }
+        self.write_unit(u, &h.widen_all(&full));
+        self.gathered[u] = true;
+        self.live_gathered += unit.len;
+        self.peak.gathered_working_set = self.peak.gathered_working_set.max(self.live_gathered * 2);
         Ok(())
     }
 
@@ -853,20 +1212,36 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     fn sample_memory(&mut self) {
         let stage3 = self.plan.stage() == 3;
         let gathered: u64 = if stage3 { self.live_gathered } else { 0 };
-        let resident = params::resident_elems(&self.model) - gathered;
+        let model_elems = params::resident_elems(&self.model);
+        let resident = model_elems - gathered;
+        // The working weights' bytes per element: 4 in fp32, 2 in bf16/fp16 (where burn's f32
+        // copies hold 2 more, reported as `f32_compute_copies`).
+        let w = if self.half.is_some() { 2 } else { 4 };
         let p = &mut self.peak;
-        p.parameters = p.parameters.max((resident + self.shard.len() as u64) * 4);
+        p.parameters = p
+            .parameters
+            .max(resident * w + self.shard.len() as u64 * 4 + self.shard16.len() as u64 * 2);
         // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
         p.gradients = p
             .gradients
-            .max((self.acc.len() + self.tree.len()) as u64 * 4);
+            .max((self.acc.len() + self.tree.len()) as u64 * 4 + self.acc16.len() as u64 * 2);
         p.optimizer_states = p.optimizer_states.max(self.opt.bytes());
+        p.master_weights = p.master_weights.max(self.master.len() as u64 * 4);
+        if self.half.is_some() {
+            p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
+        }
         let sec: u64 = self
             .secondary
             .iter()
             .flatten()
             .map(|s| s.len() as u64 * 4)
-            .sum();
+            .sum::<u64>()
+            + self
+                .secondary16
+                .iter()
+                .flatten()
+                .map(|s| s.len() as u64 * 2)
+                .sum::<u64>();
         p.hpz_secondary = p.hpz_secondary.max(sec);
     }
 }

@@ -1,6 +1,8 @@
-//! Launching N ranks in one process on the host loopback.
+//! Launching N ranks in one process: on the host loopback ([`train_host`]), or (feature `wgpu`)
+//! on burn's wgpu backend with the wgpu loopback on one shared device (`train_wgpu`).
 
 use std::sync::{Arc, Mutex};
+use std::thread;
 use std::time::Duration;
 
 use zero_comm::Communicator;
@@ -23,6 +25,8 @@ pub struct RankResult<M> {
     pub losses: Vec<f32>,
     /// This rank's unscaled loss of each micro-step, per step (for [`global_losses`]).
     pub micro_losses: Vec<Vec<f32>>,
+    /// Per step: skipped (fp16 overflow) or not, and the loss scale.
+    pub step_info: Vec<crate::StepInfo>,
     /// Traffic measured over all steps.
     pub traffic: TrafficTable,
     /// Peak measured memory.
@@ -56,55 +60,80 @@ pub fn train_host<M: Segmented>(
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<Vec<RankResult<M>>> {
-    let HostRun {
-        steps,
-        timeout,
-        keep_final_params,
-    } = run;
-    // burn modules are Send but not Sync: hand each rank its own clone through a mutex.
-    let models: Mutex<Vec<Option<M>>> = Mutex::new(
-        (0..plan.world_size())
-            .map(|_| Some(model.clone()))
-            .collect(),
-    );
     let order = match options.reduction {
         Reduction::RankOrdered => ReduceOrder::RankSequential,
         Reduction::CanonicalTree => ReduceOrder::PairwiseTree,
     };
-    let results = HostWorld::new(*plan.topology(), timeout)
+    let models = RankModels::new(&model, plan.world_size());
+    let results = HostWorld::new(*plan.topology(), run.timeout)
         .with_reduce_order(order)
-        .launch(|comm| -> Result<RankResult<M>> {
-            let rank = comm.rank();
-            let mine = models.lock().unwrap_or_else(|e| e.into_inner())[rank].take();
-            let mine = mine.ok_or_else(|| Error::Model(format!("rank {rank} launched twice")))?;
-            let mut t = RankTrainer::new(plan.clone(), comm, mine, options)?;
-            let mut losses = Vec::with_capacity(steps as usize);
-            let mut micro_losses = Vec::with_capacity(steps as usize);
-            for s in 0..steps {
-                let l = t.train_step(corpus)?;
-                if t.rank() == 0 {
-                    on_step(s, l);
-                }
-                losses.push(l);
-                micro_losses.push(t.last_micro_losses().to_vec());
-            }
-            let traffic = t.traffic();
-            // Gathering every parameter costs a full copy per rank: only on request.
-            let final_params = if keep_final_params {
-                t.gather_all_params()?
-            } else {
-                Vec::new()
-            };
-            Ok(RankResult {
-                rank: t.rank(),
-                losses,
-                micro_losses,
-                traffic,
-                memory: t.measured_memory(),
-                model: t.model().clone(),
-                final_params,
-            })
+        .launch(|comm| {
+            let mine = models.take(comm.rank())?;
+            run_rank(plan.clone(), comm, mine, corpus, options, run, on_step)
         });
+    collect(results)
+}
+
+/// burn modules are Send but not Sync: each rank takes its own clone through a mutex.
+struct RankModels<M>(Mutex<Vec<Option<M>>>);
+
+impl<M: Clone> RankModels<M> {
+    fn new(model: &M, n: usize) -> Self {
+        RankModels(Mutex::new((0..n).map(|_| Some(model.clone())).collect()))
+    }
+
+    fn take(&self, rank: usize) -> Result<M> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())[rank]
+            .take()
+            .ok_or_else(|| Error::Model(format!("rank {rank} launched twice")))
+    }
+}
+
+/// One rank's whole run, on any communicator: `run.steps` steps, then its report.
+fn run_rank<C: Communicator, M: Segmented>(
+    plan: Arc<Plan>,
+    comm: C,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<RankResult<M>> {
+    let mut t = RankTrainer::new(plan, comm, model, options)?;
+    let mut losses = Vec::with_capacity(run.steps as usize);
+    let mut micro_losses = Vec::with_capacity(run.steps as usize);
+    let mut step_info = Vec::with_capacity(run.steps as usize);
+    for s in 0..run.steps {
+        let l = t.train_step(corpus)?;
+        if t.rank() == 0 {
+            on_step(s, l);
+        }
+        losses.push(l);
+        micro_losses.push(t.last_micro_losses().to_vec());
+        step_info.push(t.last_step());
+    }
+    let traffic = t.traffic();
+    // Gathering every parameter costs a full copy per rank: only on request.
+    let final_params = if run.keep_final_params {
+        t.gather_all_params()?
+    } else {
+        Vec::new()
+    };
+    Ok(RankResult {
+        rank: t.rank(),
+        losses,
+        micro_losses,
+        step_info,
+        traffic,
+        memory: t.measured_memory(),
+        model: t.model().clone(),
+        final_params,
+    })
+}
+
+/// The ranks' results in rank order, or the first error (a panicking rank becomes
+/// [`Error::RankPanicked`]).
+fn collect<M>(results: Vec<thread::Result<Result<RankResult<M>>>>) -> Result<Vec<RankResult<M>>> {
     let mut out = Vec::with_capacity(results.len());
     let mut first_err = None;
     for (rank, r) in results.into_iter().enumerate() {
@@ -146,4 +175,95 @@ pub fn global_losses<M>(results: &[RankResult<M>]) -> Vec<f32> {
             canonical_sum(&leaves) / leaves.len() as f32
         })
         .collect()
+}
+
+/// burn's wgpu runtime and the wgpu loopback on **one** `wgpu::Device` and queue (feature
+/// `wgpu`): burn initialises its runtime on the default adapter and hands back its handles
+/// (`Device::wgpu_options().init_with_setup()`), and the loopback adopts them
+/// ([`WgpuDevice::from_wgpu`](zero_comm::wgpu_loopback::WgpuDevice::from_wgpu)).
+///
+/// burn registers a runtime once per process, so this is a process-wide value:
+/// [`WgpuShared::get`] opens it on first use and clones it afterwards.
+#[cfg(feature = "wgpu")]
+#[derive(Clone, Debug)]
+pub struct WgpuShared {
+    burn: burn::tensor::Device,
+    comm: Arc<zero_comm::wgpu_loopback::WgpuDevice>,
+}
+
+#[cfg(feature = "wgpu")]
+impl WgpuShared {
+    /// The process's shared device, opened on the first call. An error says why (no adapter,
+    /// or burn's default wgpu runtime was already initialised by someone else); every later call
+    /// returns the same error.
+    pub fn get() -> Result<WgpuShared> {
+        static SHARED: std::sync::OnceLock<std::result::Result<WgpuShared, String>> =
+            std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                let (burn, setup) = burn::tensor::Device::wgpu_options()
+                    .init_with_setup()
+                    .map_err(|e| format!("burn's wgpu runtime: {e}"))?;
+                let comm =
+                    zero_comm::wgpu_loopback::WgpuDevice::from_wgpu(setup.device, setup.queue)
+                        .map_err(|e| e.to_string())?;
+                Ok(WgpuShared { burn, comm })
+            })
+            .clone()
+            .map_err(Error::Backend)
+    }
+
+    /// burn's autodiff device on the shared `wgpu::Device`: build the model on it.
+    pub fn autodiff_device(&self) -> burn::tensor::Device {
+        self.burn.clone().autodiff()
+    }
+
+    /// The loopback's side of the shared device.
+    pub fn comm_device(&self) -> &Arc<zero_comm::wgpu_loopback::WgpuDevice> {
+        &self.comm
+    }
+
+    /// The adapter's name and driver, e.g. `llvmpipe (LLVM 15.0.6, 256 bits)` on lavapipe.
+    pub fn adapter_name(&self) -> String {
+        let info = self.comm.adapter_info();
+        format!("{} ({}, {:?})", info.name, info.driver_info, info.backend)
+    }
+}
+
+/// [`train_host`] on the GPU path (feature `wgpu`): every rank's model runs on burn's wgpu
+/// backend and every collective on the wgpu loopback, both on `shared`'s one device. `model`
+/// must live on [`WgpuShared::autodiff_device`].
+///
+/// The trainer keeps its shards, gradient accumulator and optimizer state in host memory, so each
+/// collective uploads its input to a loopback buffer and downloads the result (the trainer's
+/// `*_host` calls): a host round trip per collective. Handing burn tensors' storage to the
+/// loopback in place (cubecl's buffer as a [`WgpuBuffer`](zero_comm::wgpu_loopback::WgpuBuffer))
+/// is not built. The loopback reduces in rank order, so [`Reduction::CanonicalTree`] is rejected.
+#[cfg(feature = "wgpu")]
+pub fn train_wgpu<M: Segmented>(
+    shared: &WgpuShared,
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<Vec<RankResult<M>>> {
+    if let Some(d) = model.devices().into_iter().find(|d| *d != shared.burn) {
+        return Err(Error::Model(format!(
+            "the model lives on {d:?}; train_wgpu needs it on the shared device {:?}",
+            shared.burn
+        )));
+    }
+    let models = RankModels::new(&model, plan.world_size());
+    let world = zero_comm::wgpu_loopback::WgpuWorld::with_device(
+        shared.comm.clone(),
+        *plan.topology(),
+        run.timeout,
+    );
+    let results = world.launch(|comm| {
+        let mine = models.take(comm.rank())?;
+        run_rank(plan.clone(), comm, mine, corpus, options, run, on_step)
+    });
+    collect(results)
 }

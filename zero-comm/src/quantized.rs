@@ -325,7 +325,7 @@ fn marker_at(layout: &WireLayout) -> Option<usize> {
     }
 }
 
-fn poison(piece: &mut [u8], layout: &WireLayout, origin: usize) {
+pub(crate) fn poison(piece: &mut [u8], layout: &WireLayout, origin: usize) {
     piece.fill(0);
     if let Some(at) = marker_at(layout) {
         let bits = POISON | (origin as u32 & ORIGIN_MASK);
@@ -341,7 +341,7 @@ fn poisoned(piece: &[u8], layout: &WireLayout) -> Option<usize> {
 }
 
 /// The data failure seen so far by one rank in one call.
-struct Fault {
+pub(crate) struct Fault {
     op: Op,
     me: usize,
     local: Option<zero_quant::Error>,
@@ -349,7 +349,7 @@ struct Fault {
 }
 
 impl Fault {
-    fn new(op: Op, me: usize) -> Self {
+    pub(crate) fn new(op: Op, me: usize) -> Self {
         Fault {
             op,
             me,
@@ -358,7 +358,7 @@ impl Fault {
         }
     }
 
-    fn local(&mut self, e: zero_quant::Error) {
+    pub(crate) fn local(&mut self, e: zero_quant::Error) {
         self.local.get_or_insert(e);
     }
 
@@ -367,7 +367,7 @@ impl Fault {
     }
 
     /// The rank to name in poison this rank sends on.
-    fn origin(&self) -> Option<usize> {
+    pub(crate) fn origin(&self) -> Option<usize> {
         if self.local.is_some() {
             Some(self.me)
         } else {
@@ -375,13 +375,13 @@ impl Fault {
         }
     }
 
-    fn check(&mut self, piece: &[u8], layout: &WireLayout) {
+    pub(crate) fn check(&mut self, piece: &[u8], layout: &WireLayout) {
         if let Some(o) = poisoned(piece, layout) {
             self.peer(o);
         }
     }
 
-    fn finish(self) -> Result<()> {
+    pub(crate) fn finish(self) -> Result<()> {
         match (self.local, self.peer) {
             (None, None) => Ok(()),
             (Some(e), _) => Err(Error::Quant {
@@ -400,7 +400,7 @@ impl Fault {
     }
 }
 
-fn length(op: Op, rank: usize, expected: usize, got: usize) -> Error {
+pub(crate) fn length(op: Op, rank: usize, expected: usize, got: usize) -> Error {
     Error::LengthMismatch {
         op,
         rank,

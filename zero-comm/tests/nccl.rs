@@ -729,3 +729,66 @@ fn gpu_bandwidth_report() {
     });
     passed("gpu_bandwidth_report");
 }
+
+/// qwZ on device memory (zero-quant's CUDA kernels, NCCL's all-gather) equals the host path on
+/// the host loopback bit for bit, errors included.
+#[cfg(feature = "nccl")]
+#[test]
+fn gpu_qwz_on_device_matches_the_host_path() {
+    use half::bf16;
+    use zero_comm::nccl::qwz_all_gather_device;
+    use zero_comm::quantized::{QuantScratch, qwz_all_gather};
+    use zero_quant::{Codec, CudaQuantizer, Int4Block, Int8Block};
+
+    let Some(_g) = gpu("gpu_qwz_on_device_matches_the_host_path") else {
+        return;
+    };
+    fn case<E>(comm: &mut NcclComm, q: &CudaQuantizer, codec: Codec, x: &[E])
+    where
+        E: zero_comm::Element + zero_quant::cuda::CudaElement + common::Val,
+    {
+        let mut host = common::host_world(common::topo(1, 1)).pop().unwrap();
+        let mut want = vec![E::default(); x.len()];
+        let mut scratch = QuantScratch::new();
+        let h = qwz_all_gather(&mut host, &codec, x, &mut want, &mut scratch);
+        let chunk = comm.upload(x).unwrap();
+        let mut out = comm.alloc::<E>(x.len()).unwrap();
+        let d = qwz_all_gather_device(comm, q, codec, &chunk, &mut out);
+        match (d, h) {
+            (Ok(()), Ok(())) => {
+                let got = comm.download_vec(&out).unwrap();
+                common::assert_bits(&got, &want, &format!("{codec:?} n={}", x.len()));
+            }
+            (Err(d), Err(h)) => assert_eq!(d.to_string(), h.to_string()),
+            (d, h) => panic!("{codec:?}: device {d:?}, host {h:?}"),
+        }
+    }
+    let mut comm = NcclComm::single(0, NcclOptions::default()).unwrap();
+    let q = CudaQuantizer::new(comm.stream().clone()).unwrap();
+    let codecs: [Codec; 3] = [
+        Int8Block::default().into(),
+        Int8Block::new(7).unwrap().into(),
+        Int4Block::default().into(),
+    ];
+    for codec in codecs {
+        for n in [0usize, 1, 5, 1000, 4097] {
+            let x: Vec<f32> = common::values::<f32>(0, n, n as u64);
+            case(&mut comm, &q, codec, &x);
+            let xb: Vec<bf16> = common::values::<bf16>(0, n, n as u64);
+            case(&mut comm, &q, codec, &xb);
+        }
+        // A non-finite input fails on the device as on the host, naming this rank.
+        let mut x = common::values::<f32>(0, 100, 9);
+        x[37] = f32::NAN;
+        case(&mut comm, &q, codec, &x);
+    }
+    // A quantizer on another stream is refused.
+    let other = CudaQuantizer::new(comm.context().new_stream().unwrap()).unwrap();
+    let chunk = comm.upload(&[1.0f32]).unwrap();
+    let mut out = comm.alloc::<f32>(1).unwrap();
+    assert!(matches!(
+        qwz_all_gather_device(&mut comm, &other, Int8Block::default(), &chunk, &mut out),
+        Err(Error::Backend(_))
+    ));
+    passed("gpu_qwz_on_device_matches_the_host_path");
+}

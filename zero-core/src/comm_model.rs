@@ -352,11 +352,25 @@ impl Plan {
 
     /// The communication model of `rank` for one optimizer step.
     pub fn comm(&self, rank: usize) -> CommModel {
+        self.comm_of(rank, false)
+    }
+
+    /// The communication model of `rank` for an fp16 step skipped on overflow: everything up to
+    /// and including the overflow check, and no [`Phase::PostStep`] all-gathers (the weights did
+    /// not change, as in DeepSpeed).
+    pub fn comm_skipped_step(&self, rank: usize) -> CommModel {
+        self.comm_of(rank, true)
+    }
+
+    fn comm_of(&self, rank: usize, skipped: bool) -> CommModel {
         let a = u64::from(self.config().gradient_accumulation_steps);
         let mut cache = BaseCache::new(self.topology());
         let mut by_collective = TrafficTable::new();
         let mut by_phase: Vec<PhaseRow> = Vec::new();
         for op in self.schedule() {
+            if skipped && op.phase == Phase::PostStep {
+                continue;
+            }
             let mut tr = cache.traffic(self, &op, rank);
             if op.per_micro_step {
                 tr = tr.scaled(a);

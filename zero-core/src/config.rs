@@ -115,6 +115,56 @@ pub struct ZeroConfig {
     /// so every stage reduces every micro-step in the same order and stages 0–3 stay bit-identical
     /// for any accumulation count (invariant I1).
     pub accumulate_before_reduce: bool,
+    /// fp16 only: the loss scaler (DeepSpeed's `fp16` section). Ignored in fp32 and bf16, which
+    /// run unscaled.
+    pub loss_scaler: LossScaleConfig,
+}
+
+/// fp16 loss scaling, with DeepSpeed's keys, defaults and semantics (zero-spec.md §3.4).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossScaleConfig {
+    /// A static scale; 0 means dynamic (DeepSpeed's `loss_scale`).
+    pub loss_scale: f64,
+    /// The dynamic scaler starts at 2^this.
+    pub initial_scale_power: u32,
+    /// Clean (non-overflowing) steps after which the dynamic scale doubles.
+    pub loss_scale_window: u64,
+    /// Overflows tolerated before the scale halves (1 = halve on every overflow).
+    pub hysteresis: u32,
+    /// Whether a clean step restores the hysteresis (else only a window's end does).
+    pub consecutive_hysteresis: bool,
+    /// The dynamic scale never falls below this; an overflow at this scale is an error.
+    pub min_loss_scale: f64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        LossScaleConfig {
+            loss_scale: 0.0,
+            initial_scale_power: 16,
+            loss_scale_window: 1000,
+            hysteresis: 2,
+            consecutive_hysteresis: false,
+            min_loss_scale: 1.0,
+        }
+    }
+}
+
+impl LossScaleConfig {
+    /// Whether the scale adapts to overflows.
+    pub fn dynamic(&self) -> bool {
+        self.loss_scale == 0.0
+    }
+
+    /// The scale of the first step.
+    pub fn initial_scale(&self) -> f64 {
+        if self.dynamic() {
+            2f64.powi(self.initial_scale_power as i32)
+        } else {
+            self.loss_scale
+        }
+    }
 }
 
 /// Default qwZ block (elements); see zero-quant's measurements.
@@ -143,6 +193,7 @@ impl Default for ZeroConfig {
             qwz_block_size: DEFAULT_QWZ_BLOCK,
             qgz_block_size: DEFAULT_QGZ_BLOCK,
             accumulate_before_reduce: false,
+            loss_scaler: LossScaleConfig::default(),
         }
     }
 }
@@ -329,12 +380,48 @@ fn read_precision(
             }
         },
     };
-    for key in obj.keys() {
+    for (key, val) in obj {
+        let s = &mut c.loss_scaler;
         match (k, key.as_str()) {
             (_, "enabled") => {}
-            ("fp16", "loss_scale" | "initial_scale_power" | "loss_scale_window" | "hysteresis"
-            | "min_loss_scale" | "consecutive_hysteresis" | "auto_cast") => notes.push(format!(
-                "fp16.{key}: the loss scaler uses DeepSpeed's defaults (scale 2^16, window 1000, hysteresis 2)"
+            ("fp16", "loss_scale") => match num(val) {
+                Some(x) if x >= 0.0 && x.is_finite() => s.loss_scale = x,
+                _ => bad.push(format!(
+                    "fp16.loss_scale: got {val}, expected 0 (dynamic) or a positive scale"
+                )),
+            },
+            ("fp16", "initial_scale_power") => match int(val) {
+                Some(x) if x <= 126 => s.initial_scale_power = x as u32,
+                _ => bad.push(format!(
+                    "fp16.initial_scale_power: got {val}, expected an integer in 0..=126"
+                )),
+            },
+            ("fp16", "loss_scale_window") => match int(val) {
+                Some(x) if x >= 1 => s.loss_scale_window = x,
+                _ => bad.push(format!(
+                    "fp16.loss_scale_window: got {val}, expected an integer ≥ 1"
+                )),
+            },
+            ("fp16", "hysteresis") => match int(val) {
+                Some(x) if x >= 1 && x <= u32::MAX as u64 => s.hysteresis = x as u32,
+                _ => bad.push(format!(
+                    "fp16.hysteresis: got {val}, expected an integer ≥ 1"
+                )),
+            },
+            ("fp16", "consecutive_hysteresis") => match boolean(val) {
+                Some(b) => s.consecutive_hysteresis = b,
+                None => bad.push(format!(
+                    "fp16.consecutive_hysteresis: got {val}, expected a boolean"
+                )),
+            },
+            ("fp16", "min_loss_scale") => match num(val) {
+                Some(x) if x > 0.0 && x.is_finite() => s.min_loss_scale = x,
+                _ => bad.push(format!(
+                    "fp16.min_loss_scale: got {val}, expected a positive number"
+                )),
+            },
+            ("fp16", "auto_cast") => notes.push(format!(
+                "fp16.{key}: no effect here (the trainer casts weights and gradients itself)"
             )),
             ("bf16", "immediate_grad_update" | "check_grad_overflow") => {
                 notes.push(format!("bf16.{key}: no effect here"))
@@ -482,6 +569,8 @@ mod tests {
         assert!(c.quantized_weights && c.quantized_gradients && c.overlap_comm);
         assert_eq!(c.hpz_partition_size, 16);
         assert_eq!(c.gradient_clipping, 1.0);
+        assert_eq!(c.loss_scaler.initial_scale_power, 12);
+        assert_eq!(c.loss_scaler.initial_scale(), 4096.0);
         assert!(imp.notes.iter().any(|n| n.contains("contiguous_gradients")));
         assert!(
             imp.notes
@@ -536,5 +625,32 @@ mod tests {
         let text =
             r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "zero_optimization": {}}"#;
         assert!(ZeroConfig::from_deepspeed_json(text).is_err());
+    }
+
+    #[test]
+    fn reads_the_fp16_loss_scaler() {
+        let text = r#"{"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 20,
+            "loss_scale_window": 50, "hysteresis": 1, "min_loss_scale": 4,
+            "consecutive_hysteresis": true}, "zero_optimization": {"stage": 2}}"#;
+        let c = ZeroConfig::from_deepspeed_json(text).unwrap().config;
+        let want = LossScaleConfig {
+            loss_scale: 0.0,
+            initial_scale_power: 20,
+            loss_scale_window: 50,
+            hysteresis: 1,
+            consecutive_hysteresis: true,
+            min_loss_scale: 4.0,
+        };
+        assert_eq!(c.loss_scaler, want);
+        assert!(c.loss_scaler.dynamic());
+        let text = r#"{"fp16": {"enabled": true, "loss_scale": 128}, "zero_optimization": {}}"#;
+        let c = ZeroConfig::from_deepspeed_json(text).unwrap().config;
+        assert!(!c.loss_scaler.dynamic());
+        assert_eq!(c.loss_scaler.initial_scale(), 128.0);
+        let bad = r#"{"fp16": {"enabled": true, "loss_scale_window": 0}, "zero_optimization": {}}"#;
+        let e = ZeroConfig::from_deepspeed_json(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("loss_scale_window"), "{e}");
     }
 }

@@ -497,6 +497,38 @@ fn validate_config(c: &ZeroConfig, t: &Topology) -> Result<()> {
     if c.precision == Precision::Fp16 && c.quantized_gradients {
         // Allowed: qgZ dequantizes and reduces in fp32.
     }
+    let s = &c.loss_scaler;
+    if !(s.loss_scale >= 0.0 && s.loss_scale.is_finite()) {
+        return Err(Error::invalid(
+            "loss_scaler.loss_scale",
+            s.loss_scale.to_string(),
+            "0 (dynamic) or a positive finite scale",
+        ));
+    }
+    if s.initial_scale_power > 126 {
+        return Err(Error::invalid(
+            "loss_scaler.initial_scale_power",
+            s.initial_scale_power.to_string(),
+            "at most 126 (the scale must be a finite f32)",
+        ));
+    }
+    if s.loss_scale_window == 0 || s.hysteresis == 0 {
+        return Err(Error::invalid(
+            "loss_scaler",
+            format!(
+                "loss_scale_window {} hysteresis {}",
+                s.loss_scale_window, s.hysteresis
+            ),
+            "both at least 1",
+        ));
+    }
+    if !(s.min_loss_scale > 0.0 && s.min_loss_scale.is_finite()) {
+        return Err(Error::invalid(
+            "loss_scaler.min_loss_scale",
+            s.min_loss_scale.to_string(),
+            "a positive finite scale",
+        ));
+    }
     Ok(())
 }
 

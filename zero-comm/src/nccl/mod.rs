@@ -143,6 +143,8 @@ mod validate;
 
 #[cfg(feature = "nccl")]
 mod backend;
+#[cfg(feature = "nccl")]
+mod quantized;
 #[cfg(not(feature = "nccl"))]
 mod stub;
 
@@ -157,6 +159,8 @@ pub use options::{
     DEFAULT_TIMEOUT, ENV_CHECK_PEERS, ENV_DEVICE, ENV_NONBLOCKING, ENV_TIMEOUT, ENV_WAIT,
     NcclOptions, WaitMode,
 };
+#[cfg(feature = "nccl")]
+pub use quantized::qwz_all_gather_device;
 
 /// The cudarc this backend is built on, for callers that exchange device memory with it.
 #[cfg(feature = "nccl")]

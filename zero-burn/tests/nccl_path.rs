@@ -1,0 +1,155 @@
+//! The trainer over NCCL (feature `nccl`): ZeRO-3 on one GPU with every collective through NCCL,
+//! against the same job on the host loopback.
+//!
+//! One GPU allows one NCCL rank (NCCL refuses two ranks on one device), so this is world size 1,
+//! where NCCL's results are exact: the run must be **bit-identical** to the host loopback's, and
+//! its measured traffic must equal the plan. The model computes on burn's flex (CPU) backend:
+//! burn's CUDA backend cannot be built offline (cubecl-cuda downloads LLVM in its build script),
+//! so parameters and gradients are staged through host memory around each collective.
+//!
+//! It runs with the `gpu-tests` feature and `ZERO_GPU_TESTS=1` (what `cargo xtask gpu-check`
+//! sets) and otherwise prints why it skips. When it passes it appends its name to the gpu-check
+//! cookie (`$ZERO_GPU_COOKIE`).
+#![cfg(feature = "nccl")]
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use zero_burn::data::{Corpus, MarkovLanguage};
+use zero_burn::model::{Gpt, GptConfig};
+use zero_burn::optim::Optimizer;
+use zero_burn::reduction::Reduction;
+use zero_burn::trainer::{RankTrainer, TrainOptions};
+use zero_burn::world::{HostRun, train_host};
+use zero_comm::nccl::{NcclComm, NcclOptions};
+use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
+
+const STEPS: u64 = 20;
+
+fn cookie(test: &str) {
+    let Some(path) = std::env::var_os("ZERO_GPU_COOKIE") else {
+        return;
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    writeln!(f, "{test} ok").unwrap();
+}
+
+fn gpu_ready(test: &str) -> bool {
+    if !cfg!(feature = "gpu-tests") {
+        eprintln!("skip {test}: built without the gpu-tests feature");
+        return false;
+    }
+    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skip {test}: ZERO_GPU_TESTS=1 is not set");
+        return false;
+    }
+    match zero_comm::nccl::probe() {
+        Ok(rt) if rt.devices > 0 => true,
+        Ok(_) => {
+            eprintln!("skip {test}: no CUDA device");
+            false
+        }
+        Err(e) => {
+            eprintln!("skip {test}: {e}");
+            false
+        }
+    }
+}
+
+type Setup = (MarkovLanguage, Arc<Plan>, TrainOptions, Gpt);
+
+/// The default job's model and data at world size 1, ZeRO-3.
+fn setup() -> Setup {
+    let corpus = MarkovLanguage::new(64, 7).unwrap();
+    let cfg = GptConfig {
+        vocab: corpus.vocab(),
+        ..zero_burn::job::JobConfig::default_job().model
+    };
+    let model = cfg.init(&Device::flex().autodiff(), 7);
+    let optimizer = Optimizer::default();
+    let zero = ZeroConfig {
+        stage: 3,
+        param_persistence_threshold: 1024,
+        prefetch_bucket_size: 0,
+        optimizer: optimizer.kind(),
+        ..ZeroConfig::default()
+    };
+    let plan = Arc::new(zero_burn::plan_for(&model, Topology::new(1, 1).unwrap(), &zero).unwrap());
+    let options = TrainOptions {
+        lr: 3e-3,
+        optimizer,
+        micro_batch: 8,
+        seq: cfg.context,
+        reduction: Reduction::RankOrdered,
+    };
+    (corpus, plan, options, model)
+}
+
+#[test]
+fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
+    let test = "zero3_over_nccl_is_bit_identical_to_the_host_loopback";
+    if !gpu_ready(test) {
+        return;
+    }
+    let (corpus, plan, options, model) = setup();
+    let reference = train_host(
+        plan.clone(),
+        model.clone(),
+        &corpus,
+        options,
+        HostRun {
+            steps: STEPS,
+            timeout: Duration::from_secs(60),
+            keep_final_params: true,
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    let want = &reference[0];
+
+    let comm = NcclComm::single(0, NcclOptions::default()).unwrap();
+    let mut trainer = RankTrainer::new(plan.clone(), comm, model, options).unwrap();
+    let t = Instant::now();
+    let mut got = Vec::new();
+    for _ in 0..STEPS {
+        got.push(trainer.train_step(&corpus).unwrap());
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&got),
+        bits(&want.losses),
+        "losses: nccl {got:?} vs host {:?}",
+        want.losses
+    );
+    let mut planned = TrafficTable::new();
+    for _ in 0..STEPS {
+        planned.merge(&plan.comm(0).by_collective);
+    }
+    assert_eq!(trainer.traffic(), planned);
+    // (Gathering every parameter is extra traffic, so it comes after the traffic check.)
+    let params = trainer.gather_all_params().unwrap();
+    assert_eq!(params.len(), want.final_params.len());
+    for (i, (a, b)) in params.iter().zip(&want.final_params).enumerate() {
+        assert!(
+            bits(a) == bits(b),
+            "parameter {i} differs after {STEPS} steps"
+        );
+    }
+    assert!(
+        got[STEPS as usize - 1] < got[0] - 0.1,
+        "the loss must fall: {got:?}"
+    );
+    println!(
+        "ZERO_GPU_TRAIN steps={STEPS} loss_first={:.4} loss_last={:.4} secs={secs:.2}",
+        got[0],
+        got[STEPS as usize - 1]
+    );
+    cookie(test);
+}

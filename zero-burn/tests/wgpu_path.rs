@@ -1,0 +1,198 @@
+//! The wgpu path (feature `wgpu`): the trainer on burn's wgpu backend with the wgpu loopback, both
+//! on one `wgpu::Device` (`world::train_wgpu`), against the reference path (flex CPU backend, host
+//! loopback) on the same job: losses per step within a stated tolerance, and measured traffic and
+//! model-state bytes equal to the plan exactly.
+//!
+//! Runs on any wgpu adapter (Mesa lavapipe on CPU-only machines). Without one each test prints why
+//! to stderr and passes, unless `ZERO_REQUIRE_WGPU=1`, which makes a missing adapter a failure
+//! (CI sets it after installing `mesa-vulkan-drivers`).
+#![cfg(feature = "wgpu")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use zero_burn::data::MarkovLanguage;
+use zero_burn::job::JobConfig;
+use zero_burn::optim::Optimizer;
+use zero_burn::world::{HostRun, RankResult, WgpuShared, train_host, train_wgpu};
+use zero_burn::{Error, Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
+use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
+
+const STEPS: u64 = 8;
+
+/// Relative loss gap allowed per step: |Δ| ≤ TOL · max(1, |loss|). The kernels differ (cubecl's
+/// matmul and reductions vs flex's), so the paths agree only up to f32 rounding. Measured on
+/// lavapipe: at most 1.1e-5 over these 8 steps (each test prints its worst gap); TOL leaves 9x.
+const TOL: f32 = 1e-4;
+
+/// The process's shared device, or `None` after printing why the calling test is skipped.
+fn shared(test: &str) -> Option<WgpuShared> {
+    match WgpuShared::get() {
+        Ok(s) => Some(s),
+        Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
+            panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")
+        }
+        Err(e) => {
+            eprintln!(
+                "skipped {test}: no wgpu device ({e}); install mesa-vulkan-drivers for lavapipe, \
+                 or set ZERO_REQUIRE_WGPU=1 to fail instead"
+            );
+            None
+        }
+    }
+}
+
+/// The default job's model (GPT-style, d_model 64, 4 blocks, 4 heads, context 32, vocab 64).
+fn model_config() -> GptConfig {
+    JobConfig::default_job().model
+}
+
+/// The default job's batch and learning rate.
+fn options() -> TrainOptions {
+    let job = JobConfig::default_job();
+    TrainOptions {
+        lr: job.lr,
+        optimizer: Optimizer::default(),
+        micro_batch: job.micro_batch,
+        seq: model_config().context,
+        reduction: Reduction::RankOrdered,
+    }
+}
+
+fn run_config() -> HostRun {
+    HostRun {
+        steps: STEPS,
+        timeout: Duration::from_secs(120),
+        keep_final_params: false,
+    }
+}
+
+fn plan(model: &Gpt, stage: u8) -> Arc<Plan> {
+    let zero = ZeroConfig {
+        stage,
+        param_persistence_threshold: 256,
+        prefetch_bucket_size: 0,
+        optimizer: Optimizer::default().kind(),
+        ..ZeroConfig::default()
+    };
+    Arc::new(plan_for(model, Topology::new(2, 2).unwrap(), &zero).unwrap())
+}
+
+/// I8 on the wgpu path: measured traffic and model-state bytes equal the plan, per rank.
+fn check_plan(plan: &Plan, results: &[RankResult<Gpt>], what: &str) {
+    for r in results {
+        let mut want = TrafficTable::new();
+        let per_step = plan.comm(r.rank).by_collective;
+        for _ in 0..STEPS {
+            want.merge(&per_step);
+        }
+        assert_eq!(r.traffic, want, "{what}: rank {} traffic", r.rank);
+        assert_eq!(
+            r.memory.model_states(),
+            MeasuredMemory::planned_model_states(&plan.memory()),
+            "{what}: rank {} model-state bytes",
+            r.rank
+        );
+    }
+}
+
+/// Trains the same job on both paths at world size 2 and compares them.
+fn wgpu_matches_flex(test: &str, stage: u8) {
+    let Some(shared) = shared(test) else {
+        return;
+    };
+    let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
+
+    let cpu = model_config().init(&Device::flex().autodiff(), 11);
+    let cpu_plan = plan(&cpu, stage);
+    let t = Instant::now();
+    let want = train_host(
+        cpu_plan.clone(),
+        cpu,
+        &corpus,
+        options(),
+        run_config(),
+        &|_, _| {},
+    )
+    .unwrap();
+    let cpu_secs = t.elapsed().as_secs_f64();
+    check_plan(&cpu_plan, &want, "flex");
+
+    let gpu = model_config().init(&shared.autodiff_device(), 11);
+    let gpu_plan = plan(&gpu, stage);
+    assert_eq!(
+        gpu_plan.model(),
+        cpu_plan.model(),
+        "the same model on both devices"
+    );
+    let t = Instant::now();
+    let got = train_wgpu(
+        &shared,
+        gpu_plan.clone(),
+        gpu,
+        &corpus,
+        options(),
+        run_config(),
+        &|_, _| {},
+    )
+    .unwrap();
+    let gpu_secs = t.elapsed().as_secs_f64();
+    check_plan(&gpu_plan, &got, "wgpu");
+
+    let mut worst = 0f32;
+    for (g, w) in got.iter().zip(&want) {
+        for (s, (a, b)) in g.losses.iter().zip(&w.losses).enumerate() {
+            let gap = (a - b).abs() / b.abs().max(1.0);
+            worst = worst.max(gap);
+            assert!(
+                gap <= TOL,
+                "stage {stage}, rank {}, step {s}: wgpu {a} vs flex {b} (relative gap {gap:.2e} > {TOL:.0e})",
+                g.rank
+            );
+        }
+    }
+    let first = want[0].losses[0];
+    let last = want[0].losses[STEPS as usize - 1];
+    assert!(last < first, "it learns: {first} -> {last}");
+    eprintln!(
+        "{test} on {}: worst relative loss gap {worst:.2e} over {STEPS} steps; \
+         flex+host {cpu_secs:.2} s, wgpu+wgpu loopback {gpu_secs:.2} s ({:.3} s/step)",
+        shared.adapter_name(),
+        gpu_secs / STEPS as f64
+    );
+}
+
+#[test]
+fn zero3_on_wgpu_matches_flex() {
+    wgpu_matches_flex("zero3_on_wgpu_matches_flex", 3);
+}
+
+#[test]
+fn zero1_on_wgpu_matches_flex() {
+    wgpu_matches_flex("zero1_on_wgpu_matches_flex", 1);
+}
+
+#[test]
+fn a_model_off_the_shared_device_is_rejected() {
+    let Some(shared) = shared("a_model_off_the_shared_device_is_rejected") else {
+        return;
+    };
+    let cpu = model_config().init(&Device::flex().autodiff(), 1);
+    let p = plan(&cpu, 3);
+    let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
+    let err = train_wgpu(
+        &shared,
+        p,
+        cpu,
+        &corpus,
+        options(),
+        run_config(),
+        &|_, _| {},
+    )
+    .expect_err("a flex model on the wgpu path");
+    assert!(
+        matches!(&err, Error::Model(m) if m.contains("shared device")),
+        "{err}"
+    );
+}
