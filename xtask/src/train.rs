@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use zero_burn::job::{DataSource, JobConfig, RunReport, run_job};
+use zero_burn::job::{Backend, DataSource, JobConfig, RunReport, run_job};
 use zero_core::report::human_bytes;
 use zero_core::{Collective, LinkClass, Precision, ZeroConfig};
 
@@ -34,7 +34,9 @@ pub(crate) struct TrainArgs {
     /// Ranks per node (nodes are simulated; bytes are classified by it).
     #[arg(long, default_value_t = 2)]
     ranks_per_node: usize,
-    /// Backend: host (burn flex on the CPU with the host loopback). wgpu is not built yet.
+    /// Backend: host (burn flex on the CPU, host loopback) or wgpu (burn's wgpu backend and the
+    /// wgpu loopback on one device; needs `cargo run -p xtask --features wgpu -- train ...`,
+    /// a debug build: burn-wgpu takes over 20 minutes to build in release). CUDA: see README.
     #[arg(long, default_value = "host")]
     backend: String,
     /// Optimizer steps.
@@ -104,13 +106,22 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::GptConfig> {
 }
 
 pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
-    if a.backend != "host" {
-        bail!(
-            "--backend {:?}: only `host` (burn flex + host loopback) is built; wgpu and cuda are on the roadmap (README status table)",
-            a.backend
-        );
-    }
+    let backend = match a.backend.as_str() {
+        "host" => Backend::Host,
+        "wgpu" if !cfg!(feature = "wgpu") => bail!(
+            "--backend wgpu: this xtask was built without its `wgpu` feature; run `cargo run -p \
+             xtask --features wgpu -- train --backend wgpu ...` (a debug build: burn-wgpu takes \
+             over 20 minutes to build in release)"
+        ),
+        "wgpu" => Backend::Wgpu,
+        "cuda" => bail!(
+            "--backend cuda: burn's CUDA backend cannot be built offline (cubecl-cuda downloads \
+             LLVM at build time); the trainer runs over NCCL with `cargo xtask gpu-check` (README)"
+        ),
+        o => bail!("--backend {o:?}: expected host or wgpu"),
+    };
     let mut job = JobConfig::default_job();
+    job.backend = backend;
     job.model = model_preset(&a.model)?;
     let from_file = a.config.is_some();
     let mut zero = match &a.config {

@@ -34,6 +34,18 @@ pub enum DataSource {
     },
 }
 
+/// Where a job's ranks compute and communicate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// burn's flex backend on the CPU with the host loopback (the reference; bit-exact).
+    #[default]
+    Host,
+    /// burn's wgpu backend with the wgpu loopback on one shared device (feature `wgpu`;
+    /// collectives stage through host memory, see [`crate::world::train_wgpu`]).
+    Wgpu,
+}
+
 /// Everything a job needs.
 #[derive(Clone, Debug, Serialize)]
 pub struct JobConfig {
@@ -55,6 +67,8 @@ pub struct JobConfig {
     pub seed: u64,
     /// Data.
     pub data: DataSource,
+    /// Compute and communication backend.
+    pub backend: Backend,
     /// Collective timeout.
     #[serde(skip)]
     pub timeout: Duration,
@@ -90,6 +104,7 @@ impl JobConfig {
             lr: 3e-3,
             seed: 0,
             data: DataSource::Markov { vocab: 64 },
+            backend: Backend::Host,
             timeout: Duration::from_secs(120),
         }
     }
@@ -139,6 +154,37 @@ pub struct RunReport {
     pub memory_matches_plan: bool,
 }
 
+/// The shared wgpu device of the wgpu backend (`None`: the host backend).
+#[cfg(feature = "wgpu")]
+type Shared = crate::world::WgpuShared;
+/// Without the `wgpu` feature there is no such device.
+#[cfg(not(feature = "wgpu"))]
+type Shared = std::convert::Infallible;
+
+fn shared_for(backend: Backend) -> Result<Option<Shared>> {
+    match backend {
+        Backend::Host => Ok(None),
+        #[cfg(feature = "wgpu")]
+        Backend::Wgpu => crate::world::WgpuShared::get().map(Some),
+        #[cfg(not(feature = "wgpu"))]
+        Backend::Wgpu => Err(Error::Backend(
+            "the wgpu backend is not compiled in: build with zero-burn's `wgpu` feature \
+             (`cargo run -p xtask --features wgpu -- train --backend wgpu`)"
+                .into(),
+        )),
+    }
+}
+
+fn device_of(shared: &Option<Shared>) -> Device {
+    match shared {
+        None => Device::flex().autodiff(),
+        #[cfg(feature = "wgpu")]
+        Some(s) => s.autodiff_device(),
+        #[cfg(not(feature = "wgpu"))]
+        Some(never) => match *never {},
+    }
+}
+
 /// Builds everything and trains. `on_step(step, loss)` reports progress from rank 0.
 pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<RunReport> {
     let corpus: Box<dyn Corpus> = match &job.data {
@@ -163,7 +209,8 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         vocab: corpus.vocab(),
         ..job.model
     };
-    let device = Device::flex().autodiff();
+    let shared = shared_for(job.backend)?;
+    let device = device_of(&shared);
     let model = model_cfg.init(&device, job.seed);
     let topo = Topology::new(job.world_size, job.ranks_per_node)?;
     let optimizer = Optimizer::default();
@@ -180,18 +227,26 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         reduction: Reduction::RankOrdered,
     };
     let start = Instant::now();
-    let results = train_host(
-        plan.clone(),
-        model,
-        corpus.as_ref(),
-        options,
-        HostRun {
-            steps: job.steps,
-            timeout: job.timeout,
-            keep_final_params: false,
-        },
-        on_step,
-    )?;
+    let run = HostRun {
+        steps: job.steps,
+        timeout: job.timeout,
+        keep_final_params: false,
+    };
+    let results = match &shared {
+        None => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
+        #[cfg(feature = "wgpu")]
+        Some(s) => crate::world::train_wgpu(
+            s,
+            plan.clone(),
+            model,
+            corpus.as_ref(),
+            options,
+            run,
+            on_step,
+        )?,
+        #[cfg(not(feature = "wgpu"))]
+        Some(never) => match *never {},
+    };
     let wall = start.elapsed().as_secs_f64();
     let steps = job.steps as usize;
     let loss = (0..steps)

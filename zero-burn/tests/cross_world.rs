@@ -9,43 +9,19 @@
 //! are split at shard boundaries that depend on N), qwZ (its quantization blocks follow the
 //! shards) and qgZ (rejected with the canonical tree).
 
+mod common;
+
+use common::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::tensor::Device;
-use zero_burn::data::MarkovLanguage;
-use zero_burn::optim::Optimizer;
 use zero_burn::reduction::extra_levels;
 use zero_burn::world::{HostRun, RankResult, global_losses, train_host};
-use zero_burn::{
-    Error, Gpt, GptConfig, MeasuredMemory, RankTrainer, Reduction, TrainOptions, plan_for,
-};
+use zero_burn::{Error, Gpt, MeasuredMemory, RankTrainer, Reduction, plan_for};
 use zero_comm::host::HostWorld;
 use zero_core::{Topology, TrafficTable, ZeroConfig};
 
 const STEPS: u64 = 3;
-
-fn tiny() -> (Gpt, MarkovLanguage) {
-    let cfg = GptConfig {
-        vocab: 16,
-        context: 8,
-        d_model: 16,
-        heads: 2,
-        layers: 2,
-    };
-    let device = Device::flex().autodiff();
-    (cfg.init(&device, 42), MarkovLanguage::new(16, 3).unwrap())
-}
-
-fn options(reduction: Reduction) -> TrainOptions {
-    TrainOptions {
-        lr: 1e-2,
-        optimizer: Optimizer::default(),
-        micro_batch: 2,
-        seq: 8,
-        reduction,
-    }
-}
 
 fn config(stage: u8, ga: u32) -> ZeroConfig {
     ZeroConfig {
@@ -73,7 +49,7 @@ fn run_with(n: usize, cfg: ZeroConfig, reduction: Reduction) -> Outcome {
         plan.clone(),
         model,
         &corpus,
-        options(reduction),
+        options_with(reduction),
         HostRun {
             steps: STEPS,
             timeout: Duration::from_secs(30),
@@ -176,8 +152,13 @@ fn the_canonical_tree_needs_a_tree_ordered_communicator_and_no_qgz() {
     let comm = HostWorld::new(topo, Duration::from_secs(5))
         .into_comms()
         .remove(0);
-    let err =
-        RankTrainer::new(plan, comm, model.clone(), options(Reduction::CanonicalTree)).unwrap_err();
+    let err = RankTrainer::new(
+        plan,
+        comm,
+        model.clone(),
+        options_with(Reduction::CanonicalTree),
+    )
+    .unwrap_err();
     assert!(
         matches!(
             err,
@@ -198,6 +179,7 @@ fn the_canonical_tree_needs_a_tree_ordered_communicator_and_no_qgz() {
         .with_reduce_order(zero_comm::ReduceOrder::PairwiseTree)
         .into_comms()
         .remove(0);
-    let err = RankTrainer::new(plan, comm, model, options(Reduction::CanonicalTree)).unwrap_err();
+    let err =
+        RankTrainer::new(plan, comm, model, options_with(Reduction::CanonicalTree)).unwrap_err();
     assert!(err.to_string().contains("qgZ"), "{err}");
 }

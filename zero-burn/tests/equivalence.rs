@@ -2,39 +2,17 @@
 //! parameters and losses; hpZ on and off are bit-identical; measured traffic and model-state bytes
 //! equal the plan's prediction exactly.
 
+mod common;
+
+use common::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::tensor::Device;
-use zero_burn::data::MarkovLanguage;
-use zero_burn::optim::Optimizer;
 use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
+use zero_burn::{Gpt, MeasuredMemory, plan_for};
 use zero_core::{Topology, ZeroConfig};
 
 const STEPS: u64 = 3;
-
-fn tiny() -> (Gpt, MarkovLanguage) {
-    let cfg = GptConfig {
-        vocab: 16,
-        context: 8,
-        d_model: 16,
-        heads: 2,
-        layers: 2,
-    };
-    let device = Device::flex().autodiff();
-    (cfg.init(&device, 42), MarkovLanguage::new(16, 3).unwrap())
-}
-
-fn options() -> TrainOptions {
-    TrainOptions {
-        lr: 1e-2,
-        optimizer: Optimizer::default(),
-        micro_batch: 2,
-        seq: 8,
-        reduction: Reduction::RankOrdered,
-    }
-}
 
 fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
     let (model, corpus) = tiny();

@@ -2,40 +2,18 @@
 //! states) on the host loopback: close to fp32, stages 0–3 bit-identical, fp16 overflow skipped by
 //! every rank together, measured bytes equal to the plan's 16-bit prediction.
 
+mod common;
+
+use common::*;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use burn::tensor::Device;
-use zero_burn::data::MarkovLanguage;
 use zero_burn::job::{JobConfig, run_job};
-use zero_burn::optim::Optimizer;
 use zero_burn::precision::Half;
 use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, GptConfig, MeasuredMemory, RankTrainer, Reduction, TrainOptions, plan_for};
+use zero_burn::{Gpt, MeasuredMemory, RankTrainer, plan_for};
 use zero_comm::host::HostWorld;
 use zero_core::{Collective, LossScaleConfig, Precision, Topology, TrafficTable, ZeroConfig};
-
-fn tiny() -> (Gpt, MarkovLanguage) {
-    let cfg = GptConfig {
-        vocab: 16,
-        context: 8,
-        d_model: 16,
-        heads: 2,
-        layers: 2,
-    };
-    let device = Device::flex().autodiff();
-    (cfg.init(&device, 42), MarkovLanguage::new(16, 3).unwrap())
-}
-
-fn options() -> TrainOptions {
-    TrainOptions {
-        lr: 1e-2,
-        optimizer: Optimizer::default(),
-        micro_batch: 2,
-        seq: 8,
-        reduction: Reduction::RankOrdered,
-    }
-}
 
 /// Trains the tiny model and checks measured traffic and model-state bytes against the plan on
 /// every rank.

@@ -196,3 +196,35 @@ fn a_model_off_the_shared_device_is_rejected() {
         "{err}"
     );
 }
+
+/// `cargo xtask train --backend wgpu`'s path: the embedded default job (ZeRO-3 + qwZ + hpZ + qgZ,
+/// 4 ranks as 2 nodes of 2) through `run_job` on the wgpu backend matches the plan and the host
+/// backend's losses.
+#[test]
+fn the_default_job_runs_on_the_wgpu_backend() {
+    if shared("the_default_job_runs_on_the_wgpu_backend").is_none() {
+        return;
+    }
+    let host = JobConfig {
+        steps: 3,
+        ..JobConfig::default_job()
+    };
+    let wgpu = JobConfig {
+        backend: zero_burn::job::Backend::Wgpu,
+        ..host.clone()
+    };
+    let want = zero_burn::job::run_job(&host, &|_, _| {}).unwrap();
+    let got = zero_burn::job::run_job(&wgpu, &|_, _| {}).unwrap();
+    assert!(got.comm_matches_plan, "traffic differs from the plan");
+    assert!(
+        got.memory_matches_plan,
+        "model-state bytes differ from the plan"
+    );
+    for (s, (g, w)) in got.loss.iter().zip(&want.loss).enumerate() {
+        let gap = (g - w).abs() / w.abs().max(1.0);
+        assert!(
+            gap <= 1e-4,
+            "step {s}: wgpu {g} vs host {w} (relative gap {gap:.1e})"
+        );
+    }
+}
