@@ -53,6 +53,7 @@
 
 mod buffer;
 mod kernels;
+mod quantized;
 
 use std::cell::Cell;
 use std::fmt;
@@ -72,6 +73,7 @@ use crate::validate::{Desc, ar_chunk};
 use kernels::{Batch, Core, Loc};
 
 pub use buffer::{REQUIRED_USAGES, WgpuBuffer};
+pub use quantized::qwz_all_gather_device;
 /// The `wgpu` this module is built against, so that callers adopt devices and wrap buffers of the
 /// same version.
 pub use wgpu;

@@ -19,4 +19,5 @@ mod device;
 mod equality;
 mod failures;
 mod groups;
+mod qwz;
 mod wrap;
