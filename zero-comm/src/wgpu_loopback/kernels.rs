@@ -61,6 +61,8 @@ const SLOTS: usize = 4;
 
 /// Shared by every kernel: one uniform block, [`SLOTS`] read-only sources, a read-write
 /// destination.
+use zero_quant::wgpu_kernels::SOFTFLOAT_WGSL;
+
 const COMMON_WGSL: &str = r#"
 struct Params {
     a0: u32,
@@ -264,8 +266,20 @@ fn widen(h: u32) -> u32 {
     return f16_to_f32(h);
 }
 
+// a + b on f32 bits, rounded like the host. The hardware add serves when neither input is
+// subnormal and the result is normal or non-finite; otherwise a driver may have flushed a
+// subnormal to zero (NVIDIA's Vulkan driver does), so the exact integer `soft_add` redoes it.
+fn is_sub(x: u32) -> bool {
+    return (x & 0x7f800000u) == 0u && (x & 0x7fffffu) != 0u;
+}
+
 fn add(a: u32, b: u32) -> u32 {
-    return bitcast<u32>(bitcast<f32>(a) + bitcast<f32>(b));
+    let r = bitcast<u32>(bitcast<f32>(a) + bitcast<f32>(b));
+    let finite = (a & 0x7f800000u) != 0x7f800000u && (b & 0x7f800000u) != 0x7f800000u;
+    if (finite && (is_sub(a) || is_sub(b) || (r & 0x7f800000u) == 0u)) {
+        return soft_add(a, b);
+    }
+    return r;
 }
 
 // Element i of `dst` (relative to the binding) as f32 bits: the term of an input that is exactly
@@ -422,7 +436,7 @@ impl Variant {
              const START_INPUT: u32 = 0u;\nconst START_DST: u32 = 1u;\n\
              const START_ACC_IN: u32 = 2u;\nconst START: u32 = {start}u;\n\
              const MEAN: bool = {};\nconst DST_TERM: u32 = {}u;\n\
-             {COMMON_WGSL}{loads}{REDUCE_WGSL}",
+             {COMMON_WGSL}{SOFTFLOAT_WGSL}{loads}{REDUCE_WGSL}",
             self.kind,
             self.nin,
             self.mean,

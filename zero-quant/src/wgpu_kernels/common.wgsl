@@ -32,37 +32,6 @@ struct Params {
 
 const TINY: u32 = 0x00800000u;  // bits of f32::MIN_POSITIVE
 
-// Correctly rounded (nearest, ties to even) f32 bits of (sig + r) * 2^e,
-// where 0 < sig < 2^31 and 0 <= r < 1 with `sticky` = (r != 0). The result
-// must not overflow. Handles subnormal and zero results.
-fn round_pack(sig: u32, sticky: bool, e: i32) -> u32 {
-    let top = i32(31u - countLeadingZeros(sig));
-    let sub = top + e < -126;
-    var shift = top - 23;
-    if sub {
-        shift = -149 - e;
-    }
-    var kept: u32;
-    if shift <= 0 {
-        kept = sig << u32(-shift);
-    } else if shift >= 32 {
-        return 0u;
-    } else {
-        let s = u32(shift);
-        kept = sig >> s;
-        let rem = sig & ((1u << s) - 1u);
-        let half = 1u << (s - 1u);
-        if rem > half || (rem == half && (sticky || (kept & 1u) == 1u)) {
-            kept += 1u;
-        }
-    }
-    if sub {
-        return kept;
-    }
-    // kept is in [2^23, 2^24]; a carry to 2^24 bumps the exponent.
-    return (u32(top + e + 127 - 1) << 23u) + kept;
-}
-
 // |f| bits (non-zero, finite) as (m, e) with m in [2^23, 2^24), |f| = m 2^e.
 fn unpack_norm(b: u32) -> vec2<i32> {
     let ex = b >> 23u;

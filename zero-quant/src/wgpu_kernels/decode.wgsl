@@ -18,57 +18,6 @@ fn dequant(q: i32, s: u32) -> u32 {
     return bitcast<u32>(f32(q) * bitcast<f32>(s));
 }
 
-// Exact a + b on f32 bits, subnormal inputs and outputs included, for finite
-// operands. Guard, round and a jammed sticky bit (3 extra bits).
-fn soft_add(a: u32, b: u32) -> u32 {
-    var x = a;
-    var y = b;
-    if (y & 0x7fffffffu) > (x & 0x7fffffffu) {
-        x = b;
-        y = a;
-    }
-    let xm = x & 0x7fffffffu;
-    let ym = y & 0x7fffffffu;
-    if ym == 0u {
-        if xm == 0u {
-            return a & b;
-        }
-        return x;
-    }
-    let xe = xm >> 23u;
-    let ye = ym >> 23u;
-    var xs = xm & 0x7fffffu;
-    var ys = ym & 0x7fffffu;
-    var ex = -149;
-    var ey = -149;
-    if xe != 0u {
-        xs |= 0x800000u;
-        ex = i32(xe) - 150;
-    }
-    if ye != 0u {
-        ys |= 0x800000u;
-        ey = i32(ye) - 150;
-    }
-    let xx = xs << 3u;
-    var yy = ys << 3u;
-    let d = u32(ex - ey);
-    if d >= 27u {
-        yy = 1u;
-    } else if d > 0u {
-        let lost = yy & ((1u << d) - 1u);
-        yy = (yy >> d) | select(0u, 1u, lost != 0u);
-    }
-    var sum: u32;
-    if ((x ^ y) >> 31u) == 0u {
-        sum = xx + yy;
-    } else {
-        sum = xx - yy;
-    }
-    if sum == 0u {
-        return 0u;
-    }
-    return (x & 0x80000000u) | round_pack(sum, false, ex - 3);
-}
 
 // a + b like the host's f32 add: hardware when nothing is subnormal.
 fn add_exact(a: u32, b: u32) -> u32 {

@@ -111,6 +111,9 @@ use crate::error::{Error, Result};
 use crate::kernels::{I4, I8, QFormat};
 
 const COMMON_WGSL: &str = include_str!("common.wgsl");
+/// `round_pack` and `soft_add`: f32 rounding and addition on bits, exact with subnormals on
+/// drivers that flush them (zero-comm's wgpu loopback reduces with them too).
+pub const SOFTFLOAT_WGSL: &str = include_str!("softfloat.wgsl");
 const ENCODE_WGSL: &str = include_str!("encode.wgsl");
 const DECODE_WGSL: &str = include_str!("decode.wgsl");
 
@@ -303,7 +306,9 @@ impl WgpuQuantizer {
         let module = |body: &str| {
             device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(F::NAME),
-                source: wgpu::ShaderSource::Wgsl(format!("{header}{COMMON_WGSL}{body}").into()),
+                source: wgpu::ShaderSource::Wgsl(
+                    format!("{header}{COMMON_WGSL}{SOFTFLOAT_WGSL}{body}").into(),
+                ),
             })
         };
         let pipeline = |layout: &wgpu::BindGroupLayout, module: &wgpu::ShaderModule, entry| {
