@@ -110,8 +110,8 @@ struct Ran {
     stdout: Vec<String>,
 }
 
-/// Runs `cmd` (its output echoed as it comes), killing it after `limit`.
-fn run_limited(name: &str, mut cmd: Command, limit: Duration) -> anyhow::Result<Ran> {
+/// Runs `cmd` (its stdout echoed as it comes when `echo`; cargo's JSON is not), killing it after `limit`.
+fn run_limited(name: &str, mut cmd: Command, limit: Duration, echo: bool) -> anyhow::Result<Ran> {
     eprintln!("==> {name}: {cmd:?}");
     let start = Instant::now();
     let mut child = cmd
@@ -119,12 +119,11 @@ fn run_limited(name: &str, mut cmd: Command, limit: Duration) -> anyhow::Result<
         .spawn()
         .with_context(|| format!("cannot start {name}"))?;
     let out = child.stdout.take();
-    let quiet = QUIET.with(|q| q.get());
     let reader = thread::spawn(move || {
         let mut lines = Vec::new();
         if let Some(out) = out {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if !quiet {
+                if echo {
                     println!("{line}");
                 }
                 lines.push(line);
@@ -433,7 +432,7 @@ fn build_programs(
             "zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests",
         ])
         .env("CARGO_TARGET_DIR", target);
-    let ran = run_limited_quiet("build", c, limit)?;
+    let ran = run_limited("build", c, limit, false)?;
     let mut found = Vec::new();
     for line in &ran.stdout {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -464,18 +463,6 @@ fn build_programs(
         }
     }
     Ok((ran, found))
-}
-
-/// Like [`run_limited`], but keeps stdout to itself (cargo's JSON) and shows stderr.
-fn run_limited_quiet(name: &str, cmd: Command, limit: Duration) -> anyhow::Result<Ran> {
-    QUIET.with(|q| q.set(true));
-    let r = run_limited(name, cmd, limit);
-    QUIET.with(|q| q.set(false));
-    r
-}
-
-thread_local! {
-    static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// `--bundle DIR`: the programs (debug info stripped) and this xtask, for a GPU machine without
@@ -644,7 +631,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             let p = &PROGRAMS[*i];
             let mut c = program_cmd(exe);
             c.args(p.args);
-            let r = run_limited(p.name, c, limit)?;
+            let r = run_limited(p.name, c, limit, true)?;
             if !r.ok {
                 failed.push(format!("{}: {}", p.name, r.status));
             }
@@ -714,7 +701,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
                 .args(["gpu_bandwidth_report", "--exact", "--nocapture"])
                 .env("ZERO_GPU_BENCH", "1")
                 .env("ZERO_GPU_BENCH_MIB", a.bench_mib.to_string());
-            let r = run_limited("bench", bench, limit)?;
+            let r = run_limited("bench", bench, limit, true)?;
             let figures: Vec<String> = r
                 .stdout
                 .iter()

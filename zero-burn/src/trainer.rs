@@ -171,6 +171,44 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     traffic_base: TrafficTable,
 }
 
+/// The global sum of squared gradients, identical on every rank and at every stage: an f64
+/// partial per rank over the chunks it owns (`sq(s, at, len)` adds to the running sum `s` the
+/// squares of `len` gradient elements from `at` in the accumulator, one by one), summed in rank
+/// order. At stage 0 every rank holds every
+/// chunk and sums all partials itself; otherwise the partials travel in the plan's 8-byte
+/// all-gather.
+fn global_sum_sq<C: Communicator>(
+    world: &mut C,
+    plan: &Plan,
+    acc_offset: &[Option<usize>],
+    rank: usize,
+    sq: impl Fn(f64, usize, usize) -> f64,
+) -> Result<f64> {
+    let stage = plan.stage();
+    let partial = |r: usize| -> f64 {
+        let mut s = 0.0f64;
+        for (u, unit) in plan.units().iter().enumerate() {
+            if !unit.trainable {
+                continue;
+            }
+            let cl = plan.chunk_len(u) as usize;
+            let off = acc_offset[u].expect("trainable");
+            // Where the unit's reduced chunk r lives in the accumulator.
+            let at = if stage == 0 { off + r * cl } else { off };
+            s = sq(s, at, cl);
+        }
+        s
+    };
+    if stage == 0 {
+        return Ok((0..plan.world_size()).map(partial).fold(0.0, |a, b| a + b));
+    }
+    let all = world.all_gather_host(&partial(rank).to_le_bytes())?;
+    Ok(all
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .fold(0.0, |a, b| a + b))
+}
+
 impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     /// A trainer for this rank. `model` must hold the same initial values on every rank; the
     /// plan must describe it (see [`crate::plan_for`]).
@@ -739,40 +777,22 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 *g /= total;
             }
         }
-        // Where each trainable unit's reduced chunk r lives in `acc`.
-        let chunk_at = |u: usize, r: usize| -> usize {
-            let off = self.acc_offset[u].expect("trainable");
-            if stage == 0 {
-                off + r * plan.chunk_len(u) as usize
-            } else {
-                off
-            }
-        };
         // Global norm: rank-ordered f64 partial sums, identical arithmetic at every stage.
         let mut coef = 1.0f32;
         if c.gradient_clipping > 0.0 {
-            let partial = |r: usize| -> f64 {
-                let mut s = 0.0f64;
-                for (u, unit) in plan.units().iter().enumerate() {
-                    if !unit.trainable {
-                        continue;
-                    }
-                    let at = chunk_at(u, r);
-                    for &g in &self.acc[at..at + plan.chunk_len(u) as usize] {
+            let acc = &self.acc;
+            let total = global_sum_sq(
+                &mut self.world,
+                &plan,
+                &self.acc_offset,
+                self.rank,
+                |mut s, at, len| {
+                    for &g in &acc[at..at + len] {
                         s += f64::from(g) * f64::from(g);
                     }
-                }
-                s
-            };
-            let total: f64 = if stage == 0 {
-                (0..n).map(partial).fold(0.0, |a, b| a + b)
-            } else {
-                let mine = partial(self.rank);
-                let all = self.world.all_gather_host(&mine.to_le_bytes())?;
-                all.chunks_exact(8)
-                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
-                    .fold(0.0, |a, b| a + b)
-            };
+                    s
+                },
+            )?;
             // Every rank sums the same partials in the same order, so all see the same total
             // and fail together (fp32 has no loss scaler whose step could be skipped).
             if !total.is_finite() {
@@ -877,20 +897,11 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     fn optimizer_step16(&mut self, h: Half) -> Result<()> {
         let plan = self.plan.clone();
         let c = plan.config();
-        let n = plan.world_size();
         let stage = plan.stage();
         self.step += 1;
         let loss_scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         // A power of two: unscaling is exact (barring subnormals).
         let inv = (1.0 / loss_scale) as f32;
-        let chunk_at = |u: usize, r: usize| -> usize {
-            let off = self.acc_offset[u].expect("trainable");
-            if stage == 0 {
-                off + r * plan.chunk_len(u) as usize
-            } else {
-                off
-            }
-        };
         let fp16 = self.scaler.is_some();
         if std::mem::take(&mut self.inject_overflow)
             && let Some(g) = self.acc16.first_mut()
@@ -901,31 +912,22 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut overflow = false;
         // fp16 always checks (the plan schedules the 8-byte partial for it); bf16 only to clip.
         if c.gradient_clipping > 0.0 || fp16 {
-            let partial = |r: usize| -> f64 {
-                let mut s = 0.0f64;
-                for (u, unit) in plan.units().iter().enumerate() {
-                    if !unit.trainable {
-                        continue;
-                    }
-                    let at = chunk_at(u, r);
-                    for &b in &self.acc16[at..at + plan.chunk_len(u) as usize] {
+            // A non-finite element makes its rank's partial, and so every rank's total,
+            // non-finite: the partials are the overflow flag.
+            let acc16 = &self.acc16;
+            let total = global_sum_sq(
+                &mut self.world,
+                &plan,
+                &self.acc_offset,
+                self.rank,
+                |mut s, at, len| {
+                    for &b in &acc16[at..at + len] {
                         let g = f64::from(h.widen(b) * inv);
                         s += g * g;
                     }
-                }
-                s
-            };
-            // A non-finite element makes its rank's partial, and so every rank's total,
-            // non-finite: the partials are the overflow flag.
-            let total: f64 = if stage == 0 {
-                (0..n).map(partial).fold(0.0, |a, b| a + b)
-            } else {
-                let mine = partial(self.rank);
-                let all = self.world.all_gather_host(&mine.to_le_bytes())?;
-                all.chunks_exact(8)
-                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
-                    .fold(0.0, |a, b| a + b)
-            };
+                    s
+                },
+            )?;
             if !total.is_finite() {
                 if !fp16 {
                     return Err(Error::Model(format!(

@@ -19,7 +19,7 @@ use zero_burn::reduction::extra_levels;
 use zero_burn::world::{HostRun, RankResult, global_losses, train_host};
 use zero_burn::{Error, Gpt, MeasuredMemory, RankTrainer, Reduction, plan_for};
 use zero_comm::host::HostWorld;
-use zero_core::{Topology, TrafficTable, ZeroConfig};
+use zero_core::{Topology, ZeroConfig};
 
 const STEPS: u64 = 3;
 
@@ -61,10 +61,7 @@ fn run_with(n: usize, cfg: ZeroConfig, reduction: Reduction) -> Outcome {
     let what = format!("n={n} ga={ga} stage {stage} {reduction:?}");
     for r in &res {
         // I8 still holds: the tree changes the order of the sums, not what moves.
-        let mut want = TrafficTable::new();
-        for _ in 0..STEPS {
-            want.merge(&plan.comm(r.rank).by_collective);
-        }
+        let want = planned_traffic(&plan, r.rank, STEPS);
         assert_eq!(r.traffic, want, "{what}: rank {} traffic", r.rank);
         // Model-state bytes equal the plan, plus the tree's pending subtrees (A ≥ 3).
         let mut planned = MeasuredMemory::planned_model_states(&plan.memory());

@@ -32,11 +32,7 @@ fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
     .unwrap();
     // I8: measured traffic equals the plan, per rank, exactly.
     for r in &res {
-        let mut want = zero_core::TrafficTable::new();
-        let per_step = plan.comm(r.rank).by_collective;
-        for _ in 0..STEPS {
-            want.merge(&per_step);
-        }
+        let want = planned_traffic(&plan, r.rank, STEPS);
         assert_eq!(
             r.traffic, want,
             "rank {} traffic, stage {}",
@@ -52,12 +48,6 @@ fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
         );
     }
     res
-}
-
-fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    v.iter()
-        .map(|p| p.iter().map(|x| x.to_bits()).collect())
-        .collect()
 }
 
 #[test]

@@ -34,10 +34,7 @@ fn run(topo: Topology, cfg: &ZeroConfig, steps: u64) -> Vec<RankResult<Gpt>> {
     )
     .unwrap();
     for r in &res {
-        let mut want = TrafficTable::new();
-        for _ in 0..steps {
-            want.merge(&plan.comm(r.rank).by_collective);
-        }
+        let want = planned_traffic(&plan, r.rank, steps);
         assert_eq!(r.traffic, want, "rank {} traffic, {cfg:?}", r.rank);
         assert_eq!(
             r.memory.model_states(),
@@ -47,12 +44,6 @@ fn run(topo: Topology, cfg: &ZeroConfig, steps: u64) -> Vec<RankResult<Gpt>> {
         );
     }
     res
-}
-
-fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    v.iter()
-        .map(|p| p.iter().map(|x| x.to_bits()).collect())
-        .collect()
 }
 
 /// (b) Rounding, reduction and the optimizer are element-wise and in the same order at every

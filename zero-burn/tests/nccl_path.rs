@@ -12,6 +12,8 @@
 //! cookie (`$ZERO_GPU_COOKIE`).
 #![cfg(feature = "nccl")]
 
+mod common;
+
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,7 +26,7 @@ use zero_burn::reduction::Reduction;
 use zero_burn::trainer::{RankTrainer, TrainOptions};
 use zero_burn::world::{HostRun, train_host};
 use zero_comm::nccl::{NcclComm, NcclOptions};
-use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
+use zero_core::{Plan, Topology, ZeroConfig};
 
 const STEPS: u64 = 20;
 
@@ -128,11 +130,7 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
         "losses: nccl {got:?} vs host {:?}",
         want.losses
     );
-    let mut planned = TrafficTable::new();
-    for _ in 0..STEPS {
-        planned.merge(&plan.comm(0).by_collective);
-    }
-    assert_eq!(trainer.traffic(), planned);
+    assert_eq!(trainer.traffic(), common::planned_traffic(&plan, 0, STEPS));
     // (Gathering every parameter is extra traffic, so it comes after the traffic check.)
     let params = trainer.gather_all_params().unwrap();
     assert_eq!(params.len(), want.final_params.len());

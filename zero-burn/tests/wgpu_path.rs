@@ -8,6 +8,8 @@
 //! (CI sets it after installing `mesa-vulkan-drivers`).
 #![cfg(feature = "wgpu")]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +19,7 @@ use zero_burn::job::JobConfig;
 use zero_burn::optim::Optimizer;
 use zero_burn::world::{HostRun, RankResult, WgpuShared, train_host, train_wgpu};
 use zero_burn::{Error, Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
-use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
+use zero_core::{Plan, Topology, ZeroConfig};
 
 const STEPS: u64 = 8;
 
@@ -82,11 +84,7 @@ fn plan(model: &Gpt, stage: u8) -> Arc<Plan> {
 /// I8 on the wgpu path: measured traffic and model-state bytes equal the plan, per rank.
 fn check_plan(plan: &Plan, results: &[RankResult<Gpt>], what: &str) {
     for r in results {
-        let mut want = TrafficTable::new();
-        let per_step = plan.comm(r.rank).by_collective;
-        for _ in 0..STEPS {
-            want.merge(&per_step);
-        }
+        let want = common::planned_traffic(plan, r.rank, STEPS);
         assert_eq!(r.traffic, want, "{what}: rank {} traffic", r.rank);
         assert_eq!(
             r.memory.model_states(),

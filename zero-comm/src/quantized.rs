@@ -381,6 +381,32 @@ impl Fault {
         }
     }
 
+    /// The end of a device-side qwZ (`nccl::` and `wgpu_loopback::qwz_all_gather_device`): when
+    /// anything failed, reads the received wire of `n` pieces (`wire`, called only then) and names
+    /// the failing rank from the poison markers, as the host path does; a decode error with no
+    /// poisoned piece is this rank's own.
+    #[cfg(any(feature = "nccl", feature = "wgpu"))]
+    pub(crate) fn finish_device(
+        mut self,
+        decode_error: Option<zero_quant::Error>,
+        layout: &WireLayout,
+        n: usize,
+        wire: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<()> {
+        if decode_error.is_some() || self.origin().is_some() {
+            let host = wire()?;
+            for piece in host.chunks_exact(layout.total_len.max(1)).take(n) {
+                self.check(piece, layout);
+            }
+            if self.origin().is_none()
+                && let Some(e) = decode_error
+            {
+                self.local(e);
+            }
+        }
+        self.finish()
+    }
+
     pub(crate) fn finish(self) -> Result<()> {
         match (self.local, self.peer) {
             (None, None) => Ok(()),

@@ -72,17 +72,5 @@ where
             }
         }
     }
-    if decode_error.is_some() || fault.origin().is_some() {
-        // Name the failing rank exactly as the host path does: from the pieces' poison markers.
-        let host = comm.download_vec(&recv)?;
-        for piece in host.chunks_exact(w.max(1)).take(n) {
-            fault.check(piece, &layout);
-        }
-        if fault.origin().is_none()
-            && let Some(e) = decode_error
-        {
-            fault.local(e);
-        }
-    }
-    fault.finish()
+    fault.finish_device(decode_error, &layout, n, || comm.download_vec(&recv))
 }

@@ -104,16 +104,5 @@ pub fn qwz_all_gather_device(
             }
         }
     }
-    if decode_error.is_some() || fault.origin().is_some() {
-        let host = comm.download_vec(&recv)?;
-        for piece in host.chunks_exact(w.max(1)).take(n) {
-            fault.check(piece, &layout);
-        }
-        if fault.origin().is_none()
-            && let Some(e) = decode_error
-        {
-            fault.local(e);
-        }
-    }
-    fault.finish()
+    fault.finish_device(decode_error, &layout, n, || comm.download_vec(&recv))
 }
