@@ -2,7 +2,8 @@
 //! process (so peak resident memory is per configuration) and the figures are read back from its
 //! `report.json`.
 //!
-//! - step time and tokens/s for every stage and ZeRO++ switch, with the ratio to stage 0;
+//! - step time and tokens/s for every stage and ZeRO++ switch, with and without `overlap_comm`,
+//!   with the ratio to stage 0;
 //! - the final-loss gap of qwZ/qgZ against plain ZeRO-3 after the same steps;
 //! - peak resident memory of ZeRO-3 against stage 0 on a model whose states dominate memory.
 
@@ -99,6 +100,29 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
             name: "stage3+qwz+hpz+qgz",
             args: vec!["--stage", "3"],
         },
+        Row {
+            name: "stage2+overlap",
+            args: vec!["--stage", "2", "--overlap-comm", "true"],
+        },
+        Row {
+            name: "stage3+overlap",
+            args: vec![
+                "--stage",
+                "3",
+                "--qwz",
+                "false",
+                "--qgz",
+                "false",
+                "--hpz",
+                "1",
+                "--overlap-comm",
+                "true",
+            ],
+        },
+        Row {
+            name: "stage3+zpp+overlap",
+            args: vec!["--stage", "3", "--overlap-comm", "true"],
+        },
     ];
     println!("speed and loss: default model, 4 ranks (2 nodes x 2), {s} steps each");
     println!(
@@ -110,6 +134,9 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
     for r in &rows {
         let mut args = r.args.clone();
         args.extend(["--steps", s.as_str()]);
+        if !r.name.ends_with("overlap") {
+            args.extend(["--overlap-comm", "false"]);
+        }
         let v = run_train(out, r.name, &args)?;
         let wall = v["wall_secs"].as_f64().unwrap_or(f64::NAN);
         let ms = wall * 1e3 / a.steps as f64;
@@ -184,6 +211,8 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
             ],
         ),
     ] {
+        let mut args = args;
+        args.extend(["--overlap-comm", "false"]);
         let v = run_train(out, name, &args)?;
         let rss = v["peak_rss_bytes"]
             .as_u64()

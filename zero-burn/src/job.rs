@@ -92,9 +92,9 @@ impl JobConfig {
                 hpz_partition_size: 2,
                 quantized_gradients: true,
                 param_persistence_threshold: 1024,
-                // The host backend runs collectives synchronously, so prefetching would only
-                // hold one more gathered unit without hiding any latency.
-                prefetch_bucket_size: 0,
+                // DeepSpeed's stage-3 default: collectives on a side thread, overlapped with
+                // compute (bit-identical to synchronous), with the next unit prefetched.
+                overlap_comm: true,
                 ..Default::default()
             },
             world_size: 4,

@@ -19,6 +19,7 @@
 //! (`world::train_wgpu`; collectives round-trip through host memory). Overlap of communication
 //! with compute, and the CUDA path, are not built yet.
 
+mod comms;
 pub mod data;
 pub mod error;
 pub mod job;

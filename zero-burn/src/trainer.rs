@@ -24,18 +24,19 @@
 //! summed unscaled over the canonical pairwise tree instead, and divided once by `N·A` before
 //! step 3, which makes the bits independent of the world size too (see [`crate::reduction`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use serde::Serialize;
-use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_all_gather};
+use zero_comm::quantized::{QuantGroups, QuantScratch};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::{MemoryModel, Plan, TrafficTable, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
+use crate::comms::{self, Comms, Exec, Job, Words};
 use crate::data::{Corpus, TokenBatch};
 use crate::error::{Error, Result};
 use crate::model::Segmented;
@@ -74,7 +75,8 @@ pub struct MeasuredMemory {
     pub hpz_secondary: u64,
     /// Peak gathered parameters (stage 3).
     pub gathered_working_set: u64,
-    /// Peak transient reduction buffers.
+    /// Peak gradient buffers in reduction (with `overlap_comm`, those in flight together), plus
+    /// the high-water marks of the qwZ and qgZ wire buffers.
     pub communication_buffers: u64,
     /// bf16/fp16 on the CPU backend: the bytes by which burn's f32 copies of the working weights
     /// exceed the 16-bit working weights counted in `parameters` and `gathered_working_set`
@@ -106,20 +108,33 @@ impl MeasuredMemory {
     }
 }
 
+/// A collective in flight during a micro-step: what to do with its result.
+#[derive(Clone, Copy, Debug)]
+enum Ticket {
+    /// Install gathered unit `u` (keeping the hpZ secondary slice after a forward gather).
+    Gather { u: usize, backward: bool },
+    /// Reduced gradients for the accumulator at `off`: added (or pushed into the canonical
+    /// tree), or written over the slot's start (`accumulate_before_reduce`). `bytes`: the
+    /// gradient buffer in flight.
+    Reduce {
+        off: usize,
+        overwrite: bool,
+        bytes: u64,
+    },
+}
+
+/// The communicators are away only inside [`RankTrainer::micro_step`], which always takes them
+/// back, so every other method finds them home.
+const HOME: &str = "the communicators are home between micro-steps";
+
 /// The per-rank trainer.
 #[derive(Debug)]
 pub struct RankTrainer<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
-    world: C,
-    hpz: Option<C>,
-    /// qgZ's intra- and cross-node groups.
-    qgroups: Option<QuantGroups<C>>,
-    /// qwZ codec.
-    qwz: Option<Int8Block>,
-    /// qgZ codec.
-    qgz: Option<Int4Block>,
-    qscratch: QuantScratch,
+    /// The rank's communicators: away on the communication thread during an overlapped
+    /// micro-step, home otherwise (see [`crate::comms`]).
+    comms: Option<Comms<C>>,
     model: M,
     options: TrainOptions,
     /// Parameter infos, indexed like the plan's model.
@@ -132,6 +147,10 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     seg_units: Vec<Vec<usize>>,
     /// Offset of each trainable unit in the gradient accumulator / optimizer state.
     acc_offset: Vec<Option<usize>>,
+    /// Offset of each trainable unit in the optimizer state and the master weights (whole units
+    /// at stage 0, the rank's chunk otherwise; unlike the accumulator, which stage 1 with
+    /// `accumulate_before_reduce` keeps whole).
+    opt_offset: Vec<Option<usize>>,
     /// Stage 3 in fp32: the rank's shard of every unit (the fp32 master).
     shard: Vec<f32>,
     /// bf16/fp16: the 16-bit working type.
@@ -139,7 +158,7 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     /// Stage 3 in bf16/fp16: the rank's 16-bit working shard of every unit (what is gathered).
     shard16: Vec<u16>,
     /// bf16/fp16: the fp32 master weights of the rank's part of every trainable unit, laid out
-    /// like the gradient accumulator.
+    /// like the optimizer state.
     master: Vec<f32>,
     /// bf16/fp16: the 16-bit gradient accumulator (`acc` is empty).
     acc16: Vec<u16>,
@@ -161,7 +180,18 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     secondary: Vec<Option<Vec<f32>>>,
     /// bf16/fp16: the same, 16-bit.
     secondary16: Vec<Option<Vec<u16>>>,
+    /// Stage 3: units installed in the model.
     gathered: Vec<bool>,
+    /// Stage 3: units whose all-gather is submitted but not yet installed.
+    fetching: Vec<bool>,
+    /// Collectives submitted this micro-step whose results are not yet applied, oldest first.
+    inflight: VecDeque<Ticket>,
+    /// Elements of the units being fetched.
+    fetching_elems: u64,
+    /// Bytes of gradient buffers in flight in reductions.
+    reduce_bytes_in_flight: u64,
+    /// Reductions in flight.
+    reduces_in_flight: usize,
     step: u64,
     micro: u32,
     /// The unscaled loss of each micro-step of the last step.
@@ -270,6 +300,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let full_acc = stage == 0 || (stage == 1 && plan.config().accumulate_before_reduce);
         let n = plan.world_size();
         let mut acc_len = 0usize;
+        let mut opt_offset = vec![None; units.len()];
+        let mut opt_len = 0usize;
         for (u, unit) in units.iter().enumerate() {
             let segs: Vec<usize> = plan
                 .unit_entries(u)
@@ -281,6 +313,13 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 completes_at[lo].push(u);
                 acc_offset[u] = Some(acc_len);
                 acc_len += if full_acc {
+                    unit.len as usize
+                } else {
+                    unit.len as usize / n
+                };
+                // Optimizer state and master weights: whole units at stage 0, else the chunk.
+                opt_offset[u] = Some(opt_len);
+                opt_len += if stage == 0 {
                     unit.len as usize
                 } else {
                     unit.len as usize / n
@@ -320,12 +359,16 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut t = RankTrainer {
             plan: plan.clone(),
             rank,
-            world,
-            hpz,
-            qgroups,
-            qwz,
-            qgz,
-            qscratch: QuantScratch::new(),
+            comms: Some(Comms {
+                world,
+                hpz,
+                qgroups,
+                qwz,
+                qgz,
+                half,
+                qwz_scratch: QuantScratch::new(),
+                qgz_scratch: QuantScratch::new(),
+            }),
             model,
             options,
             params,
@@ -333,6 +376,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             completes_at,
             seg_units,
             acc_offset,
+            opt_offset,
             shard: Vec::new(),
             half,
             shard16: Vec::new(),
@@ -358,10 +402,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                     TreeAccumulator::new(plan.config().gradient_accumulation_steps, acc_len)
                 }
             },
-            opt: OptimState::new(&options.optimizer, acc_len),
+            opt: OptimState::new(&options.optimizer, opt_len),
             secondary: vec![None; units.len()],
             secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
+            fetching: vec![false; units.len()],
+            inflight: VecDeque::new(),
+            fetching_elems: 0,
+            reduce_bytes_in_flight: 0,
+            reduces_in_flight: 0,
             step: 0,
             micro: 0,
             micro_losses: Vec::new(),
@@ -371,10 +420,10 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         };
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial
-            // values (stage 0: whole units; otherwise the rank's chunk at the slot's start).
-            t.master = vec![0.0; acc_len];
+            // values (stage 0: whole units; otherwise the rank's chunk).
+            t.master = vec![0.0; opt_len];
             for u in 0..units.len() {
-                let Some(off) = t.acc_offset[u] else { continue };
+                let Some(off) = t.opt_offset[u] else { continue };
                 let full = t.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
                 let mine = if stage == 0 {
@@ -452,7 +501,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             .is_some_and(|(u, _)| self.plan.units()[u].kind == UnitKind::Gather)
     }
 
-    /// This rank.
+    fn comms(&mut self) -> &mut Comms<C> {
+        self.comms.as_mut().expect(HOME)
+    }
+
+    fn comms_ref(&self) -> &Comms<C> {
+        self.comms.as_ref().expect(HOME)
+    }
+
+    /// This rank's index.
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -464,11 +521,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
 
     /// Traffic measured on every communicator of this rank since the trainer was built.
     pub fn traffic(&self) -> TrafficTable {
-        let mut t = self.world.traffic().clone();
-        if let Some(h) = &self.hpz {
+        let c = self.comms_ref();
+        let mut t = c.world.traffic().clone();
+        if let Some(h) = &c.hpz {
             t.merge(h.traffic());
         }
-        if let Some(q) = &self.qgroups {
+        if let Some(q) = &c.qgroups {
             t.merge(&q.traffic());
         }
         t.since(&self.traffic_base)
@@ -477,6 +535,10 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     /// Peak measured memory so far.
     pub fn measured_memory(&self) -> MeasuredMemory {
         let mut m = self.peak;
+        // The codecs' wire buffers keep their capacity: they coexist with the reduction buffers.
+        let c = self.comms_ref();
+        m.communication_buffers +=
+            (c.qwz_scratch.peak_wire_bytes() + c.qgz_scratch.peak_wire_bytes()) as u64;
         m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
         m
     }
@@ -498,7 +560,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     }
 
     /// bf16/fp16: this rank's fp32 master weights (its part of every trainable unit, laid out
-    /// like the gradient accumulator); empty in fp32.
+    /// like the optimizer state); empty in fp32.
     pub fn master_weights(&self) -> &[f32] {
         &self.master
     }
@@ -549,6 +611,33 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     }
 
     fn micro_step(&mut self, batch: &TokenBatch) -> Result<f32> {
+        let comms = self.comms.take().expect(HOME);
+        let overlap = self.plan.config().overlap_comm;
+        let (comms, r) = comms::with_exec(comms, overlap, self.rank, |exec| {
+            let r = self.micro_step_with(exec, batch);
+            // Apply what is still in flight, or (after a failure) forget it.
+            match r {
+                Ok(loss) => self.settle_all(exec).map(|()| loss),
+                Err(e) => {
+                    self.inflight.clear();
+                    Err(e)
+                }
+            }
+        });
+        self.comms = Some(comms);
+        if r.is_err() {
+            self.fetching.iter_mut().for_each(|f| *f = false);
+            self.fetching_elems = 0;
+            self.reduce_bytes_in_flight = 0;
+            self.reduces_in_flight = 0;
+        }
+        let loss = r?;
+        self.micro += 1;
+        self.sample_memory();
+        Ok(loss)
+    }
+
+    fn micro_step_with(&mut self, exec: &mut Exec<C>, batch: &TokenBatch) -> Result<f32> {
         let plan = self.plan.clone();
         let stage3 = plan.stage() == 3;
         let segments = self.model.num_segments();
@@ -560,12 +649,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         };
         // fp16: the loss scale multiplies the loss before the backward (1 otherwise: exact).
         let scale = scale * self.scaler.as_ref().map_or(1.0, |s| s.scale() as f32);
+        // With overlap, one reduction may be in flight while the next bucket fills (the plan's
+        // doubled reduction buffer); inline, each is applied as soon as it is submitted.
+        let max_reduces = usize::from(plan.config().overlap_comm);
         // Forward, keeping only the activations between segments.
         let mut acts: Vec<Tensor<3>> = Vec::with_capacity(segments);
         let mut loss = 0.0f32;
         for i in 0..segments {
             if stage3 {
-                self.gather_segment(i, false)?;
+                self.gather_segment(exec, i, false)?;
             }
             // Without autodiff: a graph recorded here would never be consumed, and it would keep
             // the released weights alive. The backward recomputes the segment under autodiff.
@@ -588,7 +680,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut grad_out: Option<Tensor<3>> = None;
         for i in (0..segments).rev() {
             if stage3 {
-                self.gather_segment(i, true)?;
+                self.gather_segment(exec, i, true)?;
             }
             let x = (i > 0).then(|| Tensor::from_inner(acts[i - 1].clone()).require_grad());
             let y = self.model.forward_segment(i, batch, x.clone());
@@ -613,13 +705,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 let g = pending[u]
                     .take()
                     .unwrap_or_else(|| vec![0.0; plan.units()[u].len as usize]);
-                let w = if self.half.is_some() { 2 } else { 4 };
-                self.track_comm_buffer(g.len() as u64 * w);
-                self.reduce_unit(u, g)?;
+                self.submit_reduce(exec, u, g)?;
+                while self.reduces_in_flight > max_reduces {
+                    self.complete_one(exec)?;
+                }
             }
         }
-        self.micro += 1;
-        self.sample_memory();
         Ok(loss)
     }
 
@@ -649,101 +740,103 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         Ok(())
     }
 
-    fn reduce_unit(&mut self, u: usize, g: Vec<f32>) -> Result<()> {
-        if let Some(h) = self.half {
-            return self.reduce_unit16(h, u, g);
-        }
-        let plan = self.plan.clone();
-        let unit = &plan.units()[u];
-        let off = self.acc_offset[u].expect("only trainable units are reduced");
-        let stage = plan.stage();
-        let defer = plan.config().accumulate_before_reduce;
-        let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
-        // The canonical tree sums across ranks and divides once, after the last micro-step.
-        let op = match self.options.reduction {
-            Reduction::RankOrdered => ReduceOp::Mean,
-            Reduction::CanonicalTree => ReduceOp::Sum,
-        };
-        if stage == 0 {
-            if defer {
-                add_into(&mut self.acc[off..off + g.len()], &g);
-                if last_micro {
-                    let mut full = self.acc[off..off + g.len()].to_vec();
-                    self.world.all_reduce_host(&mut full, op)?;
-                    self.acc[off..off + full.len()].copy_from_slice(&full);
-                }
-            } else {
-                let mut g = g;
-                self.world.all_reduce_host(&mut g, op)?;
-                self.accumulate(off, g);
-            }
-            return Ok(());
-        }
-        if stage == 1 && defer {
-            add_into(&mut self.acc[off..off + g.len()], &g);
-            if last_micro {
-                let full = self.acc[off..off + unit.len as usize].to_vec();
-                let chunk = self.world.reduce_scatter_host(&full, op)?;
-                // Keep the reduced chunk at the start of the unit's slot.
-                self.acc[off..off + chunk.len()].copy_from_slice(&chunk);
-            }
-            return Ok(());
-        }
-        let chunk = match (&mut self.qgroups, &self.qgz) {
-            (Some(groups), Some(codec)) if unit.kind == UnitKind::Gather => {
-                let mut chunk = vec![0.0f32; g.len() / plan.world_size()];
-                qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qscratch)?;
-                chunk
-            }
-            _ => self.world.reduce_scatter_host(&g, op)?,
-        };
-        self.accumulate(off, chunk);
-        Ok(())
-    }
-
-    /// [`Self::reduce_unit`] in bf16/fp16: the gradient is rounded to 16 bits, reduced as 16-bit
-    /// elements (summed in f32, rounded once) and added into the 16-bit accumulator in f32.
-    fn reduce_unit16(&mut self, h: Half, u: usize, g: Vec<f32>) -> Result<()> {
+    /// Submits the reduction of unit `u`'s gradients `g` of this micro-step (stage 0: an
+    /// all-reduce; 1–3: a reduce-scatter, through qgZ for gather units when it is on; with
+    /// `accumulate_before_reduce` at stages 0–1, only after the last micro-step). The result is
+    /// applied to the accumulator by [`Self::complete_one`].
+    fn submit_reduce(&mut self, exec: &mut Exec<C>, u: usize, g: Vec<f32>) -> Result<()> {
         let plan = self.plan.clone();
         let unit = &plan.units()[u];
         let off = self.acc_offset[u].expect("only trainable units are reduced");
         let len = unit.len as usize;
         let stage = plan.stage();
-        let defer = plan.config().accumulate_before_reduce;
+        let defer = stage <= 1 && plan.config().accumulate_before_reduce;
         let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
-        let op = ReduceOp::Mean;
-        if stage == 0 && !defer {
-            let mut g16 = h.round_all(&g);
-            h.all_reduce(&mut self.world, &mut g16, op)?;
-            h.add_into(&mut self.acc16[off..off + len], &g16);
+        let w = if self.half.is_some() { 2 } else { 4 };
+        let bytes = g.len() as u64 * w;
+        self.track_comm_buffer(self.reduce_bytes_in_flight + bytes);
+        // The canonical tree sums across ranks and divides once, after the last micro-step;
+        // bf16/fp16 always take the mean.
+        let op = match (self.options.reduction, self.half) {
+            (Reduction::CanonicalTree, None) => ReduceOp::Sum,
+            _ => ReduceOp::Mean,
+        };
+        let data = if defer {
+            // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
+            // written over the slot's start.
+            match self.half {
+                None => add_into(&mut self.acc[off..off + len], &g),
+                Some(h) => h.add_f32_into(&mut self.acc16[off..off + len], &g),
+            }
+            if !last_micro {
+                return Ok(());
+            }
+            match self.half {
+                None => Words::F32(self.acc[off..off + len].to_vec()),
+                Some(_) => Words::U16(self.acc16[off..off + len].to_vec()),
+            }
+        } else {
+            match self.half {
+                None => Words::F32(g),
+                Some(h) => Words::U16(h.round_all(&g)),
+            }
+        };
+        exec.submit(if stage == 0 {
+            Job::AllReduce { data, op }
+        } else {
+            Job::ReduceScatter {
+                data,
+                op,
+                qgz: !defer && unit.kind == UnitKind::Gather,
+            }
+        })?;
+        self.inflight.push_back(Ticket::Reduce {
+            off,
+            overwrite: defer,
+            bytes,
+        });
+        self.reduce_bytes_in_flight += bytes;
+        self.reduces_in_flight += 1;
+        Ok(())
+    }
+
+    /// Waits for the oldest collective in flight and applies its result: a gathered unit is
+    /// installed in the model, a reduced gradient goes into the accumulator.
+    fn complete_one(&mut self, exec: &mut Exec<C>) -> Result<()> {
+        let Some(ticket) = self.inflight.pop_front() else {
             return Ok(());
-        }
-        if stage <= 1 && defer {
-            h.add_f32_into(&mut self.acc16[off..off + len], &g);
-            if last_micro {
-                let mut full = self.acc16[off..off + len].to_vec();
-                if stage == 0 {
-                    h.all_reduce(&mut self.world, &mut full, op)?;
-                    self.acc16[off..off + len].copy_from_slice(&full);
-                } else {
-                    let chunk = h.reduce_scatter(&mut self.world, &full, op)?;
-                    // Keep the reduced chunk at the start of the unit's slot.
-                    self.acc16[off..off + chunk.len()].copy_from_slice(&chunk);
+        };
+        let words = exec.wait()?;
+        match ticket {
+            Ticket::Gather { u, backward } => self.install(u, backward, words),
+            Ticket::Reduce {
+                off,
+                overwrite,
+                bytes,
+            } => {
+                self.reduce_bytes_in_flight -= bytes;
+                self.reduces_in_flight -= 1;
+                match (words, self.half) {
+                    (Words::F32(r), _) if overwrite => {
+                        self.acc[off..off + r.len()].copy_from_slice(&r)
+                    }
+                    (Words::F32(r), _) => self.accumulate(off, r),
+                    (Words::U16(r), _) if overwrite => {
+                        self.acc16[off..off + r.len()].copy_from_slice(&r)
+                    }
+                    (Words::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
+                    (Words::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
                 }
             }
-            return Ok(());
         }
-        let chunk = match (&mut self.qgroups, &self.qgz) {
-            (Some(groups), Some(codec)) if unit.kind == UnitKind::Gather => {
-                // qgZ quantizes the 16-bit gradient (widened) and dequantizes into f32.
-                let g: Vec<f32> = g.iter().map(|&x| h.quantize(x)).collect();
-                let mut chunk = vec![0.0f32; len / plan.world_size()];
-                qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qscratch)?;
-                h.round_all(&chunk)
-            }
-            _ => h.reduce_scatter(&mut self.world, &h.round_all(&g), op)?,
-        };
-        h.add_into(&mut self.acc16[off..off + chunk.len()], &chunk);
+        Ok(())
+    }
+
+    /// Applies everything in flight.
+    fn settle_all(&mut self, exec: &mut Exec<C>) -> Result<()> {
+        while !self.inflight.is_empty() {
+            self.complete_one(exec)?;
+        }
         Ok(())
     }
 
@@ -782,7 +875,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         if c.gradient_clipping > 0.0 {
             let acc = &self.acc;
             let total = global_sum_sq(
-                &mut self.world,
+                &mut self.comms.as_mut().expect(HOME).world,
                 &plan,
                 &self.acc_offset,
                 self.rank,
@@ -821,6 +914,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 continue;
             }
             let off = self.acc_offset[u].expect("trainable");
+            let oo = self.opt_offset[u].expect("trainable");
             let cl = plan.chunk_len(u) as usize;
             match stage {
                 0 => {
@@ -833,7 +927,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                         &mut w,
                         &self.acc[off..off + len],
                         &mut self.opt,
-                        off,
+                        oo,
                     );
                     updates.push((u, w));
                 }
@@ -848,9 +942,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                         &mut w,
                         &self.acc[off..off + cl],
                         &mut self.opt,
-                        off,
+                        oo,
                     );
-                    let gathered = self.world.all_gather_host(&w)?;
+                    let gathered = self.comms().world.all_gather_host(&w)?;
                     updates.push((u, gathered));
                 }
                 _ => {
@@ -862,7 +956,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                         &mut self.shard[so..so + cl],
                         &self.acc[off..off + cl],
                         &mut self.opt,
-                        off,
+                        oo,
                     );
                 }
             }
@@ -873,7 +967,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
                     let cl = plan.chunk_len(u) as usize;
                     let so = unit.shard_offset as usize;
-                    let gathered = self.world.all_gather_host(&self.shard[so..so + cl])?;
+                    let gathered = self
+                        .comms
+                        .as_mut()
+                        .expect(HOME)
+                        .world
+                        .all_gather_host(&self.shard[so..so + cl])?;
                     updates.push((u, gathered));
                 }
             }
@@ -916,7 +1015,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             // non-finite: the partials are the overflow flag.
             let acc16 = &self.acc16;
             let total = global_sum_sq(
-                &mut self.world,
+                &mut self.comms.as_mut().expect(HOME).world,
                 &plan,
                 &self.acc_offset,
                 self.rank,
@@ -980,14 +1079,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             } else {
                 plan.chunk_len(u) as usize
             };
+            let oo = self.opt_offset[u].expect("trainable");
             let g = grads(&self.acc16[off..off + len]);
-            let master = &mut self.master[off..off + len];
-            optim::step(&opt, lr, self.opt_steps, master, &g, &mut self.opt, off);
+            let master = &mut self.master[oo..oo + len];
+            optim::step(&opt, lr, self.opt_steps, master, &g, &mut self.opt, oo);
             let w16 = h.round_all(master);
             match stage {
                 0 => updates.push((u, h.widen_all(&w16))),
                 1 | 2 => {
-                    let gathered = h.all_gather(&mut self.world, &w16)?;
+                    let gathered = h.all_gather(&mut self.comms().world, &w16)?;
                     updates.push((u, h.widen_all(&gathered)));
                 }
                 _ => {
@@ -1001,7 +1101,10 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
                     let cl = plan.chunk_len(u) as usize;
                     let so = unit.shard_offset as usize;
-                    let gathered = h.all_gather(&mut self.world, &self.shard16[so..so + cl])?;
+                    let gathered = h.all_gather(
+                        &mut self.comms.as_mut().expect(HOME).world,
+                        &self.shard16[so..so + cl],
+                    )?;
                     updates.push((u, h.widen_all(&gathered)));
                 }
             }
@@ -1028,10 +1131,16 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 let cl = plan.chunk_len(u) as usize;
                 let so = unit.shard_offset as usize;
                 let full = match self.half {
-                    None => self.world.all_gather_host(&self.shard[so..so + cl])?,
-                    Some(h) => {
-                        h.widen_all(&h.all_gather(&mut self.world, &self.shard16[so..so + cl])?)
-                    }
+                    None => self
+                        .comms
+                        .as_mut()
+                        .expect(HOME)
+                        .world
+                        .all_gather_host(&self.shard[so..so + cl])?,
+                    Some(h) => h.widen_all(&h.all_gather(
+                        &mut self.comms.as_mut().expect(HOME).world,
+                        &self.shard16[so..so + cl],
+                    )?),
                 };
                 for e in plan.unit_entries(u) {
                     out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
@@ -1098,83 +1207,79 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.set_params(values);
     }
 
-    fn gather_unit(&mut self, u: usize, backward: bool) -> Result<()> {
-        if self.gathered[u] {
+    /// Submits the all-gather of stage-3 unit `u` unless it is installed or already on its way:
+    /// from the rank's shard over the world, or for the backward from the hpZ secondary shard
+    /// within the hpZ group. Its elements count as gathered from here on.
+    fn submit_gather(&mut self, exec: &mut Exec<C>, u: usize, backward: bool) -> Result<()> {
+        if self.gathered[u] || self.fetching[u] {
             return Ok(());
         }
         let plan = self.plan.clone();
         let unit = &plan.units()[u];
-        let len = unit.len as usize;
         let cl = plan.chunk_len(u) as usize;
         let so = unit.shard_offset as usize;
-        if let Some(h) = self.half {
-            return self.gather_unit16(h, u, backward);
-        }
-        let (comm, piece): (&mut C, &[f32]) = match (&mut self.hpz, backward, &self.secondary[u]) {
-            (Some(h), true, Some(sec)) => (h, sec),
-            _ => (&mut self.world, &self.shard[so..so + cl]),
+        let hpz = backward && (self.secondary[u].is_some() || self.secondary16[u].is_some());
+        let piece = match (self.half, hpz) {
+            (None, true) => Words::F32(self.secondary[u].clone().unwrap_or_default()),
+            (None, false) => Words::F32(self.shard[so..so + cl].to_vec()),
+            (Some(_), true) => Words::U16(self.secondary16[u].clone().unwrap_or_default()),
+            (Some(_), false) => Words::U16(self.shard16[so..so + cl].to_vec()),
         };
-        let full = match &self.qwz {
-            Some(codec) => {
-                let mut full = vec![0.0f32; piece.len() * comm.world_size()];
-                qwz_all_gather(comm, codec, piece, &mut full, &mut self.qscratch)?;
+        exec.submit(Job::Gather { piece, hpz })?;
+        self.inflight.push_back(Ticket::Gather { u, backward });
+        self.fetching[u] = true;
+        self.fetching_elems += unit.len;
+        let w = if self.half.is_some() { 2 } else { 4 };
+        let live = self.live_gathered + self.fetching_elems;
+        self.peak.gathered_working_set = self.peak.gathered_working_set.max(live * w);
+        Ok(())
+    }
+
+    /// Installs a gathered unit in the model (in bf16/fp16 widened to f32); a forward gather
+    /// keeps the hpZ secondary slice.
+    fn install(&mut self, u: usize, backward: bool, full: Words) {
+        let plan = self.plan.clone();
+        let len = plan.units()[u].len as usize;
+        let slice = plan.hpz().filter(|_| !backward).map(|layout| {
+            let s = len / layout.size;
+            let g = self.rank % layout.size;
+            g * s..(g + 1) * s
+        });
+        let values = match (full, self.half) {
+            (Words::F32(full), _) => {
+                if let Some(r) = slice {
+                    self.secondary[u] = Some(full[r].to_vec());
+                }
                 full
             }
-            None => comm.all_gather_host(piece)?,
-        };
-        if let (Some(layout), false) = (plan.hpz(), backward) {
-            let h = layout.size;
-            let g = self.rank % h;
-            let s = len / h;
-            self.secondary[u] = Some(full[g * s..(g + 1) * s].to_vec());
-        }
-        self.write_unit(u, &full);
-        self.gathered[u] = true;
-        self.live_gathered += unit.len;
-        self.peak.gathered_working_set = self.peak.gathered_working_set.max(self.live_gathered * 4);
-        Ok(())
-    }
-
-    /// [`Self::gather_unit`] in bf16/fp16: the 16-bit shard is gathered as 16-bit elements (qwZ:
-    /// widened, int8 on the wire, rounded back), and written to the model widened to f32.
-    fn gather_unit16(&mut self, h: Half, u: usize, backward: bool) -> Result<()> {
-        let plan = self.plan.clone();
-        let unit = &plan.units()[u];
-        let len = unit.len as usize;
-        let cl = plan.chunk_len(u) as usize;
-        let so = unit.shard_offset as usize;
-        let (comm, piece): (&mut C, &[u16]) = match (&mut self.hpz, backward, &self.secondary16[u])
-        {
-            (Some(hc), true, Some(sec)) => (hc, sec),
-            _ => (&mut self.world, &self.shard16[so..so + cl]),
-        };
-        let full = match &self.qwz {
-            Some(codec) => {
-                let piece = h.widen_all(piece);
-                let mut full = vec![0.0f32; piece.len() * comm.world_size()];
-                qwz_all_gather(comm, codec, &piece, &mut full, &mut self.qscratch)?;
-                h.round_all(&full)
+            (Words::U16(full), Some(h)) => {
+                if let Some(r) = slice {
+                    self.secondary16[u] = Some(full[r].to_vec());
+                }
+                h.widen_all(&full)
             }
-            None => h.all_gather(comm, piece)?,
+            (Words::U16(_), None) => unreachable!("fp32 trainers gather f32 weights"),
         };
-        if let (Some(layout), false) = (plan.hpz(), backward) {
-            let g = self.rank % layout.size;
-            let s = len / layout.size;
-            self.secondary16[u] = Some(full[g * s..(g + 1) * s].to_vec());
-        }
-        self.write_unit(u, &h.widen_all(&full));
+        self.write_unit(u, &values);
+        self.fetching[u] = false;
         self.gathered[u] = true;
-        self.live_gathered += unit.len;
-        self.peak.gathered_working_set = self.peak.gathered_working_set.max(self.live_gathered * 2);
-        Ok(())
+        self.fetching_elems -= len as u64;
+        self.live_gathered += len as u64;
     }
 
-    fn gather_segment(&mut self, seg: usize, backward: bool) -> Result<()> {
+    /// Makes segment `seg`'s gather units resident, then submits the prefetch of the next gather
+    /// unit in execution order when the plan allows it (with `overlap_comm` it arrives while the
+    /// segment computes).
+    fn gather_segment(&mut self, exec: &mut Exec<C>, seg: usize, backward: bool) -> Result<()> {
         let units = self.seg_units[seg].clone();
         for &u in &units {
-            self.gather_unit(u, backward)?;
+            self.submit_gather(exec, u, backward)?;
         }
-        // Prefetch the next gather unit in execution order when the plan allows it.
+        for &u in &units {
+            while self.fetching[u] {
+                self.complete_one(exec)?;
+            }
+        }
         let next_seg = if backward {
             seg.checked_sub(1)
         } else {
@@ -1189,7 +1294,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             if let Some(v) = next {
                 let plan = self.plan.clone();
                 if plan.may_prefetch(plan.units()[last].len, plan.units()[v].len) {
-                    self.gather_unit(v, backward)?;
+                    self.submit_gather(exec, v, backward)?;
                 }
             }
         }

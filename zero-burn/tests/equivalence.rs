@@ -38,6 +38,14 @@ fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
             "rank {} traffic, stage {}",
             r.rank, cfg.stage
         );
+        // Synchronous collectives: the largest unit's gradient buffer in reduction, plus the
+        // qwZ/qgZ wires at their largest, exactly as planned.
+        assert_eq!(
+            r.memory.communication_buffers,
+            plan.memory().communication_buffers,
+            "rank {} communication buffers, {cfg:?}",
+            r.rank
+        );
         let planned = MeasuredMemory::planned_model_states(&plan.memory());
         assert_eq!(
             r.memory.model_states(),

@@ -42,6 +42,14 @@ fn run(topo: Topology, cfg: &ZeroConfig, steps: u64) -> Vec<RankResult<Gpt>> {
             "rank {} model-state bytes, {cfg:?}",
             r.rank
         );
+        if !cfg.overlap_comm {
+            assert_eq!(
+                r.memory.communication_buffers,
+                plan.memory().communication_buffers,
+                "rank {} communication buffers, {cfg:?}",
+                r.rank
+            );
+        }
     }
     res
 }

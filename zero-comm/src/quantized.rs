@@ -141,12 +141,20 @@ pub struct QuantScratch {
     recv: Vec<u8>,
     acc: Vec<f32>,
     tmp: Vec<f32>,
+    /// The most wire bytes (send plus receive) one exchange has held.
+    peak_wire: usize,
 }
 
 impl QuantScratch {
     /// Empty scratch; buffers are sized on first use.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The most bytes of encoded wire (send plus receive buffer) any one exchange through this
+    /// scratch has held: the figure the plan's `communication_buffers` predicts for qwZ and qgZ.
+    pub fn peak_wire_bytes(&self) -> usize {
+        self.peak_wire
     }
 
     /// Bytes currently reserved.
@@ -484,6 +492,7 @@ where
     comm.all_gather(&send, &mut recv)?;
     drop(send);
     scratch.recv.resize(n * w, 0);
+    scratch.peak_wire = scratch.peak_wire.max(w + n * w);
     comm.download(&recv, &mut scratch.recv)?;
     drop(recv);
 
@@ -632,6 +641,7 @@ where
         recv,
         acc,
         tmp,
+        peak_wire,
     } = scratch;
     acc.resize((m * c).max(c), 0.0);
 
@@ -658,6 +668,7 @@ where
             }
         }
         exchange(intra, send, recv)?;
+        *peak_wire = (*peak_wire).max(send.len() + recv.len());
         for piece in recv.chunks_exact(e.max(1)) {
             fault.check(piece, &layout);
         }
@@ -711,6 +722,7 @@ where
             }
         }
         exchange(cross, send, recv)?;
+        *peak_wire = (*peak_wire).max(send.len() + recv.len());
         for piece in recv.chunks_exact(e.max(1)) {
             fault.check(piece, &layout);
         }

@@ -135,8 +135,22 @@ impl Plan {
                 .max()
                 .unwrap_or(0);
             if c.quantized_weights {
-                // Own encoded chunk plus the gathered wire buffer.
-                m.communication_buffers += (n + 1) * int8_wire_len(max_g, c.qwz_block_size as u64);
+                // Own encoded chunk plus the gathered wire buffer: over the world (chunks of
+                // len/N), or with hpZ over the group of h (the backward's secondary chunks of
+                // len/h), whichever is larger.
+                let b = c.qwz_block_size as u64;
+                let mut wire = (n + 1) * int8_wire_len(max_g, b);
+                if let Some(h) = self.hpz() {
+                    let h = h.size as u64;
+                    let max_s = units
+                        .iter()
+                        .filter(|u| u.kind == UnitKind::Gather)
+                        .map(|u| u.len / h)
+                        .max()
+                        .unwrap_or(0);
+                    wire = wire.max((h + 1) * int8_wire_len(max_s, b));
+                }
+                m.communication_buffers += wire;
             }
             if c.quantized_gradients {
                 let max_tc = units

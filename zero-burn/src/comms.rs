@@ -1,0 +1,328 @@
+//! Where a rank's collectives run during a micro-step: inline on the rank's thread, or on a
+//! communication thread of its own that overlaps them with the forward and backward compute
+//! (`overlap_comm`, DeepSpeed's side stream).
+//!
+//! The trainer submits [`Job`]s and takes their results back in submission order (FIFO), so
+//! every rank issues the same collectives in the same order in both modes, and the reductions
+//! see the same operands: overlapping changes when the bytes move, never the bits. Inline, a
+//! job runs when it is submitted and its result waits in a queue, which makes the inline mode
+//! the synchronous trainer exactly.
+//!
+//! The communication thread owns the rank's communicators for the micro-step and hands them
+//! back when it ends. It stops at the first failed job (the rank's compute side returns that
+//! error when it reaches it); a panic in a communicator is re-raised on the rank's thread.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread;
+
+use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_all_gather};
+use zero_comm::{Communicator, ReduceOp};
+use zero_quant::{Int4Block, Int8Block};
+
+use crate::error::{Error, Result};
+use crate::precision::Half;
+
+/// A rank's communicators and the ZeRO++ codecs with their scratch space.
+#[derive(Debug)]
+pub(crate) struct Comms<C: Communicator> {
+    /// The whole world.
+    pub(crate) world: C,
+    /// hpZ: the rank's secondary-shard group (its node, or `hpz_partition_size` ranks).
+    pub(crate) hpz: Option<C>,
+    /// qgZ's intra- and cross-node groups.
+    pub(crate) qgroups: Option<QuantGroups<C>>,
+    /// qwZ codec.
+    pub(crate) qwz: Option<Int8Block>,
+    /// qgZ codec.
+    pub(crate) qgz: Option<Int4Block>,
+    /// bf16/fp16: the 16-bit element type of weights and gradients on the wire.
+    pub(crate) half: Option<Half>,
+    /// qwZ's wire buffers.
+    pub(crate) qwz_scratch: QuantScratch,
+    /// qgZ's wire buffers and accumulators (apart from qwZ's, as the plan counts them).
+    pub(crate) qgz_scratch: QuantScratch,
+}
+
+/// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns).
+#[derive(Debug)]
+pub(crate) enum Words {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+/// One collective.
+#[derive(Debug)]
+pub(crate) enum Job {
+    /// All-reduce a whole unit (stage 0); the result is the reduced unit.
+    AllReduce { data: Words, op: ReduceOp },
+    /// Reduce-scatter a unit; the result is the rank's reduced chunk. `qgz`: through qgZ's
+    /// hierarchical int4 all-to-all.
+    ReduceScatter {
+        data: Words,
+        op: ReduceOp,
+        qgz: bool,
+    },
+    /// All-gather a unit from this rank's `piece`; `hpz`: within the hpZ group (from the
+    /// secondary shard). qwZ applies when it is on.
+    Gather { piece: Words, hpz: bool },
+}
+
+impl<C: Communicator> Comms<C> {
+    /// Runs one collective.
+    pub(crate) fn run(&mut self, job: Job) -> Result<Words> {
+        match job {
+            Job::AllReduce { data, op } => match (data, self.half) {
+                (Words::F32(mut g), _) => {
+                    self.world.all_reduce_host(&mut g, op)?;
+                    Ok(Words::F32(g))
+                }
+                (Words::U16(mut g), Some(h)) => {
+                    h.all_reduce(&mut self.world, &mut g, op)?;
+                    Ok(Words::U16(g))
+                }
+                (Words::U16(_), None) => Err(mixed()),
+            },
+            Job::ReduceScatter { data, op, qgz } => {
+                let quant = match (qgz, &mut self.qgroups, &self.qgz) {
+                    (true, Some(groups), Some(codec)) => Some((groups, codec)),
+                    _ => None,
+                };
+                match (data, self.half, quant) {
+                    (Words::F32(g), _, Some((groups, codec))) => {
+                        let mut chunk = vec![0.0f32; g.len() / self.world.world_size()];
+                        qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qgz_scratch)?;
+                        Ok(Words::F32(chunk))
+                    }
+                    (Words::F32(g), _, None) => {
+                        Ok(Words::F32(self.world.reduce_scatter_host(&g, op)?))
+                    }
+                    // qgZ quantizes the 16-bit gradient (widened) and dequantizes into f32.
+                    (Words::U16(g), Some(h), Some((groups, codec))) => {
+                        let mut chunk = vec![0.0f32; g.len() / self.world.world_size()];
+                        qgz_reduce_scatter(
+                            groups,
+                            codec,
+                            &h.widen_all(&g),
+                            &mut chunk,
+                            &mut self.qgz_scratch,
+                        )?;
+                        Ok(Words::U16(h.round_all(&chunk)))
+                    }
+                    (Words::U16(g), Some(h), None) => {
+                        Ok(Words::U16(h.reduce_scatter(&mut self.world, &g, op)?))
+                    }
+                    (Words::U16(_), None, _) => Err(mixed()),
+                }
+            }
+            Job::Gather { piece, hpz } => {
+                let comm = match (&mut self.hpz, hpz) {
+                    (Some(h), true) => h,
+                    _ => &mut self.world,
+                };
+                match (piece, self.half, &self.qwz) {
+                    (Words::F32(p), _, Some(codec)) => {
+                        let mut full = vec![0.0f32; p.len() * comm.world_size()];
+                        qwz_all_gather(comm, codec, &p, &mut full, &mut self.qwz_scratch)?;
+                        Ok(Words::F32(full))
+                    }
+                    (Words::F32(p), _, None) => Ok(Words::F32(comm.all_gather_host(&p)?)),
+                    // qwZ on 16-bit weights: widened, int8 on the wire, rounded back.
+                    (Words::U16(p), Some(h), Some(codec)) => {
+                        let p = h.widen_all(&p);
+                        let mut full = vec![0.0f32; p.len() * comm.world_size()];
+                        qwz_all_gather(comm, codec, &p, &mut full, &mut self.qwz_scratch)?;
+                        Ok(Words::U16(h.round_all(&full)))
+                    }
+                    (Words::U16(p), Some(h), None) => Ok(Words::U16(h.all_gather(comm, &p)?)),
+                    (Words::U16(_), None, _) => Err(mixed()),
+                }
+            }
+        }
+    }
+}
+
+fn mixed() -> Error {
+    Error::Model("internal: 16-bit elements submitted to an fp32 trainer's collectives".into())
+}
+
+/// Runs a micro-step's collectives: see the module docs.
+pub(crate) enum Exec<C: Communicator> {
+    Inline {
+        comms: Box<Comms<C>>,
+        done: VecDeque<Result<Words>>,
+    },
+    Thread {
+        rank: usize,
+        jobs: Sender<Job>,
+        results: Receiver<Result<Words>>,
+    },
+}
+
+impl<C: Communicator> Exec<C> {
+    /// Submits a collective; its result comes back from [`Self::wait`] after those submitted
+    /// before it.
+    pub(crate) fn submit(&mut self, job: Job) -> Result<()> {
+        match self {
+            Exec::Inline { comms, done } => {
+                let r = comms.run(job);
+                done.push_back(r);
+                Ok(())
+            }
+            Exec::Thread { rank, jobs, .. } => jobs.send(job).map_err(|_| stopped(*rank)),
+        }
+    }
+
+    /// The result of the oldest collective not yet waited for.
+    pub(crate) fn wait(&mut self) -> Result<Words> {
+        match self {
+            Exec::Inline { done, .. } => done.pop_front().unwrap_or_else(|| {
+                Err(Error::Model(
+                    "internal: waited for a collective that was never submitted".into(),
+                ))
+            }),
+            Exec::Thread { rank, results, .. } => results.recv().map_err(|_| stopped(*rank))?,
+        }
+    }
+}
+
+fn stopped(rank: usize) -> Error {
+    Error::Model(format!(
+        "the communication thread of rank {rank} stopped before its collectives were done"
+    ))
+}
+
+/// Runs `f` with an executor over `comms`: inline, or (`overlap`) on a communication thread for
+/// the duration of `f`. Returns the communicators with `f`'s result.
+pub(crate) fn with_exec<C: Communicator, R>(
+    comms: Comms<C>,
+    overlap: bool,
+    rank: usize,
+    f: impl FnOnce(&mut Exec<C>) -> R,
+) -> (Comms<C>, R) {
+    let inline = |comms: Comms<C>, f: &mut dyn FnMut(&mut Exec<C>) -> R| {
+        let mut exec = Exec::Inline {
+            comms: Box::new(comms),
+            done: VecDeque::new(),
+        };
+        let r = f(&mut exec);
+        let Exec::Inline { comms, .. } = exec else {
+            unreachable!("the inline executor stays inline")
+        };
+        (*comms, r)
+    };
+    let mut f = Some(f);
+    let mut call = move |e: &mut Exec<C>| (f.take().expect("called once"))(e);
+    if !overlap {
+        return inline(comms, &mut call);
+    }
+    thread::scope(|s| {
+        // The communicators travel to the worker once it runs, so a failed spawn keeps them.
+        let (comms_tx, comms_rx) = channel::<Comms<C>>();
+        let (job_tx, job_rx) = channel::<Job>();
+        let (res_tx, res_rx) = channel::<Result<Words>>();
+        let worker = thread::Builder::new()
+            .name(format!("zero-comm-rank{rank}"))
+            .spawn_scoped(s, move || {
+                let mut comms = comms_rx.recv().ok()?;
+                for job in job_rx {
+                    let r = comms.run(job);
+                    let failed = r.is_err();
+                    // Stop at the first failure: later collectives would only wait for peers
+                    // that have already given up; the rank's thread reports this error.
+                    if res_tx.send(r).is_err() || failed {
+                        break;
+                    }
+                }
+                Some(comms)
+            });
+        let Ok(worker) = worker else {
+            // No thread to overlap on: the same collectives, inline.
+            return inline(comms, &mut call);
+        };
+        if let Err(back) = comms_tx.send(comms) {
+            unreachable!("the worker waits for its communicators ({:?})", back.0.half);
+        }
+        let mut exec = Exec::Thread {
+            rank,
+            jobs: job_tx,
+            results: res_rx,
+        };
+        let r = call(&mut exec);
+        // Closing the job channel ends the worker once it has finished what it holds.
+        drop(exec);
+        match worker.join() {
+            Ok(Some(comms)) => (comms, r),
+            Ok(None) => unreachable!("the worker received its communicators"),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    use zero_comm::host::HostWorld;
+    use zero_core::Topology;
+
+    use super::*;
+
+    /// Two ranks: rank 1 submits its half of an all-reduce only once rank 0's `submit` has
+    /// returned. Overlapped, rank 0's submit returns at once and both get the sum; inline it
+    /// blocks in the collective until the timeout.
+    fn rank1_waits_for_rank0s_submit(overlap: bool, timeout: Duration) -> Vec<Result<Vec<f32>>> {
+        let submitted = AtomicBool::new(false);
+        let world = HostWorld::new(Topology::new(2, 2).expect("topology"), timeout);
+        world
+            .launch(|comm| {
+                let rank = comm.rank();
+                let comms = Comms {
+                    world: comm,
+                    hpz: None,
+                    qgroups: None,
+                    qwz: None,
+                    qgz: None,
+                    half: None,
+                    qwz_scratch: QuantScratch::new(),
+                    qgz_scratch: QuantScratch::new(),
+                };
+                let (_, r) = with_exec(comms, overlap, rank, |exec| {
+                    if rank == 1 {
+                        let deadline = Instant::now() + timeout * 2;
+                        while !submitted.load(Ordering::SeqCst) && Instant::now() < deadline {
+                            thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                    exec.submit(Job::AllReduce {
+                        data: Words::F32(vec![rank as f32 + 1.0; 5]),
+                        op: ReduceOp::Sum,
+                    })?;
+                    submitted.store(true, Ordering::SeqCst);
+                    match exec.wait()? {
+                        Words::F32(v) => Ok(v),
+                        Words::U16(_) => Err(mixed()),
+                    }
+                });
+                r
+            })
+            .into_iter()
+            .map(|r| r.expect("no rank panics"))
+            .collect()
+    }
+
+    #[test]
+    fn an_overlapped_submit_returns_before_its_collective_completes() {
+        for r in rank1_waits_for_rank0s_submit(true, Duration::from_secs(20)) {
+            assert_eq!(r.expect("the all-reduce completes"), vec![3.0; 5]);
+        }
+    }
+
+    #[test]
+    fn an_inline_submit_runs_its_collective_at_once() {
+        let r = rank1_waits_for_rank0s_submit(false, Duration::from_millis(300));
+        let err = r[0].as_ref().expect_err("rank 0 blocks until its timeout");
+        assert!(err.to_string().contains("all_reduce"), "{err}");
+    }
+}
