@@ -9,52 +9,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, MeasuredMemory, plan_for};
+use zero_burn::{Gpt, plan_for};
 use zero_core::{Topology, ZeroConfig};
 
 const STEPS: u64 = 3;
 
 fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
-    let (model, corpus) = tiny();
-    let plan = Arc::new(plan_for(&model, topo, &cfg).unwrap());
-    let res = train_host(
-        plan.clone(),
-        model,
-        &corpus,
-        options(),
-        HostRun {
-            steps: STEPS,
-            timeout: Duration::from_secs(30),
-            keep_final_params: true,
-        },
-        &|_, _| {},
-    )
-    .unwrap();
-    // I8: measured traffic equals the plan, per rank, exactly.
-    for r in &res {
-        let want = planned_traffic(&plan, r.rank, STEPS);
-        assert_eq!(
-            r.traffic, want,
-            "rank {} traffic, stage {}",
-            r.rank, cfg.stage
-        );
-        // Synchronous collectives: the largest unit's gradient buffer in reduction, plus the
-        // qwZ/qgZ wires at their largest, exactly as planned.
-        assert_eq!(
-            r.memory.communication_buffers,
-            plan.memory().communication_buffers,
-            "rank {} communication buffers, {cfg:?}",
-            r.rank
-        );
-        let planned = MeasuredMemory::planned_model_states(&plan.memory());
-        assert_eq!(
-            r.memory.model_states(),
-            planned,
-            "rank {} model-state bytes, stage {}",
-            r.rank,
-            cfg.stage
-        );
-    }
+    // I8 and the model-state bytes: measured equals the plan, per rank, exactly.
+    let (plan, res) = train_tiny(topo, &cfg, options(), STEPS);
+    assert_model_states(&plan, &res);
     res
 }
 

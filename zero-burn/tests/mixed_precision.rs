@@ -10,47 +10,16 @@ use std::time::Duration;
 
 use zero_burn::job::{JobConfig, run_job};
 use zero_burn::precision::Half;
-use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, MeasuredMemory, RankTrainer, plan_for};
+use zero_burn::world::RankResult;
+use zero_burn::{Gpt, RankTrainer, plan_for};
 use zero_comm::host::HostWorld;
 use zero_core::{Collective, LossScaleConfig, Precision, Topology, TrafficTable, ZeroConfig};
 
 /// Trains the tiny model and checks measured traffic and model-state bytes against the plan on
 /// every rank.
 fn run(topo: Topology, cfg: &ZeroConfig, steps: u64) -> Vec<RankResult<Gpt>> {
-    let (model, corpus) = tiny();
-    let plan = Arc::new(plan_for(&model, topo, cfg).unwrap());
-    let res = train_host(
-        plan.clone(),
-        model,
-        &corpus,
-        options(),
-        HostRun {
-            steps,
-            timeout: Duration::from_secs(30),
-            keep_final_params: true,
-        },
-        &|_, _| {},
-    )
-    .unwrap();
-    for r in &res {
-        let want = planned_traffic(&plan, r.rank, steps);
-        assert_eq!(r.traffic, want, "rank {} traffic, {cfg:?}", r.rank);
-        assert_eq!(
-            r.memory.model_states(),
-            MeasuredMemory::planned_model_states(&plan.memory()),
-            "rank {} model-state bytes, {cfg:?}",
-            r.rank
-        );
-        if !cfg.overlap_comm {
-            assert_eq!(
-                r.memory.communication_buffers,
-                plan.memory().communication_buffers,
-                "rank {} communication buffers, {cfg:?}",
-                r.rank
-            );
-        }
-    }
+    let (plan, res) = train_tiny(topo, cfg, options(), steps);
+    assert_model_states(&plan, &res);
     res
 }
 

@@ -10,8 +10,8 @@ use common::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Error, Gpt, MeasuredMemory, RankTrainer, plan_for};
+use zero_burn::world::RankResult;
+use zero_burn::{Error, Gpt, RankTrainer, plan_for};
 use zero_comm::Communicator;
 use zero_comm::host::HostWorld;
 use zero_core::{Precision, Topology, ZeroConfig};
@@ -19,35 +19,10 @@ use zero_core::{Precision, Topology, ZeroConfig};
 const STEPS: u64 = 3;
 
 fn run(topo: Topology, cfg: &ZeroConfig) -> Vec<RankResult<Gpt>> {
-    let (model, corpus) = tiny();
-    let plan = Arc::new(plan_for(&model, topo, cfg).unwrap());
-    let res = train_host(
-        plan.clone(),
-        model,
-        &corpus,
-        options(),
-        HostRun {
-            steps: STEPS,
-            timeout: Duration::from_secs(30),
-            keep_final_params: true,
-        },
-        &|_, _| {},
-    )
-    .unwrap();
+    let (plan, res) = train_tiny(topo, cfg, options(), STEPS);
+    assert_model_states(&plan, &res);
     let memory = plan.memory();
     for r in &res {
-        assert_eq!(
-            r.traffic,
-            planned_traffic(&plan, r.rank, STEPS),
-            "rank {} traffic, {cfg:?}",
-            r.rank
-        );
-        assert_eq!(
-            r.memory.model_states(),
-            MeasuredMemory::planned_model_states(&memory),
-            "rank {} model-state bytes, {cfg:?}",
-            r.rank
-        );
         // Reductions in flight never exceed the plan's (doubled, with overlap) buffer.
         assert!(
             r.memory.communication_buffers <= memory.communication_buffers,

@@ -1,11 +1,15 @@
 //! The tiny model, data and options the trainer tests share.
 #![allow(dead_code)]
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use burn::tensor::Device;
 use zero_burn::data::MarkovLanguage;
 use zero_burn::optim::Optimizer;
-use zero_burn::{Gpt, GptConfig, Reduction, TrainOptions};
-use zero_core::{Plan, TrafficTable};
+use zero_burn::world::{HostRun, RankResult, train_host};
+use zero_burn::{Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
+use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
 
 /// A 2-block GPT with d_model 16 on flex, and a 16-token Markov language.
 pub(crate) fn tiny() -> (Gpt, MarkovLanguage) {
@@ -51,4 +55,60 @@ pub(crate) fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
     v.iter()
         .map(|p| p.iter().map(|x| x.to_bits()).collect())
         .collect()
+}
+
+/// Trains [`tiny`] for `steps` on the host loopback and checks every rank's measured traffic
+/// against the plan (I8), and with synchronous collectives its communication buffers too. The
+/// model-state bytes are the caller's to check ([`assert_model_states`]; the canonical tree adds
+/// its pending subtrees).
+pub(crate) fn train_tiny(
+    topo: Topology,
+    cfg: &ZeroConfig,
+    options: TrainOptions,
+    steps: u64,
+) -> (Arc<Plan>, Vec<RankResult<Gpt>>) {
+    let (model, corpus) = tiny();
+    let plan = Arc::new(plan_for(&model, topo, cfg).unwrap());
+    let res = train_host(
+        plan.clone(),
+        model,
+        &corpus,
+        options,
+        HostRun {
+            steps,
+            timeout: Duration::from_secs(30),
+            keep_final_params: true,
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    for r in &res {
+        let want = planned_traffic(&plan, r.rank, steps);
+        assert_eq!(r.traffic, want, "rank {} traffic, {cfg:?}", r.rank);
+        if !cfg.overlap_comm {
+            // The largest unit's gradient buffer in reduction, plus the qwZ/qgZ wires at their
+            // largest, exactly as planned.
+            assert_eq!(
+                r.memory.communication_buffers,
+                plan.memory().communication_buffers,
+                "rank {} communication buffers, {cfg:?}",
+                r.rank
+            );
+        }
+    }
+    (plan, res)
+}
+
+/// Every rank's measured model-state bytes equal the plan's.
+pub(crate) fn assert_model_states(plan: &Plan, res: &[RankResult<Gpt>]) {
+    let planned = MeasuredMemory::planned_model_states(&plan.memory());
+    for r in res {
+        assert_eq!(
+            r.memory.model_states(),
+            planned,
+            "rank {} model-state bytes, {:?}",
+            r.rank,
+            plan.config()
+        );
+    }
 }
