@@ -19,6 +19,8 @@
 //! (`world::train_wgpu`; collectives round-trip through host memory). Overlap of communication
 //! with compute, and the CUDA path, are not built yet.
 
+#[cfg(feature = "wgpu")]
+pub mod bridge;
 mod comms;
 pub mod data;
 pub mod error;
