@@ -79,6 +79,8 @@ const GPU_TESTS: &[&str] = &[
     "cuda_buffers_and_codecs_are_checked",
     "zero3_over_nccl_is_bit_identical_to_the_host_loopback",
     "gpu_qwz_on_device_matches_the_host_path",
+    "gpu_qgz_on_device_matches_the_host_path",
+    "gpu_qgz_finish_kernels_divide_and_round_like_the_host",
 ];
 
 const BW_PREFIX: &str = "ZERO_GPU_BW ";

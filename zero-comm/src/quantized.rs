@@ -265,6 +265,12 @@ impl<C: Communicator> QuantGroups<C> {
         self.global_rank
     }
 
+    /// Both sub-groups, mutably (`intra`, `cross`), for the device-side qgZ of the backends.
+    #[cfg(any(feature = "nccl", feature = "wgpu"))]
+    pub(crate) fn groups_mut(&mut self) -> (Option<&mut C>, Option<&mut C>) {
+        (self.intra.as_mut(), self.cross.as_mut())
+    }
+
     /// The traffic of both sub-groups, merged (all-to-alls only).
     pub fn traffic(&self) -> TrafficTable {
         let mut t = TrafficTable::new();
@@ -387,6 +393,34 @@ impl Fault {
         if let Some(o) = poisoned(piece, layout) {
             self.peer(o);
         }
+    }
+
+    /// After one exchange of a device-side qgZ (`nccl::` and
+    /// `wgpu_loopback::qgz_reduce_scatter_device`): when anything failed (this rank already had a
+    /// fault, or decoding the received pieces gave `decode_error`), reads the received wire back
+    /// (`wire`, called only then) and records the poisoned pieces' origins, as the host path's
+    /// check of every received piece does; a decode error with no poisoned piece (and no earlier
+    /// fault) is this rank's own. Decoding stops at the first error and a poisoned piece always
+    /// fails to decode (its first scale is a NaN), so this names the same rank as the host path.
+    #[cfg(any(feature = "nccl", feature = "wgpu"))]
+    pub(crate) fn after_exchange_device(
+        &mut self,
+        decode_error: Option<zero_quant::Error>,
+        layout: &WireLayout,
+        wire: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<()> {
+        if decode_error.is_some() || self.origin().is_some() {
+            let host = wire()?;
+            for piece in host.chunks_exact(layout.total_len.max(1)) {
+                self.check(piece, layout);
+            }
+            if self.origin().is_none()
+                && let Some(e) = decode_error
+            {
+                self.local(e);
+            }
+        }
+        Ok(())
     }
 
     /// The end of a device-side qwZ (`nccl::` and `wgpu_loopback::qwz_all_gather_device`): when

@@ -792,3 +792,92 @@ fn gpu_qwz_on_device_matches_the_host_path() {
     ));
     passed("gpu_qwz_on_device_matches_the_host_path");
 }
+
+/// qgZ on device memory (zero-quant's CUDA kernels) equals the host path on the host loopback
+/// bit for bit, errors included, at the one world size a single GPU allows (N = 1: no group, no
+/// exchange; the output is the input after the finiteness check). The stages of N > 1 need
+/// several GPUs; their final division and rounding are checked on one GPU by
+/// `gpu_qgz_finish_kernels_divide_and_round_like_the_host` (the library's tests).
+#[cfg(feature = "nccl")]
+#[test]
+fn gpu_qgz_on_device_matches_the_host_path() {
+    use half::bf16;
+    use zero_comm::nccl::qgz_reduce_scatter_device;
+    use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter};
+    use zero_quant::{Codec, CudaQuantizer, Identity, Int4Block, Int8Block};
+
+    let Some(_g) = gpu("gpu_qgz_on_device_matches_the_host_path") else {
+        return;
+    };
+    fn case<E>(
+        comm: &mut NcclComm,
+        groups: &mut QuantGroups<NcclComm>,
+        q: &CudaQuantizer,
+        codec: Codec,
+        x: &[E],
+    ) where
+        E: zero_comm::quantized::QuantElement + zero_quant::cuda::CudaElement + common::Val,
+    {
+        let mut host = common::host_world(common::topo(1, 1)).pop().unwrap();
+        let mut host_groups = QuantGroups::new(&mut host).unwrap();
+        let mut want = vec![E::default(); x.len()];
+        let mut scratch = QuantScratch::new();
+        let h = qgz_reduce_scatter(&mut host_groups, &codec, x, &mut want, &mut scratch);
+        let input = comm.upload(x).unwrap();
+        let mut out = comm.alloc::<E>(x.len()).unwrap();
+        let d = qgz_reduce_scatter_device(groups, q, codec, &input, &mut out);
+        match (d, h) {
+            (Ok(()), Ok(())) => {
+                let got = comm.download_vec(&out).unwrap();
+                common::assert_bits(&got, &want, &format!("{codec:?} n={}", x.len()));
+            }
+            (Err(d), Err(h)) => assert_eq!(format!("{d} {d:?}"), format!("{h} {h:?}")),
+            (d, h) => panic!("{codec:?}: device {d:?}, host {h:?}"),
+        }
+        assert_eq!(groups.traffic(), host_groups.traffic());
+    }
+    let mut comm = NcclComm::single(0, NcclOptions::default()).unwrap();
+    let mut groups = QuantGroups::new(&mut comm).unwrap();
+    assert!(groups.intra().is_none() && groups.cross().is_none());
+    let q = CudaQuantizer::new(comm.stream().clone()).unwrap();
+    let codecs: [Codec; 3] = [
+        Int4Block::default().into(),
+        Int4Block::new(6).unwrap().into(),
+        Int8Block::new(7).unwrap().into(),
+    ];
+    for codec in codecs {
+        for n in [0usize, 1, 5, 1000, 4097] {
+            let x: Vec<f32> = common::values::<f32>(0, n, n as u64);
+            case(&mut comm, &mut groups, &q, codec, &x);
+            let xb: Vec<bf16> = common::values::<bf16>(0, n, n as u64);
+            case(&mut comm, &mut groups, &q, codec, &xb);
+        }
+        // A non-finite input fails on the device as on the host, naming this rank, with the
+        // first such element and its value.
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = common::values::<f32>(0, 100, 9);
+            x[37] = bad;
+            x[80] = f32::NAN;
+            case(&mut comm, &mut groups, &q, codec, &x);
+        }
+    }
+    // The identity codec has no device kernel: refused before anything moves, as is a wrong
+    // output length (the host's error).
+    let input = comm.upload(&[1.0f32; 4]).unwrap();
+    let mut out = comm.alloc::<f32>(4).unwrap();
+    assert!(matches!(
+        qgz_reduce_scatter_device(&mut groups, &q, Identity, &input, &mut out),
+        Err(Error::Backend(_))
+    ));
+    let mut short = comm.alloc::<f32>(3).unwrap();
+    assert!(matches!(
+        qgz_reduce_scatter_device(&mut groups, &q, Int4Block::default(), &input, &mut short),
+        Err(Error::LengthMismatch {
+            expected: 4,
+            got: 3,
+            ..
+        })
+    ));
+    assert_eq!(comm.traffic().calls(), 0, "nothing moved at N = 1");
+    passed("gpu_qgz_on_device_matches_the_host_path");
+}

@@ -160,7 +160,7 @@ pub use options::{
     NcclOptions, WaitMode,
 };
 #[cfg(feature = "nccl")]
-pub use quantized::qwz_all_gather_device;
+pub use quantized::{qgz_reduce_scatter_device, qwz_all_gather_device};
 
 /// The cudarc this backend is built on, for callers that exchange device memory with it.
 #[cfg(feature = "nccl")]

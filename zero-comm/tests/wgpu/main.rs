@@ -19,5 +19,6 @@ mod device;
 mod equality;
 mod failures;
 mod groups;
+mod qgz;
 mod qwz;
 mod wrap;
