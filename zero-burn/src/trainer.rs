@@ -162,6 +162,9 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     master: Vec<f32>,
     /// bf16/fp16: the 16-bit gradient accumulator (`acc` is empty).
     acc16: Vec<u16>,
+    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients accumulate in `acc`
+    /// (f32) instead of `acc16`.
+    acc32: bool,
     /// fp16: the loss scaler.
     scaler: Option<LossScaler>,
     /// Optimizer updates applied (a skipped step does not count: Adam's bias correction).
@@ -252,6 +255,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             )));
         }
         let half = Half::of(plan.config().precision);
+        let acc32 =
+            half.is_some() && plan.config().grad_accum_dtype == Some(zero_core::Precision::Fp32);
         if half.is_some() && options.reduction == Reduction::CanonicalTree {
             return Err(Error::Invalid {
                 field: "reduction",
@@ -381,17 +386,18 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             half,
             shard16: Vec::new(),
             master: Vec::new(),
-            acc16: if half.is_some() {
+            acc16: if half.is_some() && !acc32 {
                 vec![0; acc_len]
             } else {
                 Vec::new()
             },
+            acc32,
             scaler: (plan.config().precision == zero_core::Precision::Fp16)
                 .then(|| LossScaler::new(plan.config().loss_scaler)),
             opt_steps: 0,
             last_step: StepInfo::default(),
             inject_overflow: false,
-            acc: if half.is_some() {
+            acc: if half.is_some() && !acc32 {
                 Vec::new()
             } else {
                 vec![0.0; acc_len]
@@ -765,14 +771,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
             // written over the slot's start.
             match self.half {
-                None => add_into(&mut self.acc[off..off + len], &g),
-                Some(h) => h.add_f32_into(&mut self.acc16[off..off + len], &g),
+                Some(h) if !self.acc32 => h.add_f32_into(&mut self.acc16[off..off + len], &g),
+                _ => add_into(&mut self.acc[off..off + len], &g),
             }
             if !last_micro {
                 return Ok(());
             }
             match self.half {
                 None => Words::F32(self.acc[off..off + len].to_vec()),
+                Some(h) if self.acc32 => Words::U16(h.round_all(&self.acc[off..off + len])),
                 Some(_) => Words::U16(self.acc16[off..off + len].to_vec()),
             }
         } else {
@@ -821,6 +828,16 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                         self.acc[off..off + r.len()].copy_from_slice(&r)
                     }
                     (Words::F32(r), _) => self.accumulate(off, r),
+                    (Words::U16(r), Some(h)) if self.acc32 => {
+                        let acc = &mut self.acc[off..off + r.len()];
+                        for (a, &b) in acc.iter_mut().zip(&r) {
+                            *a = if overwrite {
+                                h.widen(b)
+                            } else {
+                                *a + h.widen(b)
+                            };
+                        }
+                    }
                     (Words::U16(r), _) if overwrite => {
                         self.acc16[off..off + r.len()].copy_from_slice(&r)
                     }
@@ -1002,26 +1019,37 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         // A power of two: unscaling is exact (barring subnormals).
         let inv = (1.0 / loss_scale) as f32;
         let fp16 = self.scaler.is_some();
-        if std::mem::take(&mut self.inject_overflow)
-            && let Some(g) = self.acc16.first_mut()
-        {
-            *g = h.round(f32::INFINITY);
+        if std::mem::take(&mut self.inject_overflow) {
+            if let Some(g) = self.acc16.first_mut() {
+                *g = h.round(f32::INFINITY);
+            }
+            if let Some(g) = self.acc.first_mut() {
+                *g = f32::INFINITY;
+            }
         }
+        // The accumulated gradient element `i` (16-bit widened, or fp32).
+        let (acc16, acc32) = (&self.acc16, &self.acc);
+        let grad = |i: usize| {
+            if self.acc32 {
+                acc32[i]
+            } else {
+                h.widen(acc16[i])
+            }
+        };
         let mut coef = 1.0f32;
         let mut overflow = false;
         // fp16 always checks (the plan schedules the 8-byte partial for it); bf16 only to clip.
         if c.gradient_clipping > 0.0 || fp16 {
             // A non-finite element makes its rank's partial, and so every rank's total,
             // non-finite: the partials are the overflow flag.
-            let acc16 = &self.acc16;
             let total = global_sum_sq(
                 &mut self.comms.as_mut().expect(HOME).world,
                 &plan,
                 &self.acc_offset,
                 self.rank,
                 |mut s, at, len| {
-                    for &b in &acc16[at..at + len] {
-                        let g = f64::from(h.widen(b) * inv);
+                    for i in at..at + len {
+                        let g = f64::from(grad(i) * inv);
                         s += g * g;
                     }
                     s
@@ -1054,14 +1082,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             // Skip: master, working weights and optimizer state stay as they are.
             self.sample_memory();
             self.acc16.iter_mut().for_each(|g| *g = 0);
+            self.acc.iter_mut().for_each(|g| *g = 0.0);
             self.micro = 0;
             return Ok(());
         }
         self.opt_steps += 1;
-        let grads = |acc: &[u16]| -> Vec<f32> {
-            acc.iter()
-                .map(|&b| {
-                    let g = h.widen(b) * inv;
+        let grads = |off: usize, len: usize| -> Vec<f32> {
+            (off..off + len)
+                .map(|i| {
+                    let g = grad(i) * inv;
                     if coef != 1.0 { g * coef } else { g }
                 })
                 .collect()
@@ -1080,14 +1109,15 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 plan.chunk_len(u) as usize
             };
             let oo = self.opt_offset[u].expect("trainable");
-            let g = grads(&self.acc16[off..off + len]);
+            let g = grads(off, len);
             let master = &mut self.master[oo..oo + len];
             optim::step(&opt, lr, self.opt_steps, master, &g, &mut self.opt, oo);
             let w16 = h.round_all(master);
             match stage {
                 0 => updates.push((u, h.widen_all(&w16))),
                 1 | 2 => {
-                    let gathered = h.all_gather(&mut self.comms().world, &w16)?;
+                    let gathered =
+                        h.all_gather(&mut self.comms.as_mut().expect(HOME).world, &w16)?;
                     updates.push((u, h.widen_all(&gathered)));
                 }
                 _ => {
@@ -1117,6 +1147,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         }
         self.sample_memory();
         self.acc16.iter_mut().for_each(|g| *g = 0);
+        self.acc.iter_mut().for_each(|g| *g = 0.0);
         self.micro = 0;
         Ok(())
     }

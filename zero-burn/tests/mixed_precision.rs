@@ -81,6 +81,51 @@ fn stages_are_bit_identical_in_bf16_and_fp16() {
 
 /// (d) The bf16 run moves exactly half the bytes of the fp32 run in every collective (the plan's
 /// 16-bit prediction, which `run` checks per rank), and its model states follow 2Ψ + 2Ψ + 12Ψ.
+/// DeepSpeed's `grad_accum_dtype = fp32`: the reduced 16-bit gradients accumulate in fp32. The
+/// wire and traffic stay 16-bit, the accumulator is 4 B per element (checked against the plan by
+/// `run`); with one micro-step nothing is rounded differently, so it is bit-identical to 16-bit
+/// accumulation; with four it rounds less, so it differs; stages stay bit-identical either way.
+#[test]
+fn fp32_gradient_accumulation_in_bf16_and_fp16() {
+    let topo = Topology::new(4, 2).unwrap();
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        for ga in [1u32, 4] {
+            let base = ZeroConfig {
+                precision,
+                gradient_accumulation_steps: ga,
+                reduce_bucket_size: 3000,
+                param_persistence_threshold: 64,
+                ..Default::default()
+            };
+            let acc32 = |stage: u8| ZeroConfig {
+                stage,
+                grad_accum_dtype: Some(Precision::Fp32),
+                ..base.clone()
+            };
+            let reference = run(topo, &acc32(0), 3);
+            let what = format!("{precision:?} ga={ga}");
+            for stage in 1..=3u8 {
+                let got = run(topo, &acc32(stage), 3);
+                for (a, b) in got.iter().zip(&reference) {
+                    assert_eq!(a.losses, b.losses, "{what} stage {stage}");
+                    assert!(
+                        bits(&a.final_params) == bits(&b.final_params),
+                        "{what} stage {stage}: params differ"
+                    );
+                }
+            }
+            let acc16 = run(topo, &base, 3);
+            let same = bits(&acc16[0].final_params) == bits(&reference[0].final_params);
+            assert_eq!(same, ga == 1, "{what}: fp32 vs 16-bit accumulation");
+            assert_eq!(
+                reference[0].memory.gradients,
+                2 * acc16[0].memory.gradients,
+                "{what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn bf16_traffic_and_memory_are_the_16_bit_plan() {
     let topo = Topology::new(2, 2).unwrap();

@@ -115,6 +115,10 @@ pub struct ZeroConfig {
     /// so every stage reduces every micro-step in the same order and stages 0–3 stay bit-identical
     /// for any accumulation count (invariant I1).
     pub accumulate_before_reduce: bool,
+    /// bf16/fp16: the gradient accumulator's type (DeepSpeed's `data_types.grad_accum_dtype`):
+    /// `None` or the working precision accumulates in 16 bits; `fp32` accumulates the reduced
+    /// 16-bit gradients in an fp32 buffer (4 B per element instead of 2; the wire stays 16-bit).
+    pub grad_accum_dtype: Option<Precision>,
     /// fp16 only: the loss scaler (DeepSpeed's `fp16` section). Ignored in fp32 and bf16, which
     /// run unscaled.
     pub loss_scaler: LossScaleConfig,
@@ -193,6 +197,7 @@ impl Default for ZeroConfig {
             qwz_block_size: DEFAULT_QWZ_BLOCK,
             qgz_block_size: DEFAULT_QGZ_BLOCK,
             accumulate_before_reduce: false,
+            grad_accum_dtype: None,
             loss_scaler: LossScaleConfig::default(),
         }
     }
@@ -270,6 +275,7 @@ impl ZeroConfig {
             match k.as_str() {
                 "zero_optimization" => read_zero_section(val, &mut c, &mut bad, &mut notes),
                 "fp16" | "bf16" => read_precision(k, val, &mut c, &mut bad, &mut notes),
+                "data_types" => read_data_types(val, &mut c, &mut bad),
                 "gradient_clipping" => match num(val) {
                     Some(x) if x >= 0.0 && x.is_finite() => c.gradient_clipping = x,
                     _ => bad.push(format!(
@@ -315,7 +321,6 @@ impl ZeroConfig {
                 | "wandb"
                 | "comms_logger"
                 | "zero_allow_untested_optimizer"
-                | "data_types"
                 | "seed" => notes.push(format!(
                     "top-level key `{k}` is outside the ZeRO engine and is not read"
                 )),
@@ -440,6 +445,24 @@ fn read_precision(
         } else {
             Precision::Bf16
         };
+    }
+}
+
+fn read_data_types(v: &Value, c: &mut ZeroConfig, bad: &mut Vec<String>) {
+    let Some(obj) = v.as_object() else {
+        bad.push(format!("data_types: got {v}, expected an object"));
+        return;
+    };
+    for (key, val) in obj {
+        match key.as_str() {
+            "grad_accum_dtype" => match val.as_str().map(Precision::parse) {
+                Some(Ok(p)) => c.grad_accum_dtype = Some(p),
+                _ => bad.push(format!(
+                    "data_types.grad_accum_dtype: got {val}, expected \"fp32\", \"bf16\" or \"fp16\""
+                )),
+            },
+            other => bad.push(format!("unknown key `data_types.{other}`")),
+        }
     }
 }
 
@@ -589,6 +612,23 @@ mod tests {
         assert!(e.contains("zero_optimization.colour"), "{e}");
         assert!(e.contains("offload_optimizer"), "{e}");
         assert!(e.contains("`fancy`"), "{e}");
+    }
+
+    #[test]
+    fn reads_grad_accum_dtype_and_rejects_bad_values() {
+        let text = r#"{"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}}"#;
+        let c = ZeroConfig::from_deepspeed_json(text).unwrap().config;
+        assert_eq!(c.grad_accum_dtype, Some(Precision::Fp32));
+        for bad in [
+            r#"{"data_types": {"grad_accum_dtype": "int8"}}"#,
+            r#"{"data_types": {"grad_accum_dtype": 32}}"#,
+            r#"{"data_types": {"accum": "fp32"}}"#,
+        ] {
+            let e = ZeroConfig::from_deepspeed_json(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("data_types."), "{bad}: {e}");
+        }
     }
 
     #[test]

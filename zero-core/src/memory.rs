@@ -3,7 +3,8 @@
 //! Categories (per rank, bytes):
 //! - `parameters`: working-precision weights resident between steps. Stages 0–2: the whole model.
 //!   Stage 3: the rank's shard, plus full copies of persistent parameters.
-//! - `gradients`: the working-precision gradient accumulator. Stage 0 (and stage 1 with
+//! - `gradients`: the gradient accumulator, in the working precision (or fp32 with
+//!   `grad_accum_dtype = fp32`). Stage 0 (and stage 1 with
 //!   `accumulate_before_reduce`, DeepSpeed's behaviour): the whole flat buffer of trainable units.
 //!   Otherwise the rank's trainable shard: reducing every micro-step, stage 1 needs no more.
 //! - `optimizer_states`: fp32 optimizer state (Adam: m and v, 8 B/element). Stage 0: the whole
@@ -68,6 +69,8 @@ impl Plan {
     pub fn memory(&self) -> MemoryModel {
         let c = self.config();
         let w = self.working_bytes();
+        // The gradient accumulator: 16-bit, or fp32 with `grad_accum_dtype = fp32`.
+        let g = self.grad_accum_bytes();
         let k = c.optimizer.state_bytes();
         let master = if self.mixed_precision() { 4 } else { 0 };
         let n = self.world_size() as u64;
@@ -84,7 +87,7 @@ impl Plan {
         match c.stage {
             0 => {
                 m.parameters = psi * w;
-                m.gradients = flat_t * w;
+                m.gradients = flat_t * g;
                 m.optimizer_states = flat_t * k;
                 m.master_weights = flat_t * master;
             }
@@ -93,7 +96,7 @@ impl Plan {
                 // Stage 1 keeps full gradients only when it accumulates before reducing
                 // (DeepSpeed's behaviour); reducing every micro-step leaves just the shard.
                 let full = c.stage == 1 && c.accumulate_before_reduce;
-                m.gradients = if full { flat_t * w } else { shard_t * w };
+                m.gradients = if full { flat_t * g } else { shard_t * g };
                 m.optimizer_states = shard_t * k;
                 m.master_weights = shard_t * master;
             }
@@ -104,7 +107,7 @@ impl Plan {
                     .map(|u| u.numel)
                     .sum();
                 m.parameters = (self.shard_len() + persistent) * w;
-                m.gradients = shard_t * w;
+                m.gradients = shard_t * g;
                 m.optimizer_states = shard_t * k;
                 m.master_weights = shard_t * master;
                 if let Some(h) = self.hpz() {

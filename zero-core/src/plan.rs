@@ -361,6 +361,15 @@ impl Plan {
         self.config.precision.working_dtype().size()
     }
 
+    /// Bytes per element of the gradient accumulator: the working dtype's, or 4 with
+    /// `grad_accum_dtype = fp32`.
+    pub fn grad_accum_bytes(&self) -> u64 {
+        match self.config.grad_accum_dtype {
+            Some(Precision::Fp32) => 4,
+            _ => self.working_bytes(),
+        }
+    }
+
     /// Whether the plan uses fp32 master weights.
     pub fn mixed_precision(&self) -> bool {
         self.config.precision != Precision::Fp32
@@ -492,6 +501,16 @@ fn validate_config(c: &ZeroConfig, t: &Topology) -> Result<()> {
             "accumulate_before_reduce",
             format!("true at stage {}", c.stage),
             "false: stages 2 and 3 keep only their gradient shard, so they reduce every micro-step",
+        ));
+    }
+    if let Some(g) = c.grad_accum_dtype
+        && g != Precision::Fp32
+        && g != c.precision
+    {
+        return Err(Error::invalid(
+            "grad_accum_dtype",
+            format!("{g:?} with {:?} weights", c.precision),
+            "fp32, or the working precision",
         ));
     }
     if c.precision == Precision::Fp16 && c.quantized_gradients {

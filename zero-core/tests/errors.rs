@@ -201,6 +201,20 @@ fn accumulate_before_reduce_only_at_stages_0_and_1() {
 }
 
 #[test]
+fn grad_accum_dtype_is_fp32_or_the_working_precision() {
+    let c = ZeroConfig {
+        precision: Precision::Bf16,
+        grad_accum_dtype: Some(Precision::Fp16),
+        ..Default::default()
+    };
+    check(
+        c,
+        (2, 2),
+        &["grad_accum_dtype", "fp32, or the working precision"],
+    );
+}
+
+#[test]
 fn empty_model() {
     let e = Plan::new(
         &ModelDesc::default(),

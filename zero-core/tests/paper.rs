@@ -52,6 +52,32 @@ fn zero_paper_figure_1_mixed_precision_adam() {
 }
 
 #[test]
+fn fp32_gradient_accumulation_doubles_only_the_gradients() {
+    // bf16 with DeepSpeed's `grad_accum_dtype = fp32`: 4 B per accumulated gradient element
+    // instead of 2, nothing else changes (the wire stays 16-bit).
+    for stage in 0..=3u8 {
+        let p = plan(stage, Precision::Bf16, 64, 8);
+        let model = ModelDesc::synthetic(PSI, 32).unwrap();
+        let cfg = ZeroConfig {
+            grad_accum_dtype: Some(Precision::Fp32),
+            ..p.config().clone()
+        };
+        let q = Plan::new(&model, *p.topology(), &cfg).unwrap();
+        let (a, b) = (p.memory(), q.memory());
+        assert_eq!(b.gradients, 2 * a.gradients, "stage {stage}");
+        assert_eq!(
+            b.model_states_bytes - b.gradients,
+            a.model_states_bytes - a.gradients
+        );
+        assert_eq!(
+            q.comm(0),
+            p.comm(0),
+            "stage {stage}: same bytes on the wire"
+        );
+    }
+}
+
+#[test]
 fn zero_paper_fp32_variant() {
     // 120 -> 60.9 -> 31.4 -> 1.9 GB (zero-spec.md §1.2).
     let want = [120.0, 60.9, 31.4, 1.9];
