@@ -63,8 +63,8 @@ pub(crate) struct TrainArgs {
     precision: Option<String>,
     /// Overlap communication with compute: each rank's collectives run on a thread of their own
     /// (reductions during the next segment's backward, stage-3 prefetches during the current
-    /// segment), bit-identical to off. Default on (DeepSpeed's stage-3 default), or the config
-    /// file's `overlap_comm`; off also turns stage-3 prefetching off.
+    /// segment), bit-identical to off. Default off (on 2 CPU cores it gains nothing), or the
+    /// config file's `overlap_comm`; on also turns stage-3 prefetching on.
     #[arg(long)]
     overlap_comm: Option<bool>,
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
@@ -158,10 +158,15 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(o) = a.overlap_comm {
         zero.overlap_comm = o;
-        if !o && !from_file {
-            // Synchronous collectives gain nothing from prefetching: it would only hold one
-            // more gathered unit.
-            zero.prefetch_bucket_size = 0;
+        if !from_file {
+            // The default job turns stage-3 prefetching off only because synchronous collectives
+            // gain nothing from it (it would only hold one more gathered unit); overlapped,
+            // DeepSpeed's default applies.
+            zero.prefetch_bucket_size = if o {
+                ZeroConfig::default().prefetch_bucket_size
+            } else {
+                0
+            };
         }
     }
     job.zero = zero;

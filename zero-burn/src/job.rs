@@ -92,9 +92,10 @@ impl JobConfig {
                 hpz_partition_size: 2,
                 quantized_gradients: true,
                 param_persistence_threshold: 1024,
-                // DeepSpeed's stage-3 default: collectives on a side thread, overlapped with
-                // compute (bit-identical to synchronous), with the next unit prefetched.
-                overlap_comm: true,
+                // Synchronous collectives (no prefetch): on a CPU-only host every rank's compute
+                // already uses the cores, so a communication thread of its own gains nothing
+                // (BENCHMARKS.md); `overlap_comm` is for backends that compute elsewhere.
+                prefetch_bucket_size: 0,
                 ..Default::default()
             },
             world_size: 4,

@@ -16,8 +16,11 @@
 //! weights and gradients, and (fp16) scale the loss and skip overflowing steps on every rank
 //! together; compute stays f32 on the CPU backend, see [`precision`]. Feature `wgpu`:
 //! the same trainer on burn's wgpu backend with the wgpu loopback on one shared device
-//! (`world::train_wgpu`; collectives round-trip through host memory). Overlap of communication
-//! with compute, and the CUDA path, are not built yet.
+//! (`world::train_wgpu`; collectives round-trip through host memory), and [`bridge`], which hands
+//! a burn-wgpu tensor's own storage to the wgpu loopback without a copy (not yet used by the
+//! trainer). `overlap_comm` runs each rank's collectives on a thread of its own, bit-identical to
+//! synchronous. bf16/fp16 can accumulate gradients in fp32 (`grad_accum_dtype`). The CUDA path
+//! (burn's CUDA backend) is not built: it cannot be built offline.
 
 #[cfg(feature = "wgpu")]
 pub mod bridge;

@@ -2,7 +2,7 @@
 //!
 //! With `Precision::Bf16` or `Precision::Fp16` each rank keeps, for its part of every trainable
 //! unit, an fp32 **master** copy and the fp32 optimizer state. The **working** weights are the
-//! master rounded to the 16-bit type (round to nearest, ties to even, by [`half`]); they are what
+//! master rounded to the 16-bit type (round to nearest, ties to even, by the `half` crate); they are what
 //! the all-gathers move (as 16-bit elements, so measured bytes equal the plan's `2Ψ`-style
 //! prediction) and what the model computes with. The backward's f32 gradients are rounded to
 //! 16 bits before every reduction and reduced as 16-bit elements (the host loopback sums in f32

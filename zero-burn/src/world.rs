@@ -236,9 +236,9 @@ impl WgpuShared {
 ///
 /// The trainer keeps its shards, gradient accumulator and optimizer state in host memory, so each
 /// collective uploads its input to a loopback buffer and downloads the result (the trainer's
-/// `*_host` calls): a host round trip per collective. Handing burn tensors' storage to the
-/// loopback in place (cubecl's buffer as a [`WgpuBuffer`](zero_comm::wgpu_loopback::WgpuBuffer))
-/// is not built. The loopback reduces in rank order, so [`Reduction::CanonicalTree`] is rejected.
+/// `*_host` calls): a host round trip per collective. [`crate::bridge`] hands burn tensors'
+/// storage to the loopback in place, but the trainer does not use it yet. The loopback reduces in
+/// rank order, so [`Reduction::CanonicalTree`] is rejected.
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu<M: Segmented>(
     shared: &WgpuShared,
