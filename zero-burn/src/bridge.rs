@@ -40,13 +40,15 @@
 //! [`TensorBuffer::tensor`] returns that copy, the tensor whose storage the buffer is.
 
 use std::fmt;
+use std::sync::Arc;
 
 use burn::backend::Cube;
 use burn::backend::wgpu::{AutoCompiler, WgpuResource};
 use burn::tensor::{DType, Device, Tensor};
-use zero_comm::wgpu_loopback::{WgpuBuffer, WgpuDevice, wgpu};
+use zero_comm::wgpu_loopback::{REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, wgpu};
 
 use crate::error::{Error, Result};
+use crate::trainer::DeviceGrads;
 
 /// cubecl's server of the wgpu runtime burn's wgpu devices run on.
 type Server = cubecl_wgpu::WgpuServer<AutoCompiler>;
@@ -280,24 +282,88 @@ pub fn tensor_from_buffer<const D: usize>(
 /// Copies `bytes` from `src` into `dst` and submits, catching wgpu errors instead of leaving them
 /// to the device's uncaptured-error handler (which cubecl may own).
 fn copy(comm: &WgpuDevice, src: &WgpuBuffer<f32>, dst: &WgpuResource, bytes: u64) -> Result<()> {
+    copy_raw(
+        comm,
+        (src.wgpu_buffer(), src.offset()),
+        (&dst.buffer, dst.offset),
+        bytes,
+        "zero-burn bridge: buffer to tensor",
+    )
+}
+
+/// One `copy_buffer_to_buffer` of `bytes` from `(buffer, offset)` to `(buffer, offset)`,
+/// submitted, with wgpu's validation and out-of-memory errors returned.
+fn copy_raw(
+    comm: &WgpuDevice,
+    src: (&wgpu::Buffer, u64),
+    dst: (&wgpu::Buffer, u64),
+    bytes: u64,
+    label: &str,
+) -> Result<()> {
     let device = comm.device();
     let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
     let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-    let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-        label: Some("zero-burn bridge: buffer to tensor"),
-    });
-    enc.copy_buffer_to_buffer(
-        src.wgpu_buffer(),
-        src.offset(),
-        &dst.buffer,
-        dst.offset,
-        bytes,
-    );
+    let mut enc =
+        device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
+    enc.copy_buffer_to_buffer(src.0, src.1, dst.0, dst.1, bytes);
     comm.queue().submit([enc.finish()]);
     let oom = pollster::block_on(oom.pop());
     let validation = pollster::block_on(validation.pop());
     match oom.or(validation) {
         Some(e) => Err(err(format!("the device-to-device copy failed: {e}"))),
         None => Ok(()),
+    }
+}
+
+/// The trainer's [`DeviceGrads`] hook on the wgpu path: each gradient tensor's own storage
+/// ([`tensor_buffer`], no copy to the host) is copied on the device into its unit's flat buffer,
+/// which the loopback then reduces in place; only the rank's reduced chunk is downloaded.
+#[derive(Clone, Debug)]
+pub struct BridgeGrads {
+    comm: Arc<WgpuDevice>,
+}
+
+impl BridgeGrads {
+    /// A hook on the loopback's side of the shared device
+    /// ([`WgpuShared::comm_device`](crate::world::WgpuShared::comm_device)).
+    pub fn new(comm: Arc<WgpuDevice>) -> Self {
+        BridgeGrads { comm }
+    }
+}
+
+impl DeviceGrads<WgpuComm> for BridgeGrads {
+    fn zeros(&self, len: usize) -> Result<WgpuBuffer<f32>> {
+        // WebGPU zero-initialises new buffers.
+        let buffer = self.comm.device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some("zero-burn bridge: unit gradients"),
+            size: (len * size_of::<f32>()).max(4) as u64,
+            usage: REQUIRED_USAGES,
+            mapped_at_creation: false,
+        });
+        Ok(WgpuBuffer::from_wgpu(buffer, 0, len)?)
+    }
+
+    fn copy_in(&self, dst: &mut WgpuBuffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()> {
+        let src = tensor_buffer(grad)?;
+        if offset + src.len() > dst.len() {
+            return Err(err(format!(
+                "a gradient of {} elements at {offset} overruns its unit of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let at = dst.offset() + (offset * size_of::<f32>()) as u64;
+        // Submitted before `src` (and its pins) drops: burn's later reuse of the range runs
+        // after the copy on the shared queue.
+        copy_raw(
+            &self.comm,
+            (src.wgpu_buffer(), src.offset()),
+            (dst.wgpu_buffer(), at),
+            (src.len() * size_of::<f32>()) as u64,
+            "zero-burn bridge: gradient into its unit",
+        )
     }
 }

@@ -52,8 +52,7 @@ pub(crate) enum Words {
 }
 
 /// One collective.
-#[derive(Debug)]
-pub(crate) enum Job {
+pub(crate) enum Job<C: Communicator> {
     /// All-reduce a whole unit (stage 0); the result is the reduced unit.
     AllReduce { data: Words, op: ReduceOp },
     /// Reduce-scatter a unit; the result is the rank's reduced chunk. `qgz`: through qgZ's
@@ -66,12 +65,28 @@ pub(crate) enum Job {
     /// All-gather a unit from this rank's `piece`; `hpz`: within the hpZ group (from the
     /// secondary shard). qwZ applies when it is on.
     Gather { piece: Words, hpz: bool },
+    /// [`Job::AllReduce`] of an f32 unit already in the communicator's memory (packed there by a
+    /// [`DeviceGrads`](crate::trainer::DeviceGrads) hook), in place; the result is downloaded.
+    AllReduceDevice { data: C::Buffer<f32>, op: ReduceOp },
+    /// [`Job::ReduceScatter`] (no qgZ) of an f32 unit already in the communicator's memory; only
+    /// the rank's reduced chunk is downloaded.
+    ReduceScatterDevice { data: C::Buffer<f32>, op: ReduceOp },
 }
 
 impl<C: Communicator> Comms<C> {
     /// Runs one collective.
-    pub(crate) fn run(&mut self, job: Job) -> Result<Words> {
+    pub(crate) fn run(&mut self, job: Job<C>) -> Result<Words> {
         match job {
+            Job::AllReduceDevice { mut data, op } => {
+                self.world.all_reduce(&mut data, op)?;
+                Ok(Words::F32(self.world.download_vec(&data)?))
+            }
+            Job::ReduceScatterDevice { data, op } => {
+                let n = self.world.world_size();
+                let mut out = self.world.alloc::<f32>(self.world.buffer_len(&data) / n)?;
+                self.world.reduce_scatter(&data, &mut out, op)?;
+                Ok(Words::F32(self.world.download_vec(&out)?))
+            }
             Job::AllReduce { data, op } => match (data, self.half) {
                 (Words::F32(mut g), _) => {
                     self.world.all_reduce_host(&mut g, op)?;
@@ -154,7 +169,7 @@ pub(crate) enum Exec<C: Communicator> {
     },
     Thread {
         rank: usize,
-        jobs: Sender<Job>,
+        jobs: Sender<Job<C>>,
         results: Receiver<Result<Words>>,
     },
 }
@@ -162,7 +177,7 @@ pub(crate) enum Exec<C: Communicator> {
 impl<C: Communicator> Exec<C> {
     /// Submits a collective; its result comes back from [`Self::wait`] after those submitted
     /// before it.
-    pub(crate) fn submit(&mut self, job: Job) -> Result<()> {
+    pub(crate) fn submit(&mut self, job: Job<C>) -> Result<()> {
         match self {
             Exec::Inline { comms, done } => {
                 let r = comms.run(job);
@@ -219,7 +234,7 @@ pub(crate) fn with_exec<C: Communicator, R>(
     thread::scope(|s| {
         // The communicators travel to the worker once it runs, so a failed spawn keeps them.
         let (comms_tx, comms_rx) = channel::<Comms<C>>();
-        let (job_tx, job_rx) = channel::<Job>();
+        let (job_tx, job_rx) = channel::<Job<C>>();
         let (res_tx, res_rx) = channel::<Result<Words>>();
         let worker = thread::Builder::new()
             .name(format!("zero-comm-rank{rank}"))

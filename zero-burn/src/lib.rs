@@ -17,8 +17,8 @@
 //! together; compute stays f32 on the CPU backend, see [`precision`]. Feature `wgpu`:
 //! the same trainer on burn's wgpu backend with the wgpu loopback on one shared device
 //! (`world::train_wgpu`; collectives round-trip through host memory), and [`bridge`], which hands
-//! a burn-wgpu tensor's own storage to the wgpu loopback without a copy (not yet used by the
-//! trainer). `overlap_comm` runs each rank's collectives on a thread of its own, bit-identical to
+//! a burn-wgpu tensor's own storage to the wgpu loopback without a copy (the wgpu path packs and
+//! reduces gradients through it on the device). `overlap_comm` runs each rank's collectives on a thread of its own, bit-identical to
 //! synchronous. bf16/fp16 can accumulate gradients in fp32 (`grad_accum_dtype`). The CUDA path
 //! (burn's CUDA backend) is not built: it cannot be built offline.
 
@@ -40,7 +40,7 @@ pub use error::{Error, Result};
 pub use model::{Gpt, GptConfig, Segmented};
 pub use precision::StepInfo;
 pub use reduction::Reduction;
-pub use trainer::{MeasuredMemory, RankTrainer, TrainOptions};
+pub use trainer::{DeviceGrads, MeasuredMemory, RankTrainer, TrainOptions};
 
 use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 

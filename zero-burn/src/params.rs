@@ -149,13 +149,13 @@ struct ReadGrads<'a, F> {
     sink: F,
 }
 
-impl<F: FnMut(usize, Vec<f32>)> ModuleVisitor for ReadGrads<'_, F> {
+impl<F: FnMut(usize, Tensor<1>)> ModuleVisitor for ReadGrads<'_, F> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
         if let Some(&slot) = self.want.get(&p.id)
             && let Some(g) = self.grads.get::<D>(p.id)
-            && let Ok(v) = g.into_data().try_into_vec_as::<f32>()
         {
-            (self.sink)(slot, v);
+            let n = g.shape().num_elements();
+            (self.sink)(slot, g.reshape([n]));
         }
     }
 }
@@ -166,7 +166,22 @@ pub fn for_each_grad<M: Module>(
     model: &M,
     grads: &GradientsParams,
     want: &HashMap<ParamId, usize>,
-    sink: impl FnMut(usize, Vec<f32>),
+    mut sink: impl FnMut(usize, Vec<f32>),
+) {
+    for_each_grad_tensor(model, grads, want, |slot, g| {
+        if let Ok(v) = g.into_data().try_into_vec_as::<f32>() {
+            sink(slot, v);
+        }
+    });
+}
+
+/// [`for_each_grad`] with each gradient as a flat burn tensor where it lives (on a GPU backend:
+/// in device memory, for the zero-copy bridge).
+pub fn for_each_grad_tensor<M: Module>(
+    model: &M,
+    grads: &GradientsParams,
+    want: &HashMap<ParamId, usize>,
+    sink: impl FnMut(usize, Tensor<1>),
 ) {
     model.visit(&mut ReadGrads { grads, want, sink });
 }

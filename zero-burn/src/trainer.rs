@@ -108,6 +108,25 @@ impl MeasuredMemory {
     }
 }
 
+/// Packs burn gradient tensors into the communicator's own memory, so that a unit's gradients
+/// reach the collective without a host round trip (the wgpu path's hook is
+/// `bridge::BridgeGrads`, over the zero-copy bridge). Used for fp32 units reduced every
+/// micro-step without qgZ (the other paths round or quantize on the host).
+pub trait DeviceGrads<C: Communicator>: Send + std::fmt::Debug {
+    /// A zeroed buffer of `len` f32 elements.
+    fn zeros(&self, len: usize) -> Result<C::Buffer<f32>>;
+    /// Copies the flat gradient `grad` into `dst` at element `offset`, in the device's order
+    /// after the work that computed it.
+    fn copy_in(&self, dst: &mut C::Buffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()>;
+}
+
+/// A unit's gradients collected during the backward: in host memory, or packed in the
+/// communicator's memory by a [`DeviceGrads`] hook.
+enum Pending<B> {
+    Host(Vec<f32>),
+    Device(B),
+}
+
 /// A collective in flight during a micro-step: what to do with its result.
 #[derive(Clone, Copy, Debug)]
 enum Ticket {
@@ -132,6 +151,10 @@ const HOME: &str = "the communicators are home between micro-steps";
 pub struct RankTrainer<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
+    /// Packs gradients in the communicator's memory (the wgpu path's zero-copy bridge).
+    device_grads: Option<Box<dyn DeviceGrads<C>>>,
+    /// Gradient bytes packed by `device_grads`.
+    device_grad_bytes: u64,
     /// The rank's communicators: away on the communication thread during an overlapped
     /// micro-step, home otherwise (see [`crate::comms`]).
     comms: Option<Comms<C>>,
@@ -364,6 +387,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut t = RankTrainer {
             plan: plan.clone(),
             rank,
+            device_grads: None,
+            device_grad_bytes: 0,
             comms: Some(Comms {
                 world,
                 hpz,
@@ -505,6 +530,30 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.plan
             .locate(i)
             .is_some_and(|(u, _)| self.plan.units()[u].kind == UnitKind::Gather)
+    }
+
+    /// Packs the gradients of fp32 units reduced every micro-step without qgZ into the
+    /// communicator's memory through `hook` (see [`DeviceGrads`]), instead of through host
+    /// memory. The arithmetic is the same, so are the bits.
+    pub fn with_device_grads(mut self, hook: Box<dyn DeviceGrads<C>>) -> Self {
+        self.device_grads = Some(hook);
+        self
+    }
+
+    /// Gradient bytes packed in the communicator's memory by the [`DeviceGrads`] hook so far
+    /// (bytes that never passed through host memory).
+    pub fn device_grad_bytes(&self) -> u64 {
+        self.device_grad_bytes
+    }
+
+    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_grads`]).
+    fn device_unit(&self, u: usize) -> bool {
+        let plan = &self.plan;
+        let c = plan.config();
+        self.device_grads.is_some()
+            && self.half.is_none()
+            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
+            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
     }
 
     fn comms(&mut self) -> &mut Comms<C> {
@@ -682,7 +731,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             }
         }
         // Backward, recomputing each segment.
-        let mut pending: Vec<Option<Vec<f32>>> = vec![None; plan.units().len()];
+        let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
+            (0..plan.units().len()).map(|_| None).collect();
         let mut grad_out: Option<Tensor<3>> = None;
         for i in (0..segments).rev() {
             if stage3 {
@@ -710,7 +760,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             for u in self.completes_at[i].clone() {
                 let g = pending[u]
                     .take()
-                    .unwrap_or_else(|| vec![0.0; plan.units()[u].len as usize]);
+                    .unwrap_or_else(|| Pending::Host(vec![0.0; plan.units()[u].len as usize]));
                 self.submit_reduce(exec, u, g)?;
                 while self.reduces_in_flight > max_reduces {
                     self.complete_one(exec)?;
@@ -724,7 +774,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         &mut self,
         seg: usize,
         gp: &GradientsParams,
-        pending: &mut [Option<Vec<f32>>],
+        pending: &mut [Option<Pending<C::Buffer<f32>>>],
     ) -> Result<()> {
         let plan = self.plan.clone();
         let mut want = HashMap::new();
@@ -735,22 +785,58 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 slots.push(i);
             }
         }
-        params::for_each_grad(&self.model, gp, &want, |slot, g| {
-            let i = slots[slot];
-            if let Some((u, off)) = plan.locate(i) {
-                let buf = pending[u].get_or_insert_with(|| vec![0.0; plan.units()[u].len as usize]);
-                let off = off as usize;
-                add_into(&mut buf[off..off + g.len()], &g);
+        let device: Vec<bool> = (0..plan.units().len())
+            .map(|u| self.device_unit(u))
+            .collect();
+        let hook = self.device_grads.as_deref();
+        let mut failed = None;
+        let mut packed = 0u64;
+        params::for_each_grad_tensor(&self.model, gp, &want, |slot, g| {
+            let Some((u, off)) = plan.locate(slots[slot]) else {
+                return;
+            };
+            let (len, off) = (plan.units()[u].len as usize, off as usize);
+            let r = match (hook, device[u]) {
+                // Each parameter lives in one segment, so its slot is written once: a copy.
+                (Some(hook), true) => (|| {
+                    if pending[u].is_none() {
+                        pending[u] = Some(Pending::Device(hook.zeros(len)?));
+                    }
+                    packed += 4 * g.shape().num_elements() as u64;
+                    match &mut pending[u] {
+                        Some(Pending::Device(buf)) => hook.copy_in(buf, off, &g),
+                        _ => Ok(()),
+                    }
+                })(),
+                _ => match g.into_data().try_into_vec_as::<f32>() {
+                    Ok(g) => {
+                        let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
+                        if let Pending::Host(buf) = p {
+                            add_into(&mut buf[off..off + g.len()], &g);
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(Error::Model(format!("gradient: {e:?}"))),
+                },
+            };
+            if let Err(e) = r {
+                failed.get_or_insert(e);
             }
         });
-        Ok(())
+        self.device_grad_bytes += packed;
+        failed.map_or(Ok(()), Err)
     }
 
     /// Submits the reduction of unit `u`'s gradients `g` of this micro-step (stage 0: an
     /// all-reduce; 1–3: a reduce-scatter, through qgZ for gather units when it is on; with
     /// `accumulate_before_reduce` at stages 0–1, only after the last micro-step). The result is
     /// applied to the accumulator by [`Self::complete_one`].
-    fn submit_reduce(&mut self, exec: &mut Exec<C>, u: usize, g: Vec<f32>) -> Result<()> {
+    fn submit_reduce(
+        &mut self,
+        exec: &mut Exec<C>,
+        u: usize,
+        g: Pending<C::Buffer<f32>>,
+    ) -> Result<()> {
         let plan = self.plan.clone();
         let unit = &plan.units()[u];
         let off = self.acc_offset[u].expect("only trainable units are reduced");
@@ -759,13 +845,26 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let defer = stage <= 1 && plan.config().accumulate_before_reduce;
         let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
         let w = if self.half.is_some() { 2 } else { 4 };
-        let bytes = g.len() as u64 * w;
+        let bytes = len as u64 * w;
         self.track_comm_buffer(self.reduce_bytes_in_flight + bytes);
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
         let op = match (self.options.reduction, self.half) {
             (Reduction::CanonicalTree, None) => ReduceOp::Sum,
             _ => ReduceOp::Mean,
+        };
+        let g = match g {
+            Pending::Host(g) => g,
+            // Packed on the device (fp32, reduced every micro-step, no qgZ): reduce it there.
+            Pending::Device(data) => {
+                exec.submit(if stage == 0 {
+                    Job::AllReduceDevice { data, op }
+                } else {
+                    Job::ReduceScatterDevice { data, op }
+                })?;
+                self.reduce_submitted(off, false, bytes);
+                return Ok(());
+            }
         };
         let data = if defer {
             // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
@@ -797,14 +896,19 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 qgz: !defer && unit.kind == UnitKind::Gather,
             }
         })?;
+        self.reduce_submitted(off, defer, bytes);
+        Ok(())
+    }
+
+    /// Books a submitted reduction: its ticket, and its gradient buffer in flight.
+    fn reduce_submitted(&mut self, off: usize, overwrite: bool, bytes: u64) {
         self.inflight.push_back(Ticket::Reduce {
             off,
-            overwrite: defer,
+            overwrite,
             bytes,
         });
         self.reduce_bytes_in_flight += bytes;
         self.reduces_in_flight += 1;
-        Ok(())
     }
 
     /// Waits for the oldest collective in flight and applies its result: a gathered unit is

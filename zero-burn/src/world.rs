@@ -14,7 +14,7 @@ use crate::data::Corpus;
 use crate::error::{Error, Result};
 use crate::model::Segmented;
 use crate::reduction::{Reduction, canonical_sum};
-use crate::trainer::{MeasuredMemory, RankTrainer, TrainOptions};
+use crate::trainer::{DeviceGrads, MeasuredMemory, RankTrainer, TrainOptions};
 
 /// What one rank reports after training.
 #[derive(Debug)]
@@ -36,6 +36,9 @@ pub struct RankResult<M> {
     /// Every parameter's final values, indexed like the plan's model (for equivalence checks);
     /// empty unless [`HostRun::keep_final_params`].
     pub final_params: Vec<Vec<f32>>,
+    /// Gradient bytes a [`DeviceGrads`] hook packed in the communicator's memory (never read
+    /// back to the host); 0 on the host path.
+    pub device_grad_bytes: u64,
 }
 
 /// How long to run and what to keep.
@@ -69,7 +72,16 @@ pub fn train_host<M: Segmented>(
         .with_reduce_order(order)
         .launch(|comm| {
             let mine = models.take(comm.rank())?;
-            run_rank(plan.clone(), comm, mine, corpus, options, run, on_step)
+            run_rank(
+                plan.clone(),
+                comm,
+                mine,
+                corpus,
+                options,
+                run,
+                on_step,
+                None,
+            )
         });
     collect(results)
 }
@@ -89,7 +101,9 @@ impl<M: Clone> RankModels<M> {
     }
 }
 
-/// One rank's whole run, on any communicator: `run.steps` steps, then its report.
+/// One rank's whole run, on any communicator: `run.steps` steps, then its report. `hook` packs
+/// gradients in the communicator's memory (see [`DeviceGrads`]).
+#[allow(clippy::too_many_arguments)]
 fn run_rank<C: Communicator, M: Segmented>(
     plan: Arc<Plan>,
     comm: C,
@@ -98,8 +112,12 @@ fn run_rank<C: Communicator, M: Segmented>(
     options: TrainOptions,
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
+    hook: Option<Box<dyn DeviceGrads<C>>>,
 ) -> Result<RankResult<M>> {
     let mut t = RankTrainer::new(plan, comm, model, options)?;
+    if let Some(hook) = hook {
+        t = t.with_device_grads(hook);
+    }
     let mut losses = Vec::with_capacity(run.steps as usize);
     let mut micro_losses = Vec::with_capacity(run.steps as usize);
     let mut step_info = Vec::with_capacity(run.steps as usize);
@@ -126,6 +144,7 @@ fn run_rank<C: Communicator, M: Segmented>(
         step_info,
         traffic,
         memory: t.measured_memory(),
+        device_grad_bytes: t.device_grad_bytes(),
         model: t.model().clone(),
         final_params,
     })
@@ -234,11 +253,13 @@ impl WgpuShared {
 /// backend and every collective on the wgpu loopback, both on `shared`'s one device. `model`
 /// must live on [`WgpuShared::autodiff_device`].
 ///
-/// The trainer keeps its shards, gradient accumulator and optimizer state in host memory, so each
-/// collective uploads its input to a loopback buffer and downloads the result (the trainer's
-/// `*_host` calls): a host round trip per collective. [`crate::bridge`] hands burn tensors'
-/// storage to the loopback in place, but the trainer does not use it yet. The loopback reduces in
-/// rank order, so [`Reduction::CanonicalTree`] is rejected.
+/// Gradients reach the loopback through the zero-copy bridge ([`WgpuGrads::Bridge`]): fp32 units
+/// reduced every micro-step without qgZ are packed from burn's gradient tensors on the device and
+/// reduced there, and only the rank's reduced chunk is downloaded. The trainer keeps its shards,
+/// gradient accumulator and optimizer state in host memory, so the other collectives (weight
+/// gathers, qgZ, 16-bit or deferred reductions) upload their input and download the result: a
+/// host round trip. The loopback reduces in rank order, so [`Reduction::CanonicalTree`] is
+/// rejected.
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu<M: Segmented>(
     shared: &WgpuShared,
@@ -248,6 +269,43 @@ pub fn train_wgpu<M: Segmented>(
     options: TrainOptions,
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<Vec<RankResult<M>>> {
+    train_wgpu_with(
+        shared,
+        plan,
+        model,
+        corpus,
+        options,
+        run,
+        on_step,
+        WgpuGrads::Bridge,
+    )
+}
+
+/// How [`train_wgpu_with`] hands gradients to the loopback.
+#[cfg(feature = "wgpu")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgpuGrads {
+    /// Through the zero-copy bridge ([`crate::bridge::BridgeGrads`]): fp32 units reduced every
+    /// micro-step without qgZ are packed and reduced on the device, and only the rank's reduced
+    /// chunk comes to the host. The default.
+    Bridge,
+    /// Through host memory: every gradient is read back, packed on the host and uploaded.
+    Host,
+}
+
+/// [`train_wgpu`] choosing how gradients reach the loopback.
+#[allow(clippy::too_many_arguments)]
+#[cfg(feature = "wgpu")]
+pub fn train_wgpu_with<M: Segmented>(
+    shared: &WgpuShared,
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+    grads: WgpuGrads,
 ) -> Result<Vec<RankResult<M>>> {
     if let Some(d) = model.devices().into_iter().find(|d| *d != shared.burn) {
         return Err(Error::Model(format!(
@@ -263,7 +321,22 @@ pub fn train_wgpu<M: Segmented>(
     );
     let results = world.launch(|comm| {
         let mine = models.take(comm.rank())?;
-        run_rank(plan.clone(), comm, mine, corpus, options, run, on_step)
+        let hook: Option<Box<dyn DeviceGrads<_>>> = match grads {
+            WgpuGrads::Bridge => Some(Box::new(crate::bridge::BridgeGrads::new(
+                shared.comm.clone(),
+            ))),
+            WgpuGrads::Host => None,
+        };
+        run_rank(
+            plan.clone(),
+            comm,
+            mine,
+            corpus,
+            options,
+            run,
+            on_step,
+            hook,
+        )
     });
     collect(results)
 }

@@ -17,7 +17,9 @@ use burn::tensor::Device;
 use zero_burn::data::MarkovLanguage;
 use zero_burn::job::JobConfig;
 use zero_burn::optim::Optimizer;
-use zero_burn::world::{HostRun, RankResult, WgpuShared, train_host, train_wgpu};
+use zero_burn::world::{
+    HostRun, RankResult, WgpuGrads, WgpuShared, train_host, train_wgpu, train_wgpu_with,
+};
 use zero_burn::{Error, Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
 use zero_core::{Plan, Topology, ZeroConfig};
 
@@ -169,6 +171,71 @@ fn zero3_on_wgpu_matches_flex() {
 #[test]
 fn zero1_on_wgpu_matches_flex() {
     wgpu_matches_flex("zero1_on_wgpu_matches_flex", 1);
+}
+
+/// The zero-copy bridge (gradients packed and reduced on the device, only the reduced chunk
+/// downloaded) against the host-staged wgpu path (every gradient read back, packed on the host,
+/// uploaded): the same kernels on the same values, so the same bits, at every stage, with
+/// accumulation; traffic equals the plan on both.
+#[test]
+fn bridged_gradients_give_the_bits_of_host_staged_ones() {
+    let Some(shared) = shared("bridged_gradients_give_the_bits_of_host_staged_ones") else {
+        return;
+    };
+    let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
+    let run = HostRun {
+        steps: 3,
+        timeout: Duration::from_secs(120),
+        keep_final_params: true,
+    };
+    for (stage, ga) in [(0u8, 1u32), (1, 2), (2, 1), (3, 2)] {
+        let train = |grads| {
+            let gpu = model_config().init(&shared.autodiff_device(), 11);
+            let zero = ZeroConfig {
+                gradient_accumulation_steps: ga,
+                ..plan(&gpu, stage).config().clone()
+            };
+            let p = Arc::new(plan_for(&gpu, Topology::new(2, 2).unwrap(), &zero).unwrap());
+            let r = train_wgpu_with(
+                &shared,
+                p.clone(),
+                gpu,
+                &corpus,
+                options(),
+                run,
+                &|_, _| {},
+                grads,
+            )
+            .unwrap();
+            for x in &r {
+                let want = common::planned_traffic(&p, x.rank, run.steps);
+                assert_eq!(x.traffic, want, "stage {stage}: rank {} traffic", x.rank);
+            }
+            r
+        };
+        let bridged = train(WgpuGrads::Bridge);
+        let staged = train(WgpuGrads::Host);
+        // Every gradient of every micro-step went through the bridge (fp32, no qgZ, reduced
+        // every micro-step), and none on the staged path.
+        let numel: usize = plan(&model_config().init(&shared.autodiff_device(), 11), stage)
+            .model()
+            .params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum();
+        let want = 4 * numel as u64 * run.steps * u64::from(ga);
+        for (a, b) in bridged.iter().zip(&staged) {
+            assert_eq!(a.device_grad_bytes, want, "stage {stage}: bridged bytes");
+            assert_eq!(b.device_grad_bytes, 0, "stage {stage}: staged bytes");
+            assert_eq!(a.losses, b.losses, "stage {stage} ga {ga}: losses");
+            assert!(
+                common::bits(&a.final_params) == common::bits(&b.final_params),
+                "stage {stage} ga {ga}: parameters"
+            );
+        }
+        assert!(bridged[0].losses[2] < bridged[0].losses[0], "it learns");
+    }
 }
 
 #[test]
