@@ -48,7 +48,7 @@ use burn::tensor::{DType, Device, Tensor};
 use zero_comm::wgpu_loopback::{REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, wgpu};
 
 use crate::error::{Error, Result};
-use crate::trainer::DeviceGrads;
+use crate::trainer::DeviceTensors;
 
 /// cubecl's server of the wgpu runtime burn's wgpu devices run on.
 type Server = cubecl_wgpu::WgpuServer<AutoCompiler>;
@@ -315,23 +315,27 @@ fn copy_raw(
     }
 }
 
-/// The trainer's [`DeviceGrads`] hook on the wgpu path: each gradient tensor's own storage
-/// ([`tensor_buffer`], no copy to the host) is copied on the device into its unit's flat buffer,
-/// which the loopback then reduces in place; only the rank's reduced chunk is downloaded.
+/// The trainer's [`DeviceTensors`] hook on the wgpu path. Gradients: each gradient tensor's own
+/// storage ([`tensor_buffer`], no copy to the host) is copied on the device into its unit's flat
+/// buffer, which the loopback then reduces in place; only the rank's reduced chunk is downloaded.
+/// Weights: a unit all-gathered into a loopback buffer becomes the model's tensors with one
+/// device copy each ([`tensor_from_buffer`]).
 #[derive(Clone, Debug)]
-pub struct BridgeGrads {
+pub struct BridgeTensors {
     comm: Arc<WgpuDevice>,
+    model: Device,
 }
 
-impl BridgeGrads {
+impl BridgeTensors {
     /// A hook on the loopback's side of the shared device
-    /// ([`WgpuShared::comm_device`](crate::world::WgpuShared::comm_device)).
-    pub fn new(comm: Arc<WgpuDevice>) -> Self {
-        BridgeGrads { comm }
+    /// ([`WgpuShared::comm_device`](crate::world::WgpuShared::comm_device)), making weights on
+    /// `model`, the device the model lives on.
+    pub fn new(comm: Arc<WgpuDevice>, model: Device) -> Self {
+        BridgeTensors { comm, model }
     }
 }
 
-impl DeviceGrads<WgpuComm> for BridgeGrads {
+impl DeviceTensors<WgpuComm> for BridgeTensors {
     fn zeros(&self, len: usize) -> Result<WgpuBuffer<f32>> {
         // WebGPU zero-initialises new buffers.
         let buffer = self.comm.device().create_buffer(&wgpu::BufferDescriptor {
@@ -365,5 +369,17 @@ impl DeviceGrads<WgpuComm> for BridgeGrads {
             (src.len() * size_of::<f32>()) as u64,
             "zero-burn bridge: gradient into its unit",
         )
+    }
+
+    fn tensor_at(&self, src: &WgpuBuffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>> {
+        if offset + len > src.len() {
+            return Err(err(format!(
+                "{len} elements at {offset} overrun a buffer of {}",
+                src.len()
+            )));
+        }
+        let at = src.offset() + (offset * size_of::<f32>()) as u64;
+        let view = WgpuBuffer::from_wgpu(src.wgpu_buffer().clone(), at, len)?;
+        tensor_from_buffer(&view, [len], &self.model, &self.comm)
     }
 }

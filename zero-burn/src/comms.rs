@@ -44,29 +44,37 @@ pub(crate) struct Comms<C: Communicator> {
     pub(crate) qgz_scratch: QuantScratch,
 }
 
-/// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns).
+/// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns), in host memory; or f32 in the
+/// communicator's memory (`B`, its buffer type).
 #[derive(Debug)]
-pub(crate) enum Words {
+pub(crate) enum Words<B> {
     F32(Vec<f32>),
     U16(Vec<u16>),
+    Device(B),
 }
+
+/// A job's result on communicator `C`.
+pub(crate) type Out<C> = Words<<C as Communicator>::Buffer<f32>>;
 
 /// One collective.
 pub(crate) enum Job<C: Communicator> {
     /// All-reduce a whole unit (stage 0); the result is the reduced unit.
-    AllReduce { data: Words, op: ReduceOp },
+    AllReduce { data: Out<C>, op: ReduceOp },
     /// Reduce-scatter a unit; the result is the rank's reduced chunk. `qgz`: through qgZ's
     /// hierarchical int4 all-to-all.
     ReduceScatter {
-        data: Words,
+        data: Out<C>,
         op: ReduceOp,
         qgz: bool,
     },
     /// All-gather a unit from this rank's `piece`; `hpz`: within the hpZ group (from the
     /// secondary shard). qwZ applies when it is on.
-    Gather { piece: Words, hpz: bool },
+    Gather { piece: Out<C>, hpz: bool },
+    /// [`Job::Gather`] in fp32 without qwZ, leaving the unit in the communicator's memory (for a
+    /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook to install).
+    GatherDevice { piece: Vec<f32>, hpz: bool },
     /// [`Job::AllReduce`] of an f32 unit already in the communicator's memory (packed there by a
-    /// [`DeviceGrads`](crate::trainer::DeviceGrads) hook), in place; the result is downloaded.
+    /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook), in place; the result is downloaded.
     AllReduceDevice { data: C::Buffer<f32>, op: ReduceOp },
     /// [`Job::ReduceScatter`] (no qgZ) of an f32 unit already in the communicator's memory; only
     /// the rank's reduced chunk is downloaded.
@@ -75,8 +83,18 @@ pub(crate) enum Job<C: Communicator> {
 
 impl<C: Communicator> Comms<C> {
     /// Runs one collective.
-    pub(crate) fn run(&mut self, job: Job<C>) -> Result<Words> {
+    pub(crate) fn run(&mut self, job: Job<C>) -> Result<Out<C>> {
         match job {
+            Job::GatherDevice { piece, hpz } => {
+                let comm = match (&mut self.hpz, hpz) {
+                    (Some(h), true) => h,
+                    _ => &mut self.world,
+                };
+                let send = comm.upload(&piece)?;
+                let mut full = comm.alloc::<f32>(piece.len() * comm.world_size())?;
+                comm.all_gather(&send, &mut full)?;
+                Ok(Words::Device(full))
+            }
             Job::AllReduceDevice { mut data, op } => {
                 self.world.all_reduce(&mut data, op)?;
                 Ok(Words::F32(self.world.download_vec(&data)?))
@@ -96,7 +114,7 @@ impl<C: Communicator> Comms<C> {
                     h.all_reduce(&mut self.world, &mut g, op)?;
                     Ok(Words::U16(g))
                 }
-                (Words::U16(_), None) => Err(mixed()),
+                (Words::U16(_), None) | (Words::Device(_), _) => Err(mixed()),
             },
             Job::ReduceScatter { data, op, qgz } => {
                 let quant = match (qgz, &mut self.qgroups, &self.qgz) {
@@ -127,7 +145,7 @@ impl<C: Communicator> Comms<C> {
                     (Words::U16(g), Some(h), None) => {
                         Ok(Words::U16(h.reduce_scatter(&mut self.world, &g, op)?))
                     }
-                    (Words::U16(_), None, _) => Err(mixed()),
+                    (Words::U16(_), None, _) | (Words::Device(_), _, _) => Err(mixed()),
                 }
             }
             Job::Gather { piece, hpz } => {
@@ -150,7 +168,7 @@ impl<C: Communicator> Comms<C> {
                         Ok(Words::U16(h.round_all(&full)))
                     }
                     (Words::U16(p), Some(h), None) => Ok(Words::U16(h.all_gather(comm, &p)?)),
-                    (Words::U16(_), None, _) => Err(mixed()),
+                    (Words::U16(_), None, _) | (Words::Device(_), _, _) => Err(mixed()),
                 }
             }
         }
@@ -158,19 +176,23 @@ impl<C: Communicator> Comms<C> {
 }
 
 fn mixed() -> Error {
-    Error::Model("internal: 16-bit elements submitted to an fp32 trainer's collectives".into())
+    Error::Model(
+        "internal: 16-bit elements in an fp32 trainer's collective, or device elements where \
+         host ones belong"
+            .into(),
+    )
 }
 
 /// Runs a micro-step's collectives: see the module docs.
 pub(crate) enum Exec<C: Communicator> {
     Inline {
         comms: Box<Comms<C>>,
-        done: VecDeque<Result<Words>>,
+        done: VecDeque<Result<Out<C>>>,
     },
     Thread {
         rank: usize,
         jobs: Sender<Job<C>>,
-        results: Receiver<Result<Words>>,
+        results: Receiver<Result<Out<C>>>,
     },
 }
 
@@ -189,7 +211,7 @@ impl<C: Communicator> Exec<C> {
     }
 
     /// The result of the oldest collective not yet waited for.
-    pub(crate) fn wait(&mut self) -> Result<Words> {
+    pub(crate) fn wait(&mut self) -> Result<Out<C>> {
         match self {
             Exec::Inline { done, .. } => done.pop_front().unwrap_or_else(|| {
                 Err(Error::Model(
@@ -235,7 +257,7 @@ pub(crate) fn with_exec<C: Communicator, R>(
         // The communicators travel to the worker once it runs, so a failed spawn keeps them.
         let (comms_tx, comms_rx) = channel::<Comms<C>>();
         let (job_tx, job_rx) = channel::<Job<C>>();
-        let (res_tx, res_rx) = channel::<Result<Words>>();
+        let (res_tx, res_rx) = channel::<Result<Out<C>>>();
         let worker = thread::Builder::new()
             .name(format!("zero-comm-rank{rank}"))
             .spawn_scoped(s, move || {
@@ -317,7 +339,7 @@ mod tests {
                     submitted.store(true, Ordering::SeqCst);
                     match exec.wait()? {
                         Words::F32(v) => Ok(v),
-                        Words::U16(_) => Err(mixed()),
+                        _ => Err(mixed()),
                     }
                 });
                 r

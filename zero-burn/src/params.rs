@@ -132,6 +132,38 @@ impl ModuleMapper for WriteValues<'_> {
     }
 }
 
+struct WriteTensors<'a> {
+    values: &'a mut NewTensors,
+}
+
+impl ModuleMapper for WriteTensors<'_> {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some((t, shape, require_grad)) = self.values.remove(&p.id) else {
+            return p;
+        };
+        let Ok(dims) = <[usize; D]>::try_from(shape) else {
+            return p;
+        };
+        let (id, _, mapper) = p.consume();
+        let mut nt = t.reshape(dims);
+        if require_grad {
+            nt = nt.require_grad();
+        }
+        Param::from_mapped_value(id, nt, mapper)
+    }
+}
+
+/// New values of parameters as flat tensors already on the model's device: id → (tensor, shape,
+/// whether it requires a gradient).
+pub type NewTensors = HashMap<ParamId, (Tensor<1>, Vec<usize>, bool)>;
+
+/// Replaces parameter values with tensors (reshaped; no host round trip).
+pub fn write_tensors<M: Module>(model: M, mut values: NewTensors) -> M {
+    model.map(&mut WriteTensors {
+        values: &mut values,
+    })
+}
+
 /// New values of parameters: id → (flat values, shape, whether it requires a gradient).
 pub type NewValues = HashMap<ParamId, (Vec<f32>, Vec<usize>, bool)>;
 

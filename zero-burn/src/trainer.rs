@@ -108,20 +108,23 @@ impl MeasuredMemory {
     }
 }
 
-/// Packs burn gradient tensors into the communicator's own memory, so that a unit's gradients
-/// reach the collective without a host round trip (the wgpu path's hook is
-/// `bridge::BridgeGrads`, over the zero-copy bridge). Used for fp32 units reduced every
-/// micro-step without qgZ (the other paths round or quantize on the host).
-pub trait DeviceGrads<C: Communicator>: Send + std::fmt::Debug {
+/// Moves burn tensors to and from the communicator's own memory without a host round trip (the
+/// wgpu path's hook is `bridge::BridgeTensors`, over the zero-copy bridge). Gradients: packed
+/// into their unit's buffer, for fp32 units reduced every micro-step without qgZ (the other paths
+/// round or quantize on the host). Weights: stage-3 units all-gathered into the communicator's
+/// memory become the model's tensors there, in fp32 without qwZ.
+pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
     /// A zeroed buffer of `len` f32 elements.
     fn zeros(&self, len: usize) -> Result<C::Buffer<f32>>;
     /// Copies the flat gradient `grad` into `dst` at element `offset`, in the device's order
     /// after the work that computed it.
     fn copy_in(&self, dst: &mut C::Buffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()>;
+    /// A new flat tensor on the model's device holding `len` elements of `src` from `offset`.
+    fn tensor_at(&self, src: &C::Buffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>>;
 }
 
 /// A unit's gradients collected during the backward: in host memory, or packed in the
-/// communicator's memory by a [`DeviceGrads`] hook.
+/// communicator's memory by a [`DeviceTensors`] hook.
 enum Pending<B> {
     Host(Vec<f32>),
     Device(B),
@@ -152,9 +155,11 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
     /// Packs gradients in the communicator's memory (the wgpu path's zero-copy bridge).
-    device_grads: Option<Box<dyn DeviceGrads<C>>>,
-    /// Gradient bytes packed by `device_grads`.
+    device_tensors: Option<Box<dyn DeviceTensors<C>>>,
+    /// Gradient bytes packed by `device_tensors`.
     device_grad_bytes: u64,
+    /// Weight bytes installed from the communicator's memory by `device_tensors`.
+    device_weight_bytes: u64,
     /// The rank's communicators: away on the communication thread during an overlapped
     /// micro-step, home otherwise (see [`crate::comms`]).
     comms: Option<Comms<C>>,
@@ -387,8 +392,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let mut t = RankTrainer {
             plan: plan.clone(),
             rank,
-            device_grads: None,
+            device_tensors: None,
             device_grad_bytes: 0,
+            device_weight_bytes: 0,
             comms: Some(Comms {
                 world,
                 hpz,
@@ -533,24 +539,30 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     }
 
     /// Packs the gradients of fp32 units reduced every micro-step without qgZ into the
-    /// communicator's memory through `hook` (see [`DeviceGrads`]), instead of through host
+    /// communicator's memory through `hook` (see [`DeviceTensors`]), instead of through host
     /// memory. The arithmetic is the same, so are the bits.
-    pub fn with_device_grads(mut self, hook: Box<dyn DeviceGrads<C>>) -> Self {
-        self.device_grads = Some(hook);
+    pub fn with_device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
+        self.device_tensors = Some(hook);
         self
     }
 
-    /// Gradient bytes packed in the communicator's memory by the [`DeviceGrads`] hook so far
+    /// Gradient bytes packed in the communicator's memory by the [`DeviceTensors`] hook so far
     /// (bytes that never passed through host memory).
     pub fn device_grad_bytes(&self) -> u64 {
         self.device_grad_bytes
     }
 
-    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_grads`]).
+    /// Weight bytes the [`DeviceTensors`] hook installed in the model straight from the
+    /// communicator's memory so far.
+    pub fn device_weight_bytes(&self) -> u64 {
+        self.device_weight_bytes
+    }
+
+    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
     fn device_unit(&self, u: usize) -> bool {
         let plan = &self.plan;
         let c = plan.config();
-        self.device_grads.is_some()
+        self.device_tensors.is_some()
             && self.half.is_none()
             && !(plan.stage() <= 1 && c.accumulate_before_reduce)
             && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
@@ -788,7 +800,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let device: Vec<bool> = (0..plan.units().len())
             .map(|u| self.device_unit(u))
             .collect();
-        let hook = self.device_grads.as_deref();
+        let hook = self.device_tensors.as_deref();
         let mut failed = None;
         let mut packed = 0u64;
         params::for_each_grad_tensor(&self.model, gp, &want, |slot, g| {
@@ -919,7 +931,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         };
         let words = exec.wait()?;
         match ticket {
-            Ticket::Gather { u, backward } => self.install(u, backward, words),
+            Ticket::Gather { u, backward } => self.install(u, backward, words)?,
             Ticket::Reduce {
                 off,
                 overwrite,
@@ -947,6 +959,9 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                     }
                     (Words::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
                     (Words::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
+                    (Words::Device(_), _) => {
+                        unreachable!("reductions download the rank's chunk")
+                    }
                 }
             }
         }
@@ -1360,7 +1375,12 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             (Some(_), true) => Words::U16(self.secondary16[u].clone().unwrap_or_default()),
             (Some(_), false) => Words::U16(self.shard16[so..so + cl].to_vec()),
         };
-        exec.submit(Job::Gather { piece, hpz })?;
+        // fp32 without qwZ: gathered into the communicator's memory, installed from there.
+        let device = self.device_tensors.is_some() && !plan.config().quantized_weights;
+        exec.submit(match piece {
+            Words::F32(piece) if device => Job::GatherDevice { piece, hpz },
+            piece => Job::Gather { piece, hpz },
+        })?;
         self.inflight.push_back(Ticket::Gather { u, backward });
         self.fetching[u] = true;
         self.fetching_elems += unit.len;
@@ -1372,7 +1392,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
 
     /// Installs a gathered unit in the model (in bf16/fp16 widened to f32); a forward gather
     /// keeps the hpZ secondary slice.
-    fn install(&mut self, u: usize, backward: bool, full: Words) {
+    fn install(&mut self, u: usize, backward: bool, full: Words<C::Buffer<f32>>) -> Result<()> {
         let plan = self.plan.clone();
         let len = plan.units()[u].len as usize;
         let slice = plan.hpz().filter(|_| !backward).map(|layout| {
@@ -1380,26 +1400,58 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             let g = self.rank % layout.size;
             g * s..(g + 1) * s
         });
-        let values = match (full, self.half) {
+        match (full, self.half) {
+            (Words::Device(buf), _) => self.install_device(u, &buf, slice)?,
             (Words::F32(full), _) => {
                 if let Some(r) = slice {
                     self.secondary[u] = Some(full[r].to_vec());
                 }
-                full
+                self.write_unit(u, &full);
             }
             (Words::U16(full), Some(h)) => {
                 if let Some(r) = slice {
                     self.secondary16[u] = Some(full[r].to_vec());
                 }
-                h.widen_all(&full)
+                self.write_unit(u, &h.widen_all(&full));
             }
             (Words::U16(_), None) => unreachable!("fp32 trainers gather f32 weights"),
-        };
-        self.write_unit(u, &values);
+        }
         self.fetching[u] = false;
         self.gathered[u] = true;
         self.fetching_elems -= len as u64;
         self.live_gathered += len as u64;
+        Ok(())
+    }
+
+    /// [`Self::install`] from the communicator's memory through the [`DeviceTensors`] hook: each
+    /// parameter becomes a tensor on the model's device, with no host round trip (the hpZ
+    /// secondary slice, kept in host memory like the shard, is read back).
+    fn install_device(
+        &mut self,
+        u: usize,
+        buf: &C::Buffer<f32>,
+        slice: Option<std::ops::Range<usize>>,
+    ) -> Result<()> {
+        let hook = self.device_tensors.as_deref().ok_or_else(|| {
+            Error::Model("internal: a device gather without a device hook".into())
+        })?;
+        if let Some(r) = slice {
+            let sec = hook.tensor_at(buf, r.start, r.len())?.into_data();
+            let sec = sec
+                .try_into_vec_as::<f32>()
+                .map_err(|e| Error::Model(format!("hpZ secondary slice: {e:?}")))?;
+            self.secondary[u] = Some(sec);
+        }
+        let mut tensors = params::NewTensors::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            let t = hook.tensor_at(buf, e.offset as usize, e.numel as usize)?;
+            tensors.insert(p.id, (t, p.shape.clone(), p.trainable));
+        }
+        let model = self.model.clone();
+        self.model = params::write_tensors(model, tensors);
+        self.device_weight_bytes += 4 * self.plan.units()[u].len;
+        Ok(())
     }
 
     /// Makes segment `seg`'s gather units resident, then submits the prefetch of the next gather

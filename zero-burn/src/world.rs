@@ -14,7 +14,7 @@ use crate::data::Corpus;
 use crate::error::{Error, Result};
 use crate::model::Segmented;
 use crate::reduction::{Reduction, canonical_sum};
-use crate::trainer::{DeviceGrads, MeasuredMemory, RankTrainer, TrainOptions};
+use crate::trainer::{DeviceTensors, MeasuredMemory, RankTrainer, TrainOptions};
 
 /// What one rank reports after training.
 #[derive(Debug)]
@@ -36,9 +36,12 @@ pub struct RankResult<M> {
     /// Every parameter's final values, indexed like the plan's model (for equivalence checks);
     /// empty unless [`HostRun::keep_final_params`].
     pub final_params: Vec<Vec<f32>>,
-    /// Gradient bytes a [`DeviceGrads`] hook packed in the communicator's memory (never read
+    /// Gradient bytes a [`DeviceTensors`] hook packed in the communicator's memory (never read
     /// back to the host); 0 on the host path.
     pub device_grad_bytes: u64,
+    /// Weight bytes a [`DeviceTensors`] hook installed in the model straight from the
+    /// communicator's memory; 0 on the host path.
+    pub device_weight_bytes: u64,
 }
 
 /// How long to run and what to keep.
@@ -102,7 +105,7 @@ impl<M: Clone> RankModels<M> {
 }
 
 /// One rank's whole run, on any communicator: `run.steps` steps, then its report. `hook` packs
-/// gradients in the communicator's memory (see [`DeviceGrads`]).
+/// gradients in the communicator's memory (see [`DeviceTensors`]).
 #[allow(clippy::too_many_arguments)]
 fn run_rank<C: Communicator, M: Segmented>(
     plan: Arc<Plan>,
@@ -112,11 +115,11 @@ fn run_rank<C: Communicator, M: Segmented>(
     options: TrainOptions,
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
-    hook: Option<Box<dyn DeviceGrads<C>>>,
+    hook: Option<Box<dyn DeviceTensors<C>>>,
 ) -> Result<RankResult<M>> {
     let mut t = RankTrainer::new(plan, comm, model, options)?;
     if let Some(hook) = hook {
-        t = t.with_device_grads(hook);
+        t = t.with_device_tensors(hook);
     }
     let mut losses = Vec::with_capacity(run.steps as usize);
     let mut micro_losses = Vec::with_capacity(run.steps as usize);
@@ -145,6 +148,7 @@ fn run_rank<C: Communicator, M: Segmented>(
         traffic,
         memory: t.measured_memory(),
         device_grad_bytes: t.device_grad_bytes(),
+        device_weight_bytes: t.device_weight_bytes(),
         model: t.model().clone(),
         final_params,
     })
@@ -253,13 +257,14 @@ impl WgpuShared {
 /// backend and every collective on the wgpu loopback, both on `shared`'s one device. `model`
 /// must live on [`WgpuShared::autodiff_device`].
 ///
-/// Gradients reach the loopback through the zero-copy bridge ([`WgpuGrads::Bridge`]): fp32 units
-/// reduced every micro-step without qgZ are packed from burn's gradient tensors on the device and
-/// reduced there, and only the rank's reduced chunk is downloaded. The trainer keeps its shards,
-/// gradient accumulator and optimizer state in host memory, so the other collectives (weight
-/// gathers, qgZ, 16-bit or deferred reductions) upload their input and download the result: a
-/// host round trip. The loopback reduces in rank order, so [`Reduction::CanonicalTree`] is
-/// rejected.
+/// Tensors reach the loopback through the zero-copy bridge ([`WgpuTensors::Bridge`]) in fp32:
+/// units reduced every micro-step without qgZ are packed from burn's gradient tensors on the
+/// device and reduced there, only the rank's reduced chunk downloaded; stage-3 units (without qwZ)
+/// are gathered on the device and installed from there, only the rank's shard uploaded. The
+/// trainer keeps its shards, gradient accumulator and optimizer state in host memory, so the
+/// other collectives (qwZ, qgZ, 16-bit, deferred or post-step) upload their input and download
+/// the result: a host round trip. The loopback reduces in rank order, so
+/// [`Reduction::CanonicalTree`] is rejected.
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu<M: Segmented>(
     shared: &WgpuShared,
@@ -278,23 +283,23 @@ pub fn train_wgpu<M: Segmented>(
         options,
         run,
         on_step,
-        WgpuGrads::Bridge,
+        WgpuTensors::Bridge,
     )
 }
 
-/// How [`train_wgpu_with`] hands gradients to the loopback.
+/// How [`train_wgpu_with`] moves burn tensors to and from the loopback.
 #[cfg(feature = "wgpu")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WgpuGrads {
-    /// Through the zero-copy bridge ([`crate::bridge::BridgeGrads`]): fp32 units reduced every
-    /// micro-step without qgZ are packed and reduced on the device, and only the rank's reduced
-    /// chunk comes to the host. The default.
+pub enum WgpuTensors {
+    /// Through the zero-copy bridge ([`crate::bridge::BridgeTensors`]), where fp32 allows: see
+    /// [`train_wgpu`]. The default.
     Bridge,
-    /// Through host memory: every gradient is read back, packed on the host and uploaded.
+    /// Through host memory: every gradient is read back, packed on the host and uploaded, every
+    /// gathered unit downloaded and uploaded again.
     Host,
 }
 
-/// [`train_wgpu`] choosing how gradients reach the loopback.
+/// [`train_wgpu`] choosing how tensors reach the loopback.
 #[allow(clippy::too_many_arguments)]
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu_with<M: Segmented>(
@@ -305,7 +310,7 @@ pub fn train_wgpu_with<M: Segmented>(
     options: TrainOptions,
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
-    grads: WgpuGrads,
+    grads: WgpuTensors,
 ) -> Result<Vec<RankResult<M>>> {
     if let Some(d) = model.devices().into_iter().find(|d| *d != shared.burn) {
         return Err(Error::Model(format!(
@@ -321,11 +326,12 @@ pub fn train_wgpu_with<M: Segmented>(
     );
     let results = world.launch(|comm| {
         let mine = models.take(comm.rank())?;
-        let hook: Option<Box<dyn DeviceGrads<_>>> = match grads {
-            WgpuGrads::Bridge => Some(Box::new(crate::bridge::BridgeGrads::new(
+        let hook: Option<Box<dyn DeviceTensors<_>>> = match grads {
+            WgpuTensors::Bridge => Some(Box::new(crate::bridge::BridgeTensors::new(
                 shared.comm.clone(),
+                shared.autodiff_device(),
             ))),
-            WgpuGrads::Host => None,
+            WgpuTensors::Host => None,
         };
         run_rank(
             plan.clone(),

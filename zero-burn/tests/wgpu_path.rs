@@ -18,7 +18,7 @@ use zero_burn::data::MarkovLanguage;
 use zero_burn::job::JobConfig;
 use zero_burn::optim::Optimizer;
 use zero_burn::world::{
-    HostRun, RankResult, WgpuGrads, WgpuShared, train_host, train_wgpu, train_wgpu_with,
+    HostRun, RankResult, WgpuShared, WgpuTensors, train_host, train_wgpu, train_wgpu_with,
 };
 use zero_burn::{Error, Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
 use zero_core::{Plan, Topology, ZeroConfig};
@@ -174,12 +174,14 @@ fn zero1_on_wgpu_matches_flex() {
 }
 
 /// The zero-copy bridge (gradients packed and reduced on the device, only the reduced chunk
-/// downloaded) against the host-staged wgpu path (every gradient read back, packed on the host,
-/// uploaded): the same kernels on the same values, so the same bits, at every stage, with
-/// accumulation; traffic equals the plan on both.
+/// downloaded; stage-3 units gathered on the device and installed from there) against the
+/// host-staged wgpu path (every gradient read back, packed on the host, uploaded; every gathered
+/// unit downloaded and uploaded again): the same kernels on the same values, so the same bits,
+/// at every stage, with accumulation, hpZ and `overlap_comm` (device buffers gathered and reduced
+/// on the communication thread); traffic equals the plan on both.
 #[test]
-fn bridged_gradients_give_the_bits_of_host_staged_ones() {
-    let Some(shared) = shared("bridged_gradients_give_the_bits_of_host_staged_ones") else {
+fn bridged_tensors_give_the_bits_of_host_staged_ones() {
+    let Some(shared) = shared("bridged_tensors_give_the_bits_of_host_staged_ones") else {
         return;
     };
     let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
@@ -188,11 +190,19 @@ fn bridged_gradients_give_the_bits_of_host_staged_ones() {
         timeout: Duration::from_secs(120),
         keep_final_params: true,
     };
-    for (stage, ga) in [(0u8, 1u32), (1, 2), (2, 1), (3, 2)] {
+    for (stage, ga, hpz, overlap) in [
+        (0u8, 1u32, 1, false),
+        (1, 2, 1, false),
+        (2, 1, 1, true),
+        (3, 2, 1, false),
+        (3, 1, 2, true),
+    ] {
         let train = |grads| {
             let gpu = model_config().init(&shared.autodiff_device(), 11);
             let zero = ZeroConfig {
                 gradient_accumulation_steps: ga,
+                hpz_partition_size: hpz,
+                overlap_comm: overlap,
                 ..plan(&gpu, stage).config().clone()
             };
             let p = Arc::new(plan_for(&gpu, Topology::new(2, 2).unwrap(), &zero).unwrap());
@@ -213,8 +223,8 @@ fn bridged_gradients_give_the_bits_of_host_staged_ones() {
             }
             r
         };
-        let bridged = train(WgpuGrads::Bridge);
-        let staged = train(WgpuGrads::Host);
+        let bridged = train(WgpuTensors::Bridge);
+        let staged = train(WgpuTensors::Host);
         // Every gradient of every micro-step went through the bridge (fp32, no qgZ, reduced
         // every micro-step), and none on the staged path.
         let numel: usize = plan(&model_config().init(&shared.autodiff_device(), 11), stage)
@@ -228,6 +238,13 @@ fn bridged_gradients_give_the_bits_of_host_staged_ones() {
         for (a, b) in bridged.iter().zip(&staged) {
             assert_eq!(a.device_grad_bytes, want, "stage {stage}: bridged bytes");
             assert_eq!(b.device_grad_bytes, 0, "stage {stage}: staged bytes");
+            // Stage 3 installs every gathered unit from the loopback's memory.
+            assert_eq!(
+                a.device_weight_bytes > 0,
+                stage == 3,
+                "stage {stage}: weights"
+            );
+            assert_eq!(b.device_weight_bytes, 0, "stage {stage}: staged weights");
             assert_eq!(a.losses, b.losses, "stage {stage} ga {ga}: losses");
             assert!(
                 common::bits(&a.final_params) == common::bits(&b.final_params),
