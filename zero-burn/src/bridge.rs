@@ -64,7 +64,7 @@ impl<T: fmt::Debug + Send> Pin for T {}
 /// (see the [module docs](self) for ordering, pinning and aliasing). Made by [`tensor_buffer`].
 ///
 /// Pass [`buffer`](Self::buffer) or [`buffer_mut`](Self::buffer_mut) to the collectives of a
-/// [`WgpuComm`](zero_comm::wgpu_loopback::WgpuComm) on the same device; they then read and write
+/// [`WgpuComm`] on the same device; they then read and write
 /// the tensor's memory in place.
 pub struct TensorBuffer {
     /// The elements, row-major: the tensor's storage range in cubecl's `wgpu::Buffer`.

@@ -223,8 +223,18 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
             }
             r
         };
+        let t = Instant::now();
         let bridged = train(WgpuTensors::Bridge);
+        let bridged_secs = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let staged = train(WgpuTensors::Host);
+        let staged_secs = t.elapsed().as_secs_f64();
+        eprintln!(
+            "ZERO_WGPU_BRIDGE stage={stage} ga={ga} hpz={hpz} overlap={overlap} steps={} \
+             bridged_s={bridged_secs:.3} staged_s={staged_secs:.3} on {}",
+            run.steps,
+            shared.adapter_name()
+        );
         // Every gradient of every micro-step went through the bridge (fp32, no qgZ, reduced
         // every micro-step), and none on the staged path.
         let numel: usize = plan(&model_config().init(&shared.autodiff_device(), 11), stage)
