@@ -6,6 +6,9 @@
 //! a failure (the convention of `wgpu_path.rs`).
 #![cfg(feature = "wgpu")]
 
+mod common;
+
+use common::shared;
 use std::time::Duration;
 
 use burn::tensor::{Device, Tensor, TensorData};
@@ -17,23 +20,6 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::Topology;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The process's shared device, or `None` after printing why the calling test is skipped.
-fn shared(test: &str) -> Option<WgpuShared> {
-    match WgpuShared::get() {
-        Ok(s) => Some(s),
-        Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
-            panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")
-        }
-        Err(e) => {
-            eprintln!(
-                "skipped {test}: no wgpu device ({e}); install mesa-vulkan-drivers for lavapipe, \
-                 or set ZERO_REQUIRE_WGPU=1 to fail instead"
-            );
-            None
-        }
-    }
-}
 
 /// A one-rank wgpu loopback world on the shared device.
 fn one_rank(shared: &WgpuShared) -> WgpuComm {

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::shared;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,9 +18,7 @@ use burn::tensor::Device;
 use zero_burn::data::MarkovLanguage;
 use zero_burn::job::JobConfig;
 use zero_burn::optim::Optimizer;
-use zero_burn::world::{
-    HostRun, RankResult, WgpuShared, WgpuTensors, train_host, train_wgpu, train_wgpu_with,
-};
+use zero_burn::world::{HostRun, RankResult, WgpuTensors, train_host, train_wgpu, train_wgpu_with};
 use zero_burn::{Error, Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
 use zero_core::{Plan, Topology, ZeroConfig};
 
@@ -29,23 +28,6 @@ const STEPS: u64 = 8;
 /// matmul and reductions vs flex's), so the paths agree only up to f32 rounding. Measured on
 /// lavapipe: at most 1.1e-5 over these 8 steps (each test prints its worst gap); TOL leaves 9x.
 const TOL: f32 = 1e-4;
-
-/// The process's shared device, or `None` after printing why the calling test is skipped.
-fn shared(test: &str) -> Option<WgpuShared> {
-    match WgpuShared::get() {
-        Ok(s) => Some(s),
-        Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
-            panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")
-        }
-        Err(e) => {
-            eprintln!(
-                "skipped {test}: no wgpu device ({e}); install mesa-vulkan-drivers for lavapipe, \
-                 or set ZERO_REQUIRE_WGPU=1 to fail instead"
-            );
-            None
-        }
-    }
-}
 
 /// The default job's model (GPT-style, d_model 64, 4 blocks, 4 heads, context 32, vocab 64).
 fn model_config() -> GptConfig {

@@ -112,3 +112,22 @@ pub(crate) fn assert_model_states(plan: &Plan, res: &[RankResult<Gpt>]) {
         );
     }
 }
+
+/// The process's shared wgpu device, or `None` after printing why the calling test is skipped
+/// (a failure instead with `ZERO_REQUIRE_WGPU=1`, as CI sets).
+#[cfg(feature = "wgpu")]
+pub(crate) fn shared(test: &str) -> Option<zero_burn::world::WgpuShared> {
+    match zero_burn::world::WgpuShared::get() {
+        Ok(s) => Some(s),
+        Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
+            panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")
+        }
+        Err(e) => {
+            eprintln!(
+                "skipped {test}: no wgpu device ({e}); install mesa-vulkan-drivers for lavapipe, \
+                 or set ZERO_REQUIRE_WGPU=1 to fail instead"
+            );
+            None
+        }
+    }
+}
