@@ -36,7 +36,7 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::{MemoryModel, Plan, TrafficTable, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
-use crate::comms::{self, Comms, Exec, Job, Words};
+use crate::comms::{self, Comms, Exec, Job, Out, Words};
 use crate::data::{Corpus, TokenBatch};
 use crate::error::{Error, Result};
 use crate::model::Segmented;
@@ -111,8 +111,9 @@ impl MeasuredMemory {
 /// Moves burn tensors to and from the communicator's own memory without a host round trip (the
 /// wgpu path's hook is `bridge::BridgeTensors`, over the zero-copy bridge). Gradients: packed
 /// into their unit's buffer, for fp32 units reduced every micro-step without qgZ (the other paths
-/// round or quantize on the host). Weights: stage-3 units all-gathered into the communicator's
-/// memory become the model's tensors there, in fp32 without qwZ.
+/// round or quantize on the host). Weights: units all-gathered into the communicator's memory
+/// (stage 3's gathers, and the post-step gathers) become the model's tensors there, in fp32
+/// without qwZ.
 pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
     /// A zeroed buffer of `len` f32 elements.
     fn zeros(&self, len: usize) -> Result<C::Buffer<f32>>;
@@ -1044,7 +1045,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         // The update, on this rank's part.
         let lr = self.options.lr;
         let opt = self.options.optimizer;
-        let mut updates: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut updates: Vec<(usize, Out<C>)> = Vec::new();
         for (u, unit) in plan.units().iter().enumerate() {
             if !unit.trainable {
                 continue;
@@ -1065,7 +1066,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                         &mut self.opt,
                         oo,
                     );
-                    updates.push((u, w));
+                    updates.push((u, Words::F32(w)));
                 }
                 1 | 2 => {
                     let full = self.read_unit(u)?;
@@ -1080,7 +1081,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                         &mut self.opt,
                         oo,
                     );
-                    let gathered = self.comms().world.all_gather_host(&w)?;
+                    let gathered = self.post_step_gather(w)?;
                     updates.push((u, gathered));
                 }
                 _ => {
@@ -1103,12 +1104,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
                     let cl = plan.chunk_len(u) as usize;
                     let so = unit.shard_offset as usize;
-                    let gathered = self
-                        .comms
-                        .as_mut()
-                        .expect(HOME)
-                        .world
-                        .all_gather_host(&self.shard[so..so + cl])?;
+                    let gathered = self.post_step_gather(self.shard[so..so + cl].to_vec())?;
                     updates.push((u, gathered));
                 }
             }
@@ -1118,7 +1114,11 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             }
         }
         for (u, full) in updates {
-            self.write_unit(u, &full);
+            match full {
+                Words::Device(buf) => self.install_tensors(u, &buf)?,
+                Words::F32(full) => self.write_unit(u, &full),
+                Words::U16(_) => unreachable!("fp32 steps gather f32 weights"),
+            }
         }
         self.sample_memory();
         self.acc.iter_mut().for_each(|g| *g = 0.0);
@@ -1432,9 +1432,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         buf: &C::Buffer<f32>,
         slice: Option<std::ops::Range<usize>>,
     ) -> Result<()> {
-        let hook = self.device_tensors.as_deref().ok_or_else(|| {
-            Error::Model("internal: a device gather without a device hook".into())
-        })?;
+        let hook = self.hook()?;
         if let Some(r) = slice {
             let sec = hook.tensor_at(buf, r.start, r.len())?.into_data();
             let sec = sec
@@ -1442,6 +1440,19 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 .map_err(|e| Error::Model(format!("hpZ secondary slice: {e:?}")))?;
             self.secondary[u] = Some(sec);
         }
+        self.install_tensors(u, buf)
+    }
+
+    fn hook(&self) -> Result<&dyn DeviceTensors<C>> {
+        self.device_tensors
+            .as_deref()
+            .ok_or_else(|| Error::Model("internal: a device gather without a device hook".into()))
+    }
+
+    /// Makes unit `u`'s parameters tensors of the model from `buf`, a gathered unit in the
+    /// communicator's memory, through the [`DeviceTensors`] hook (one device copy each).
+    fn install_tensors(&mut self, u: usize, buf: &C::Buffer<f32>) -> Result<()> {
+        let hook = self.hook()?;
         let mut tensors = params::NewTensors::new();
         for e in self.plan.unit_entries(u) {
             let p = &self.params[e.param];
@@ -1452,6 +1463,19 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.model = params::write_tensors(model, tensors);
         self.device_weight_bytes += 4 * self.plan.units()[u].len;
         Ok(())
+    }
+
+    /// The all-gather of an updated fp32 chunk after the optimizer step (stages 1–2, stage-3
+    /// persistent units): into the communicator's memory when a [`DeviceTensors`] hook installs
+    /// weights from there, else into host memory.
+    fn post_step_gather(&mut self, piece: Vec<f32>) -> Result<Out<C>> {
+        let device = self.device_tensors.is_some();
+        let comms = self.comms();
+        if device {
+            comms.run(Job::GatherDevice { piece, hpz: false })
+        } else {
+            Ok(Words::F32(comms.world.all_gather_host(&piece)?))
+        }
     }
 
     /// Makes segment `seg`'s gather units resident, then submits the prefetch of the next gather

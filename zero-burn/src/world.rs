@@ -259,11 +259,11 @@ impl WgpuShared {
 ///
 /// Tensors reach the loopback through the zero-copy bridge ([`WgpuTensors::Bridge`]) in fp32:
 /// units reduced every micro-step without qgZ are packed from burn's gradient tensors on the
-/// device and reduced there, only the rank's reduced chunk downloaded; stage-3 units (without qwZ)
-/// are gathered on the device and installed from there, only the rank's shard uploaded. The
-/// trainer keeps its shards, gradient accumulator and optimizer state in host memory, so the
-/// other collectives (qwZ, qgZ, 16-bit, deferred or post-step) upload their input and download
-/// the result: a host round trip. The loopback reduces in rank order, so
+/// device and reduced there, only the rank's reduced chunk downloaded; weights (without qwZ) are
+/// gathered on the device and installed from there, only the rank's chunk uploaded. The trainer
+/// keeps its shards, gradient accumulator and optimizer state in host memory, so the other
+/// collectives (qwZ, qgZ, 16-bit or deferred) upload their input and download the result: a
+/// host round trip. The loopback reduces in rank order, so
 /// [`Reduction::CanonicalTree`] is rejected.
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu<M: Segmented>(
