@@ -24,9 +24,16 @@
 //!    tensor on the device (printed by the CUDA kernel tests), and **train**: the NCCL trainer
 //!    test's losses and time.
 //!
+//! 6. **wgpu**: the wgpu programs (zero-comm's wgpu loopback tests, zero-quant's WGSL kernels,
+//!    zero-burn's bridge and wgpu-path tests, features `wgpu`, debug build) with
+//!    `ZERO_REQUIRE_WGPU=1` on the GPU's Vulkan driver: NVIDIA's ICD manifest is passed as
+//!    `VK_DRIVER_FILES`, and a machine without a Vulkan loader gets Debian's, unpacked from the
+//!    bundle's `debs/` into `<work>/vulkan`. No loader at all skips the step.
+//!
 //! A GPU machine without cargo (the lent ones have none) runs a bundle: `cargo xtask gpu-check
-//! --bundle DIR` builds the programs here and copies them, stripped, with the xtask binary into
-//! DIR; `DIR/xtask gpu-check --prebuilt DIR` there skips the build. A short report (pass/fail
+//! --bundle DIR` builds the programs here and copies them, stripped and gzipped, with the xtask
+//! binary and the Vulkan loader's packages (`apt-get download`) into DIR (about 54 MiB);
+//! `DIR/xtask gpu-check --prebuilt DIR` there unzips them into `DIR/bin` and skips the build. A short report (pass/fail
 //! per step, figures) ends the run; any failed step makes the exit status non-zero.
 
 use std::collections::BTreeSet;
@@ -412,14 +419,71 @@ const PROGRAMS: &[Program] = &[
     },
 ];
 
+/// The wgpu test programs (features `wgpu`): the loopback, the WGSL codecs, the bridge and the
+/// trainer's wgpu path, run on the GPU's Vulkan driver. A bundle holds them gzipped (they are
+/// large: burn-wgpu builds in debug only).
+const WGPU_PROGRAMS: &[Program] = &[
+    Program {
+        name: "zero-comm-wgpu",
+        package: "zero-comm",
+        test: Some("wgpu"),
+        args: &[],
+    },
+    Program {
+        name: "zero-quant-wgpu",
+        package: "zero-quant",
+        test: Some("wgpu_kernels"),
+        args: &[],
+    },
+    Program {
+        name: "zero-burn-wgpu-bridge",
+        package: "zero-burn",
+        test: Some("wgpu_bridge"),
+        args: &[],
+    },
+    Program {
+        name: "zero-burn-wgpu-path",
+        package: "zero-burn",
+        test: Some("wgpu_path"),
+        args: &["--nocapture", "--test-threads", "1"],
+    },
+];
+
+const GPU_FEATURES: &str = "zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests";
+const WGPU_FEATURES: &str = "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu";
+
+/// Debian's Vulkan loader and the GL libraries NVIDIA's Vulkan ICD loads, for a GPU machine
+/// without them: `--bundle` downloads them (`apt-get download`), `--prebuilt` unpacks them.
+const VULKAN_DEBS: &[&str] = &[
+    "libvulkan1",
+    "libegl1",
+    "libglvnd0",
+    "libopengl0",
+    "libgl1",
+    "libglx0",
+    "libgles2",
+];
+
+/// Where NVIDIA's driver installs its Vulkan ICD manifest.
+const NVIDIA_ICDS: &[&str] = &[
+    "/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json",
+    "/usr/share/vulkan/icd.d/nvidia_icd.json",
+    "/etc/vulkan/icd.d/nvidia_icd.json",
+];
+
+/// Lines the wgpu programs print with figures.
+const WGPU_PREFIX: &str = "ZERO_WGPU_BRIDGE ";
+
 const QUANT_PREFIX: &str = "ZERO_GPU_QUANT ";
 const TRAIN_PREFIX: &str = "ZERO_GPU_TRAIN ";
 
-/// Builds the GPU test programs and returns `(program, executable)` pairs.
+/// Builds `programs` with `features` and returns `(program, executable)` pairs.
 fn build_programs(
     root: &Path,
     target: &Path,
     limit: Duration,
+    features: &str,
+    programs: &[Program],
 ) -> anyhow::Result<(Ran, Vec<(usize, PathBuf)>)> {
     let mut c = cargo();
     c.current_dir(root)
@@ -429,10 +493,7 @@ fn build_programs(
             "--message-format=json-render-diagnostics",
         ])
         .args(["-p", "zero-comm", "-p", "zero-quant", "-p", "zero-burn"])
-        .args([
-            "--features",
-            "zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests",
-        ])
+        .args(["--features", features])
         .env("CARGO_TARGET_DIR", target);
     let ran = run_limited("build", c, limit, false)?;
     let mut found = Vec::new();
@@ -454,7 +515,7 @@ fn build_programs(
             .unwrap_or_default();
         let kind = v["target"]["kind"][0].as_str().unwrap_or_default();
         let tname = v["target"]["name"].as_str().unwrap_or_default();
-        for (i, p) in PROGRAMS.iter().enumerate() {
+        for (i, p) in programs.iter().enumerate() {
             let hit = match p.test {
                 None => kind == "lib",
                 Some(t) => kind == "test" && tname == t,
@@ -467,36 +528,231 @@ fn build_programs(
     Ok((ran, found))
 }
 
-/// `--bundle DIR`: the programs (debug info stripped) and this xtask, for a GPU machine without
-/// cargo.
-fn bundle(dir: &Path, programs: &[(usize, PathBuf)]) -> anyhow::Result<()> {
+/// Copies `exe` into `dir` as `name`, stripped of debug info (most of a test binary; a missing
+/// `strip` keeps it) and, with `gz`, gzipped as `name.gz`. Returns the bytes written.
+fn pack(dir: &Path, name: &str, exe: &Path, gz: bool) -> anyhow::Result<u64> {
+    let plain = dir.join(name);
+    let zipped = dir.join(format!("{name}.gz"));
+    let _ = std::fs::remove_file(&plain);
+    let _ = std::fs::remove_file(&zipped);
+    std::fs::copy(exe, &plain).with_context(|| format!("copying {}", exe.display()))?;
+    let _ = Command::new("strip")
+        .arg("--strip-debug")
+        .arg(&plain)
+        .status();
+    if !gz {
+        return Ok(std::fs::metadata(&plain)?.len());
+    }
+    let st = Command::new("gzip")
+        .args(["-9", "-f"])
+        .arg(&plain)
+        .status()
+        .context("running gzip")?;
+    if !st.success() {
+        bail!("gzip {} failed: {st}", plain.display());
+    }
+    Ok(std::fs::metadata(&zipped)?.len())
+}
+
+/// A bundle's program `name`: `dir/name`, or `dir/name.gz` unzipped into `<work>/bin`.
+fn unpack(dir: &Path, work: &Path, name: &str) -> anyhow::Result<Option<PathBuf>> {
+    let plain = dir.join(name);
+    if plain.is_file() {
+        return Ok(Some(plain));
+    }
+    let gz = dir.join(format!("{name}.gz"));
+    if !gz.is_file() {
+        return Ok(None);
+    }
+    let out = work.join("bin");
+    std::fs::create_dir_all(&out)?;
+    let exe = out.join(name);
+    let file = std::fs::File::create(&exe)?;
+    let st = Command::new("gzip")
+        .arg("-dc")
+        .arg(&gz)
+        .stdout(file)
+        .status()
+        .context("running gzip -dc")?;
+    if !st.success() {
+        bail!("gzip -dc {} failed: {st}", gz.display());
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(Some(exe))
+}
+
+/// `--bundle DIR`: the GPU programs and the wgpu programs (stripped, gzipped: a lent machine
+/// takes a limited upload), this xtask, and Debian's Vulkan loader packages in `DIR/debs` when
+/// `apt-get` can fetch them, for a GPU machine without cargo.
+fn bundle(
+    dir: &Path,
+    programs: &[(usize, PathBuf)],
+    wgpu: &[(usize, PathBuf)],
+) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut files = Vec::new();
+    let mut total = pack(dir, "xtask", &std::env::current_exe()?, false)?;
     for (i, exe) in programs {
-        files.push((PROGRAMS[*i].name.to_string(), exe.clone()));
+        total += pack(dir, PROGRAMS[*i].name, exe, true)?;
     }
-    files.push(("xtask".into(), std::env::current_exe()?));
-    let mut total = 0;
-    for (name, src) in &files {
-        let dst = dir.join(name);
-        let _ = std::fs::remove_file(&dst);
-        std::fs::copy(src, &dst).with_context(|| format!("copying {}", src.display()))?;
-        // Debug info is most of a test binary; the tool may be missing (then keep it).
-        let _ = Command::new("strip")
-            .arg("--strip-debug")
-            .arg(&dst)
-            .status();
-        total += std::fs::metadata(&dst)?.len();
+    for (i, exe) in wgpu {
+        total += pack(dir, WGPU_PROGRAMS[*i].name, exe, true)?;
     }
+    let debs = dir.join("debs");
+    std::fs::create_dir_all(&debs)?;
+    let fetched = Command::new("apt-get")
+        .arg("download")
+        .args(VULKAN_DEBS)
+        .current_dir(&debs)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
     println!(
-        "bundle: {} files, {:.1} MiB in {}\nrun on the GPU machine, from the repository root:\n  {}/xtask gpu-check --prebuilt {}",
-        files.len(),
+        "bundle: {} programs and xtask, {:.1} MiB in {}; Vulkan loader packages: {}\nrun on the \
+         GPU machine, from the repository root:\n  {}/xtask gpu-check --prebuilt {}",
+        programs.len() + wgpu.len(),
         total as f64 / (1 << 20) as f64,
         dir.display(),
+        if fetched {
+            "in debs/"
+        } else {
+            "not fetched (apt-get download failed); the GPU machine needs libvulkan.so.1"
+        },
         dir.display(),
         dir.display()
     );
     Ok(())
+}
+
+/// Whether a Vulkan loader is on the library path.
+fn vulkan_loader(extra: &Path) -> bool {
+    let mut dirs = vec![extra.to_path_buf()];
+    dirs.extend(library_dirs());
+    find_lib(&dirs, &["libvulkan.so.1", "libvulkan.so"]).is_some()
+}
+
+/// Step 6: the wgpu programs on the GPU's Vulkan driver, with their figures in the detail.
+fn wgpu_step(
+    root: &Path,
+    work: &Path,
+    prebuilt: Option<&Path>,
+    programs: &[(usize, PathBuf)],
+    ld_path: &str,
+    limit: Duration,
+) -> anyhow::Result<Step> {
+    let t = Instant::now();
+    let skip = |detail: String| Step {
+        name: "wgpu",
+        verdict: Verdict::Skip,
+        secs: None,
+        detail,
+    };
+    if programs.is_empty() {
+        return Ok(skip(
+            "no wgpu programs (bundle made before they were added?)".into(),
+        ));
+    }
+    // The loader: the machine's, or the bundle's packages unpacked into <work>/vulkan.
+    let unpacked = work.join("vulkan");
+    let lib = unpacked.join("usr/lib/x86_64-linux-gnu");
+    let mut note = String::new();
+    if !vulkan_loader(&lib)
+        && let Some(dir) = prebuilt
+    {
+        for deb in std::fs::read_dir(dir.join("debs"))
+            .map(|r| r.flatten().map(|e| e.path()).collect::<Vec<_>>())
+            .unwrap_or_default()
+        {
+            let _ = Command::new("dpkg-deb")
+                .arg("-x")
+                .arg(&deb)
+                .arg(&unpacked)
+                .status();
+        }
+        note = format!("Vulkan loader unpacked from {}/debs; ", dir.display());
+    }
+    if !vulkan_loader(&lib) {
+        return Ok(skip(
+            "no Vulkan loader (libvulkan.so.1), and no packages to unpack".into(),
+        ));
+    }
+    let icd = std::env::var_os("VK_DRIVER_FILES")
+        .or_else(|| std::env::var_os("VK_ICD_FILENAMES"))
+        .map(PathBuf::from)
+        .or_else(|| NVIDIA_ICDS.iter().map(PathBuf::from).find(|p| p.is_file()));
+    let xdg = work.join("xdg-runtime");
+    std::fs::create_dir_all(&xdg)?;
+    let mut failed = Vec::new();
+    let mut figures = Vec::new();
+    for (i, exe) in programs {
+        let p = &WGPU_PROGRAMS[*i];
+        let mut c = Command::new(exe);
+        c.current_dir(root)
+            .args(p.args)
+            .env("LD_LIBRARY_PATH", format!("{}:{ld_path}", lib.display()))
+            .env("ZERO_REQUIRE_WGPU", "1")
+            .env("XDG_RUNTIME_DIR", &xdg);
+        if let Some(icd) = &icd {
+            c.env("VK_DRIVER_FILES", icd);
+        }
+        let r = run_limited(p.name, c, limit, true)?;
+        if !r.ok {
+            failed.push(format!("{}: {}", p.name, r.status));
+        }
+        figures.extend(r.stdout.iter().filter_map(|l| {
+            let l = l.trim();
+            l.strip_prefix(WGPU_PREFIX)
+                .map(str::to_string)
+                .or_else(|| l.contains("s/step").then(|| l.to_string()))
+        }));
+    }
+    let icd = icd.map_or("the loader's default ICDs".into(), |p| {
+        p.display().to_string()
+    });
+    Ok(Step {
+        name: "wgpu",
+        verdict: if failed.is_empty() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail
+        },
+        secs: Some(t.elapsed().as_secs_f64()),
+        detail: if failed.is_empty() {
+            format!(
+                "{note}{} programs passed on {icd}; {}",
+                programs.len(),
+                figures.join("; ")
+            )
+        } else {
+            format!("{note}failed: {}", failed.join(", "))
+        },
+    })
+}
+
+/// The wgpu programs: a bundle's, unzipped into `<work>/wgpu`, or built here.
+fn wgpu_programs(
+    root: &Path,
+    work: &Path,
+    prebuilt: Option<&Path>,
+    limit: Duration,
+) -> anyhow::Result<Vec<(usize, PathBuf)>> {
+    let Some(dir) = prebuilt else {
+        let (b, found) = build_programs(root, work, limit, WGPU_FEATURES, WGPU_PROGRAMS)?;
+        if !b.ok {
+            bail!("building the wgpu test programs failed: {}", b.status);
+        }
+        return Ok(found);
+    };
+    let mut found = Vec::new();
+    for (i, p) in WGPU_PROGRAMS.iter().enumerate() {
+        if let Some(exe) = unpack(dir, work, p.name)? {
+            found.push((i, exe));
+        }
+    }
+    Ok(found)
 }
 
 pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
@@ -510,7 +766,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
 
     if let Some(dir) = &a.bundle {
         let target = target_dir(&root)?;
-        let (b, programs) = build_programs(&root, &target, limit)?;
+        let (b, programs) = build_programs(&root, &target, limit, GPU_FEATURES, PROGRAMS)?;
         if !b.ok {
             bail!("building the GPU test programs failed: {}", b.status);
         }
@@ -521,7 +777,16 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
                 PROGRAMS.len()
             );
         }
-        return bundle(dir, &programs);
+        let (b, wgpu) = build_programs(&root, &target, limit, WGPU_FEATURES, WGPU_PROGRAMS)?;
+        if !b.ok || wgpu.len() != WGPU_PROGRAMS.len() {
+            bail!(
+                "building the wgpu test programs failed: {}; {} of {} built",
+                b.status,
+                wgpu.len(),
+                WGPU_PROGRAMS.len()
+            );
+        }
+        return bundle(dir, &programs, &wgpu);
     }
 
     // 1. The GPU, or a clear reason to stop.
@@ -566,12 +831,12 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     // 3. Build (or find the bundle's programs).
     let programs: Vec<(usize, PathBuf)> = match &a.prebuilt {
         Some(dir) => {
-            let found: Vec<(usize, PathBuf)> = PROGRAMS
-                .iter()
-                .enumerate()
-                .map(|(i, p)| (i, dir.join(p.name)))
-                .filter(|(_, p)| p.is_file())
-                .collect();
+            let mut found: Vec<(usize, PathBuf)> = Vec::new();
+            for (i, p) in PROGRAMS.iter().enumerate() {
+                if let Some(exe) = unpack(dir, &work, p.name)? {
+                    found.push((i, exe));
+                }
+            }
             steps.push(Step {
                 name: "build",
                 verdict: if found.len() == PROGRAMS.len() {
@@ -590,7 +855,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             found
         }
         None => {
-            let (b, found) = build_programs(&root, &work, limit)?;
+            let (b, found) = build_programs(&root, &work, limit, GPU_FEATURES, PROGRAMS)?;
             let ok = b.ok && found.len() == PROGRAMS.len();
             steps.push(Step {
                 name: "build",
@@ -758,6 +1023,24 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             train_figures.join("; ")
         },
     });
+
+    // 6. wgpu on the GPU's Vulkan driver.
+    let step = wgpu_programs(&root, &work, a.prebuilt.as_deref(), limit).and_then(|programs| {
+        wgpu_step(
+            &root,
+            &work,
+            a.prebuilt.as_deref(),
+            &programs,
+            &ld_path,
+            limit,
+        )
+    });
+    steps.push(step.unwrap_or_else(|e| Step {
+        name: "wgpu",
+        verdict: Verdict::Fail,
+        secs: None,
+        detail: format!("{e:#}"),
+    }));
 
     print_report(&steps);
     let failed: Vec<&str> = steps

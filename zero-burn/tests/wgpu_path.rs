@@ -137,7 +137,8 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
     let first = want[0].losses[0];
     let last = want[0].losses[STEPS as usize - 1];
     assert!(last < first, "it learns: {first} -> {last}");
-    eprintln!(
+    // On stdout: `cargo xtask gpu-check` collects these lines.
+    println!(
         "{test} on {}: worst relative loss gap {worst:.2e} over {STEPS} steps; \
          flex+host {cpu_secs:.2} s, wgpu+wgpu loopback {gpu_secs:.2} s ({:.3} s/step)",
         shared.adapter_name(),
@@ -211,7 +212,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
         let t = Instant::now();
         let staged = train(WgpuTensors::Host);
         let staged_secs = t.elapsed().as_secs_f64();
-        eprintln!(
+        println!(
             "ZERO_WGPU_BRIDGE stage={stage} ga={ga} hpz={hpz} overlap={overlap} steps={} \
              bridged_s={bridged_secs:.3} staged_s={staged_secs:.3} on {}",
             run.steps,
