@@ -45,10 +45,15 @@ use std::sync::Arc;
 use burn::backend::Cube;
 use burn::backend::wgpu::{AutoCompiler, WgpuResource};
 use burn::tensor::{DType, Device, Tensor};
-use zero_comm::wgpu_loopback::{REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, wgpu};
+use zero_comm::quantized::QuantGroups;
+use zero_comm::wgpu_loopback::{
+    REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, qgz_reduce_scatter_device,
+    qwz_all_gather_device, wgpu,
+};
+use zero_quant::{Int4Block, Int8Block, WgpuQuantizer};
 
 use crate::error::{Error, Result};
-use crate::trainer::DeviceTensors;
+use crate::trainer::{DeviceQuant, DeviceTensors};
 
 /// cubecl's server of the wgpu runtime burn's wgpu devices run on.
 type Server = cubecl_wgpu::WgpuServer<AutoCompiler>;
@@ -381,5 +386,59 @@ impl DeviceTensors<WgpuComm> for BridgeTensors {
         let at = src.offset() + (offset * size_of::<f32>()) as u64;
         let view = WgpuBuffer::from_wgpu(src.wgpu_buffer().clone(), at, len)?;
         tensor_from_buffer(&view, [len], &self.model, &self.comm)
+    }
+}
+
+/// The trainer's [`DeviceQuant`] codecs on the wgpu path: zero-comm's device qwZ and qgZ with
+/// zero-quant's WGSL kernels on the shared device (bit-identical to the host codecs).
+#[derive(Debug)]
+pub struct BridgeQuant {
+    quantizer: WgpuQuantizer,
+}
+
+impl BridgeQuant {
+    /// The WGSL codecs on the loopback's side of the shared device.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Quant`] if the kernels cannot be built on the device.
+    pub fn new(comm: &WgpuDevice) -> Result<Self> {
+        Ok(BridgeQuant {
+            quantizer: WgpuQuantizer::new(comm.device().clone(), comm.queue().clone())?,
+        })
+    }
+}
+
+impl DeviceQuant<WgpuComm> for BridgeQuant {
+    fn qwz_all_gather(
+        &self,
+        comm: &mut WgpuComm,
+        codec: Int8Block,
+        chunk: &WgpuBuffer<f32>,
+        out: &mut WgpuBuffer<f32>,
+    ) -> Result<()> {
+        Ok(qwz_all_gather_device(
+            comm,
+            &self.quantizer,
+            codec,
+            chunk,
+            out,
+        )?)
+    }
+
+    fn qgz_reduce_scatter(
+        &self,
+        groups: &mut QuantGroups<WgpuComm>,
+        codec: Int4Block,
+        input: &WgpuBuffer<f32>,
+        out: &mut WgpuBuffer<f32>,
+    ) -> Result<()> {
+        Ok(qgz_reduce_scatter_device(
+            groups,
+            &self.quantizer,
+            codec,
+            input,
+            out,
+        )?)
     }
 }

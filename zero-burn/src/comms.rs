@@ -22,6 +22,7 @@ use zero_quant::{Int4Block, Int8Block};
 
 use crate::error::{Error, Result};
 use crate::precision::Half;
+use crate::trainer::DeviceQuant;
 
 /// A rank's communicators and the ZeRO++ codecs with their scratch space.
 #[derive(Debug)]
@@ -38,6 +39,8 @@ pub(crate) struct Comms<C: Communicator> {
     pub(crate) qgz: Option<Int4Block>,
     /// bf16/fp16: the 16-bit element type of weights and gradients on the wire.
     pub(crate) half: Option<Half>,
+    /// qwZ/qgZ codecs on the communicator's memory, for the device jobs.
+    pub(crate) quant: Option<Box<dyn DeviceQuant<C>>>,
     /// qwZ's wire buffers.
     pub(crate) qwz_scratch: QuantScratch,
     /// qgZ's wire buffers and accumulators (apart from qwZ's, as the plan counts them).
@@ -70,39 +73,61 @@ pub(crate) enum Job<C: Communicator> {
     /// All-gather a unit from this rank's `piece`; `hpz`: within the hpZ group (from the
     /// secondary shard). qwZ applies when it is on.
     Gather { piece: Out<C>, hpz: bool },
-    /// [`Job::Gather`] in fp32 without qwZ, leaving the unit in the communicator's memory (for a
-    /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook to install).
-    GatherDevice { piece: Vec<f32>, hpz: bool },
+    /// [`Job::Gather`] of an fp32 `piece`, leaving the unit in the communicator's memory (for a
+    /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook to install); `qwz`: through qwZ
+    /// when it is on (with the [`DeviceQuant`] codecs), else plain (the post-step gathers).
+    GatherDevice {
+        piece: Vec<f32>,
+        hpz: bool,
+        qwz: bool,
+    },
     /// [`Job::AllReduce`] of an f32 unit already in the communicator's memory (packed there by a
     /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook), in place; the result is downloaded.
     AllReduceDevice { data: C::Buffer<f32>, op: ReduceOp },
-    /// [`Job::ReduceScatter`] (no qgZ) of an f32 unit already in the communicator's memory; only
-    /// the rank's reduced chunk is downloaded.
-    ReduceScatterDevice { data: C::Buffer<f32>, op: ReduceOp },
+    /// [`Job::ReduceScatter`] of an f32 unit already in the communicator's memory (`qgz`: through
+    /// the device qgZ when the communicators have [`DeviceQuant`] codecs); only the rank's
+    /// reduced chunk is downloaded.
+    ReduceScatterDevice {
+        data: C::Buffer<f32>,
+        op: ReduceOp,
+        qgz: bool,
+    },
 }
 
 impl<C: Communicator> Comms<C> {
     /// Runs one collective.
     pub(crate) fn run(&mut self, job: Job<C>) -> Result<Out<C>> {
         match job {
-            Job::GatherDevice { piece, hpz } => {
+            Job::GatherDevice { piece, hpz, qwz } => {
                 let comm = match (&mut self.hpz, hpz) {
                     (Some(h), true) => h,
                     _ => &mut self.world,
                 };
                 let send = comm.upload(&piece)?;
                 let mut full = comm.alloc::<f32>(piece.len() * comm.world_size())?;
-                comm.all_gather(&send, &mut full)?;
+                match (qwz, &self.qwz, &self.quant) {
+                    (true, Some(codec), Some(q)) => {
+                        q.qwz_all_gather(comm, *codec, &send, &mut full)?
+                    }
+                    (true, Some(_), None) => return Err(no_device_codec("qwZ")),
+                    _ => comm.all_gather(&send, &mut full)?,
+                }
                 Ok(Words::Device(full))
             }
             Job::AllReduceDevice { mut data, op } => {
                 self.world.all_reduce(&mut data, op)?;
                 Ok(Words::F32(self.world.download_vec(&data)?))
             }
-            Job::ReduceScatterDevice { data, op } => {
+            Job::ReduceScatterDevice { data, op, qgz } => {
                 let n = self.world.world_size();
                 let mut out = self.world.alloc::<f32>(self.world.buffer_len(&data) / n)?;
-                self.world.reduce_scatter(&data, &mut out, op)?;
+                match (qgz, &mut self.qgroups, &self.qgz, &self.quant) {
+                    (true, Some(groups), Some(codec), Some(q)) => {
+                        q.qgz_reduce_scatter(groups, *codec, &data, &mut out)?
+                    }
+                    (true, Some(_), Some(_), None) => return Err(no_device_codec("qgZ")),
+                    _ => self.world.reduce_scatter(&data, &mut out, op)?,
+                }
                 Ok(Words::F32(self.world.download_vec(&out)?))
             }
             Job::AllReduce { data, op } => match (data, self.half) {
@@ -173,6 +198,12 @@ impl<C: Communicator> Comms<C> {
             }
         }
     }
+}
+
+fn no_device_codec(which: &str) -> Error {
+    Error::Model(format!(
+        "internal: {which} on the communicator's memory without device codecs"
+    ))
 }
 
 fn mixed() -> Error {
@@ -322,6 +353,7 @@ mod tests {
                     qwz: None,
                     qgz: None,
                     half: None,
+                    quant: None,
                     qwz_scratch: QuantScratch::new(),
                     qgz_scratch: QuantScratch::new(),
                 };

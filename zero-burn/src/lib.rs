@@ -40,7 +40,7 @@ pub use error::{Error, Result};
 pub use model::{Gpt, GptConfig, Segmented};
 pub use precision::StepInfo;
 pub use reduction::Reduction;
-pub use trainer::{DeviceTensors, MeasuredMemory, RankTrainer, TrainOptions};
+pub use trainer::{DeviceQuant, DeviceTensors, MeasuredMemory, RankTrainer, TrainOptions};
 
 use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 

@@ -110,10 +110,10 @@ impl MeasuredMemory {
 
 /// Moves burn tensors to and from the communicator's own memory without a host round trip (the
 /// wgpu path's hook is `bridge::BridgeTensors`, over the zero-copy bridge). Gradients: packed
-/// into their unit's buffer, for fp32 units reduced every micro-step without qgZ (the other paths
-/// round or quantize on the host). Weights: units all-gathered into the communicator's memory
-/// (stage 3's gathers, and the post-step gathers) become the model's tensors there, in fp32
-/// without qwZ.
+/// into their unit's buffer, for fp32 units reduced every micro-step (through qgZ only with
+/// [`DeviceQuant`] codecs; the other paths round or quantize on the host). Weights: units
+/// all-gathered into the communicator's memory (stage 3's gathers, through qwZ only with
+/// [`DeviceQuant`] codecs, and the post-step gathers) become the model's tensors there, in fp32.
 pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
     /// A zeroed buffer of `len` f32 elements.
     fn zeros(&self, len: usize) -> Result<C::Buffer<f32>>;
@@ -122,6 +122,28 @@ pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
     fn copy_in(&self, dst: &mut C::Buffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()>;
     /// A new flat tensor on the model's device holding `len` elements of `src` from `offset`.
     fn tensor_at(&self, src: &C::Buffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>>;
+}
+
+/// ZeRO++'s codecs on the communicator's memory (the wgpu path's is `bridge::BridgeQuant`, over
+/// zero-comm's device qwZ and qgZ): with them, qwZ gathers and qgZ reductions of fp32 units stay
+/// on the device too. They must give the host codecs' bits, as zero-comm's device versions do.
+pub trait DeviceQuant<C: Communicator>: Send + std::fmt::Debug {
+    /// qwZ: all-gathers every rank's `chunk` through `codec` into `out` (`n · chunk` elements).
+    fn qwz_all_gather(
+        &self,
+        comm: &mut C,
+        codec: Int8Block,
+        chunk: &C::Buffer<f32>,
+        out: &mut C::Buffer<f32>,
+    ) -> Result<()>;
+    /// qgZ: the hierarchical int4 reduce-scatter (mean) of `input` into the rank's `out`.
+    fn qgz_reduce_scatter(
+        &self,
+        groups: &mut QuantGroups<C>,
+        codec: Int4Block,
+        input: &C::Buffer<f32>,
+        out: &mut C::Buffer<f32>,
+    ) -> Result<()>;
 }
 
 /// A unit's gradients collected during the backward: in host memory, or packed in the
@@ -157,6 +179,8 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     rank: usize,
     /// Packs gradients in the communicator's memory (the wgpu path's zero-copy bridge).
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
+    /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
+    device_quant: bool,
     /// Gradient bytes packed by `device_tensors`.
     device_grad_bytes: u64,
     /// Weight bytes installed from the communicator's memory by `device_tensors`.
@@ -394,6 +418,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             plan: plan.clone(),
             rank,
             device_tensors: None,
+            device_quant: false,
             device_grad_bytes: 0,
             device_weight_bytes: 0,
             comms: Some(Comms {
@@ -403,6 +428,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 qwz,
                 qgz,
                 half,
+                quant: None,
                 qwz_scratch: QuantScratch::new(),
                 qgz_scratch: QuantScratch::new(),
             }),
@@ -539,11 +565,19 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             .is_some_and(|(u, _)| self.plan.units()[u].kind == UnitKind::Gather)
     }
 
-    /// Packs the gradients of fp32 units reduced every micro-step without qgZ into the
-    /// communicator's memory through `hook` (see [`DeviceTensors`]), instead of through host
-    /// memory. The arithmetic is the same, so are the bits.
+    /// Moves fp32 gradients and gathered weights between burn and the communicator's memory
+    /// through `hook` (see [`DeviceTensors`]) instead of through host memory. The arithmetic is
+    /// the same, so are the bits.
     pub fn with_device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
         self.device_tensors = Some(hook);
+        self
+    }
+
+    /// Runs qwZ and qgZ on the communicator's memory through `quant` (see [`DeviceQuant`]) where
+    /// a [`DeviceTensors`] hook keeps the tensors there. The same bits as the host codecs.
+    pub fn with_device_quant(mut self, quant: Box<dyn DeviceQuant<C>>) -> Self {
+        self.comms().quant = Some(quant);
+        self.device_quant = true;
         self
     }
 
@@ -566,7 +600,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.device_tensors.is_some()
             && self.half.is_none()
             && !(plan.stage() <= 1 && c.accumulate_before_reduce)
-            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
+            && (self.device_quant
+                || !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather))
     }
 
     fn comms(&mut self) -> &mut Comms<C> {
@@ -873,7 +908,11 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 exec.submit(if stage == 0 {
                     Job::AllReduceDevice { data, op }
                 } else {
-                    Job::ReduceScatterDevice { data, op }
+                    Job::ReduceScatterDevice {
+                        data,
+                        op,
+                        qgz: unit.kind == UnitKind::Gather,
+                    }
                 })?;
                 self.reduce_submitted(off, false, bytes);
                 return Ok(());
@@ -1375,10 +1414,16 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             (Some(_), true) => Words::U16(self.secondary16[u].clone().unwrap_or_default()),
             (Some(_), false) => Words::U16(self.shard16[so..so + cl].to_vec()),
         };
-        // fp32 without qwZ: gathered into the communicator's memory, installed from there.
-        let device = self.device_tensors.is_some() && !plan.config().quantized_weights;
+        // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
+        // from there.
+        let device = self.device_tensors.is_some()
+            && (self.device_quant || !plan.config().quantized_weights);
         exec.submit(match piece {
-            Words::F32(piece) if device => Job::GatherDevice { piece, hpz },
+            Words::F32(piece) if device => Job::GatherDevice {
+                piece,
+                hpz,
+                qwz: true,
+            },
             piece => Job::Gather { piece, hpz },
         })?;
         self.inflight.push_back(Ticket::Gather { u, backward });
@@ -1472,7 +1517,11 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let device = self.device_tensors.is_some();
         let comms = self.comms();
         if device {
-            comms.run(Job::GatherDevice { piece, hpz: false })
+            comms.run(Job::GatherDevice {
+                piece,
+                hpz: false,
+                qwz: false,
+            })
         } else {
             Ok(Words::F32(comms.world.all_gather_host(&piece)?))
         }

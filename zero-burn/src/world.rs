@@ -14,7 +14,7 @@ use crate::data::Corpus;
 use crate::error::{Error, Result};
 use crate::model::Segmented;
 use crate::reduction::{Reduction, canonical_sum};
-use crate::trainer::{DeviceTensors, MeasuredMemory, RankTrainer, TrainOptions};
+use crate::trainer::{DeviceQuant, DeviceTensors, MeasuredMemory, RankTrainer, TrainOptions};
 
 /// What one rank reports after training.
 #[derive(Debug)]
@@ -104,8 +104,15 @@ impl<M: Clone> RankModels<M> {
     }
 }
 
+/// A rank's device hooks: tensors to and from the communicator's memory, and ZeRO++'s codecs
+/// there.
+struct Device<C: Communicator> {
+    tensors: Box<dyn DeviceTensors<C>>,
+    quant: Option<Box<dyn DeviceQuant<C>>>,
+}
+
 /// One rank's whole run, on any communicator: `run.steps` steps, then its report. `hook` packs
-/// gradients in the communicator's memory (see [`DeviceTensors`]).
+/// tensors and ZeRO++'s codecs into the communicator's memory (see [`DeviceTensors`], [`DeviceQuant`]).
 #[allow(clippy::too_many_arguments)]
 fn run_rank<C: Communicator, M: Segmented>(
     plan: Arc<Plan>,
@@ -115,11 +122,14 @@ fn run_rank<C: Communicator, M: Segmented>(
     options: TrainOptions,
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
-    hook: Option<Box<dyn DeviceTensors<C>>>,
+    hook: Option<Device<C>>,
 ) -> Result<RankResult<M>> {
     let mut t = RankTrainer::new(plan, comm, model, options)?;
     if let Some(hook) = hook {
-        t = t.with_device_tensors(hook);
+        t = t.with_device_tensors(hook.tensors);
+        if let Some(q) = hook.quant {
+            t = t.with_device_quant(q);
+        }
     }
     let mut losses = Vec::with_capacity(run.steps as usize);
     let mut micro_losses = Vec::with_capacity(run.steps as usize);
@@ -258,12 +268,12 @@ impl WgpuShared {
 /// must live on [`WgpuShared::autodiff_device`].
 ///
 /// Tensors reach the loopback through the zero-copy bridge ([`WgpuTensors::Bridge`]) in fp32:
-/// units reduced every micro-step without qgZ are packed from burn's gradient tensors on the
-/// device and reduced there, only the rank's reduced chunk downloaded; weights (without qwZ) are
-/// gathered on the device and installed from there, only the rank's chunk uploaded. The trainer
-/// keeps its shards, gradient accumulator and optimizer state in host memory, so the other
-/// collectives (qwZ, qgZ, 16-bit or deferred) upload their input and download the result: a
-/// host round trip. The loopback reduces in rank order, so
+/// units reduced every micro-step are packed from burn's gradient tensors on the device and
+/// reduced there (qgZ with the WGSL codecs), only the rank's reduced chunk downloaded; weights
+/// are gathered on the device (qwZ likewise) and installed from there, only the rank's chunk
+/// uploaded. The trainer keeps its shards, gradient accumulator and optimizer state in host
+/// memory, so the other collectives (16-bit or deferred) upload their input and download the
+/// result: a host round trip. The loopback reduces in rank order, so
 /// [`Reduction::CanonicalTree`] is rejected.
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu<M: Segmented>(
@@ -326,11 +336,14 @@ pub fn train_wgpu_with<M: Segmented>(
     );
     let results = world.launch(|comm| {
         let mine = models.take(comm.rank())?;
-        let hook: Option<Box<dyn DeviceTensors<_>>> = match grads {
-            WgpuTensors::Bridge => Some(Box::new(crate::bridge::BridgeTensors::new(
-                shared.comm.clone(),
-                shared.autodiff_device(),
-            ))),
+        let hook = match grads {
+            WgpuTensors::Bridge => Some(Device {
+                tensors: Box::new(crate::bridge::BridgeTensors::new(
+                    shared.comm.clone(),
+                    shared.autodiff_device(),
+                )),
+                quant: Some(Box::new(crate::bridge::BridgeQuant::new(&shared.comm)?)),
+            }),
             WgpuTensors::Host => None,
         };
         run_rank(

@@ -160,8 +160,9 @@ fn zero1_on_wgpu_matches_flex() {
 /// downloaded; units gathered on the device and installed from there) against the host-staged
 /// wgpu path (every gradient read back, packed on the host, uploaded; every gathered unit
 /// downloaded and uploaded again): the same kernels on the same values, so the same bits,
-/// at every stage, with accumulation, hpZ and `overlap_comm` (device buffers gathered and reduced
-/// on the communication thread); traffic equals the plan on both.
+/// at every stage, with accumulation, hpZ, `overlap_comm` (device buffers gathered and reduced
+/// on the communication thread) and ZeRO++ (qwZ and qgZ on the device with the WGSL codecs, which
+/// give the host codecs' bits); traffic equals the plan on both.
 #[test]
 fn bridged_tensors_give_the_bits_of_host_staged_ones() {
     let Some(shared) = shared("bridged_tensors_give_the_bits_of_host_staged_ones") else {
@@ -173,12 +174,14 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
         timeout: Duration::from_secs(120),
         keep_final_params: true,
     };
-    for (stage, ga, hpz, overlap) in [
-        (0u8, 1u32, 1, false),
-        (1, 2, 1, false),
-        (2, 1, 1, true),
-        (3, 2, 1, false),
-        (3, 1, 2, true),
+    // (stage, accumulation, hpZ, overlap, qwZ + qgZ)
+    for (stage, ga, hpz, overlap, zpp) in [
+        (0u8, 1u32, 1, false, false),
+        (1, 2, 1, false, false),
+        (2, 1, 1, true, false),
+        (3, 2, 1, false, false),
+        (3, 1, 2, true, false),
+        (3, 2, 2, false, true),
     ] {
         let train = |grads| {
             let gpu = model_config().init(&shared.autodiff_device(), 11);
@@ -186,6 +189,8 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
                 gradient_accumulation_steps: ga,
                 hpz_partition_size: hpz,
                 overlap_comm: overlap,
+                quantized_weights: zpp,
+                quantized_gradients: zpp,
                 ..plan(&gpu, stage).config().clone()
             };
             let p = Arc::new(plan_for(&gpu, Topology::new(2, 2).unwrap(), &zero).unwrap());
@@ -213,7 +218,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
         let staged = train(WgpuTensors::Host);
         let staged_secs = t.elapsed().as_secs_f64();
         println!(
-            "ZERO_WGPU_BRIDGE stage={stage} ga={ga} hpz={hpz} overlap={overlap} steps={} \
+            "ZERO_WGPU_BRIDGE stage={stage} ga={ga} hpz={hpz} overlap={overlap} zpp={zpp} steps={} \
              bridged_s={bridged_secs:.3} staged_s={staged_secs:.3} on {}",
             run.steps,
             shared.adapter_name()
