@@ -10,15 +10,15 @@
 //! [`Error::Quant`](crate::Error::Quant) naming it. Only the failure path reads a wire back to the
 //! host (to find the poison marker).
 
-use std::ffi::{CString, c_void};
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::sys::{CUfunction, CUmodule};
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, result};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use zero_core::Collective;
 use zero_quant::cuda::CudaElement;
 use zero_quant::{BlockCodec, Codec, CudaQuantizer, WireLayout};
 
+use super::backend::kernels::PtxModule;
 use super::{NcclBuffer, NcclComm};
 use crate::Communicator;
 use crate::element::Element;
@@ -85,9 +85,6 @@ where
 
 // ---------------------------------------------------------------------------------------------
 // qgZ's final step: `out[i] = E(acc[i] / n)`
-
-const BLOCK: u32 = 256;
-const MAX_GRID: usize = 4096;
 
 /// The PTX of `zero_qgz_finish_{f32,f16,bf16}(u64 acc, u64 out, u64 len, f32 divisor)`: a
 /// grid-stride loop doing `out[i] = round_E(acc[i] / divisor)` with IEEE `div.rn.f32` (a true
@@ -170,27 +167,7 @@ $L_{name}_done:
 
 /// The finish kernels of one context, JIT-compiled (`cuModuleLoadData`) on first use and kept
 /// for the life of the process (one module per context; the context is retained with it).
-struct Finish {
-    ctx: Arc<CudaContext>,
-    module: CUmodule,
-    /// f32, f16, bf16.
-    funcs: [CUfunction; 3],
-}
-
-// SAFETY: module and function handles belong to a context, not to a thread; they are only used
-// after binding that context.
-unsafe impl Send for Finish {}
-// SAFETY: launching a function from several threads is allowed by the driver.
-unsafe impl Sync for Finish {}
-
-impl Drop for Finish {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: loaded by `Finish::load`, unloaded only here.
-            let _ = unsafe { result::module::unload(self.module) };
-        }
-    }
-}
+struct Finish(PtxModule);
 
 static FINISH: Mutex<Vec<Arc<Finish>>> = Mutex::new(Vec::new());
 
@@ -201,46 +178,22 @@ fn backend(what: &str, e: impl std::fmt::Display) -> Error {
 impl Finish {
     fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Finish>> {
         let mut cache = FINISH.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(k) = cache.iter().find(|k| k.ctx.cu_ctx() == ctx.cu_ctx()) {
+        if let Some(k) = cache
+            .iter()
+            .find(|k| k.0.context().cu_ctx() == ctx.cu_ctx())
+        {
             return Ok(k.clone());
         }
-        let k = Arc::new(Self::load(ctx)?);
+        let names = [
+            "zero_qgz_finish_f32",
+            "zero_qgz_finish_f16",
+            "zero_qgz_finish_bf16",
+        ];
+        let k = PtxModule::load(ctx, &finish_ptx(), &names)
+            .map_err(|e| backend("loading the finish kernels", e))?;
+        let k = Arc::new(Finish(k));
         cache.push(k.clone());
         Ok(k)
-    }
-
-    fn load(ctx: &Arc<CudaContext>) -> Result<Finish> {
-        ctx.bind_to_thread()
-            .map_err(|e| backend("binding the context", e))?;
-        let src = CString::new(finish_ptx()).map_err(|e| backend("the finish PTX", e))?;
-        // SAFETY: a NUL-terminated PTX text, which the driver JIT-compiles.
-        let module = unsafe { result::module::load_data(src.as_ptr().cast()) }
-            .map_err(|e| backend("cuModuleLoadData of the finish kernels", e))?;
-        let get = |name: &str| -> Result<CUfunction> {
-            let c = CString::new(name).map_err(|e| backend("a kernel name", e))?;
-            // SAFETY: `module` was just loaded.
-            unsafe { result::module::get_function(module, c) }
-                .map_err(|e| backend("cuModuleGetFunction", e))
-        };
-        let funcs = (|| {
-            Ok::<_, Error>([
-                get("zero_qgz_finish_f32")?,
-                get("zero_qgz_finish_f16")?,
-                get("zero_qgz_finish_bf16")?,
-            ])
-        })();
-        match funcs {
-            Ok(funcs) => Ok(Finish {
-                ctx: ctx.clone(),
-                module,
-                funcs,
-            }),
-            Err(e) => {
-                // SAFETY: loaded above, not referenced anywhere else.
-                let _ = unsafe { result::module::unload(module) };
-                Err(e)
-            }
-        }
     }
 
     /// Enqueues `out[i] = E(acc[i] / divisor)` for `acc.len()` elements on `stream`.
@@ -262,9 +215,9 @@ impl Finish {
             return Ok(());
         }
         let f = match <E as zero_quant::Element>::DTYPE {
-            zero_quant::DType::F32 => self.funcs[0],
-            zero_quant::DType::F16 => self.funcs[1],
-            zero_quant::DType::BF16 => self.funcs[2],
+            zero_quant::DType::F32 => 0,
+            zero_quant::DType::F16 => 1,
+            zero_quant::DType::BF16 => 2,
         };
         let (a, _ga) = acc.device_ptr(stream);
         let (o, _go) = out.device_ptr_mut(stream);
@@ -275,25 +228,10 @@ impl Finish {
             (&mut p_len as *mut u64).cast(),
             (&mut p_div as *mut f32).cast(),
         ];
-        let blocks = len.div_ceil(BLOCK as usize).min(MAX_GRID) as u32;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| backend("binding the context", e))?;
-        // SAFETY: `f` comes from the live module; the four parameters match the kernel's
-        // signature and are read by the driver during this call; `acc` holds `len` f32 and `out`
-        // `len` elements of `E` on the stream's device, alive (borrowed) and stream-ordered by
-        // the guards above.
-        unsafe {
-            result::launch_kernel(
-                f,
-                (blocks, 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| backend("cuLaunchKernel", e))
+        // SAFETY: the four parameters match the kernel's signature and are read by the driver
+        // during this call; `acc` holds `len` f32 and `out` `len` elements of `E` on the
+        // stream's device, alive (borrowed) and stream-ordered by the guards above.
+        unsafe { self.0.launch(f, stream, len, &mut params) }.map_err(|e| backend("launch", e))
     }
 }
 
@@ -573,7 +511,8 @@ mod tests {
         let stream = ctx.new_stream().unwrap();
         let k = Finish::get(&ctx).unwrap();
         assert!(Arc::ptr_eq(&k, &Finish::get(&ctx).unwrap()), "cached");
-        let len = MAX_GRID * BLOCK as usize + 3;
+        // More than one grid-stride pass of the launch (4096 blocks of 256 threads).
+        let len = 4096 * 256 + 3;
         let mut z = 11u64;
         let sums: Vec<f32> = (0..len).map(|_| f32::from_bits(lcg(&mut z))).collect();
         let acc = stream.clone_htod(&sums).unwrap();

@@ -155,21 +155,22 @@ $L_bf16_done:
 }
 "#;
 
-struct Loaded {
+/// A PTX module JIT-compiled (`cuModuleLoadData`) into one context, with its entry points,
+/// unloaded on drop. Shared by the mean kernels here and qgZ's finish kernels
+/// (`nccl::quantized`).
+pub(in crate::nccl) struct PtxModule {
     ctx: Arc<CudaContext>,
     module: CUmodule,
-    f32: CUfunction,
-    f16: CUfunction,
-    bf16: CUfunction,
+    funcs: Vec<CUfunction>,
 }
 
 // SAFETY: module and function handles belong to a context, not to a thread; they are only used
 // after binding that context, and the module is unloaded once, in `Drop`.
-unsafe impl Send for Loaded {}
+unsafe impl Send for PtxModule {}
 // SAFETY: launching a function from several threads is allowed by the driver.
-unsafe impl Sync for Loaded {}
+unsafe impl Sync for PtxModule {}
 
-impl Drop for Loaded {
+impl Drop for PtxModule {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: loaded by `load`, unloaded only here.
@@ -178,11 +179,85 @@ impl Drop for Loaded {
     }
 }
 
+impl PtxModule {
+    /// Loads `ptx` into `ctx` and looks up `names`, in order.
+    pub(in crate::nccl) fn load(
+        ctx: &Arc<CudaContext>,
+        ptx: &str,
+        names: &[&str],
+    ) -> std::result::Result<PtxModule, String> {
+        ctx.bind_to_thread()
+            .map_err(|e| format!("binding the context: {e}"))?;
+        let src = CString::new(ptx).map_err(|e| e.to_string())?;
+        // SAFETY: a NUL-terminated PTX text, which the driver JIT-compiles.
+        let module = unsafe { result::module::load_data(src.as_ptr().cast()) }
+            .map_err(|e| format!("cuModuleLoadData: {e}"))?;
+        let funcs = names
+            .iter()
+            .map(|name| {
+                let c = CString::new(*name).map_err(|e| e.to_string())?;
+                // SAFETY: `module` was just loaded.
+                unsafe { result::module::get_function(module, c) }
+                    .map_err(|e| format!("cuModuleGetFunction({name}): {e}"))
+            })
+            .collect::<std::result::Result<Vec<_>, String>>();
+        match funcs {
+            Ok(funcs) => Ok(PtxModule {
+                ctx: ctx.clone(),
+                module,
+                funcs,
+            }),
+            Err(e) => {
+                // SAFETY: loaded above, not referenced anywhere else.
+                let _ = unsafe { result::module::unload(module) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The context the module lives in.
+    pub(in crate::nccl) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Launches entry point `func` (an index into the names given to [`Self::load`]) as a
+    /// grid-stride loop over `len` elements on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// `params` must match the kernel's signature, and the memory it points the kernel at must
+    /// hold `len` elements on the stream's device, alive and stream-ordered.
+    pub(in crate::nccl) unsafe fn launch(
+        &self,
+        func: usize,
+        stream: &CudaStream,
+        len: usize,
+        params: &mut [*mut c_void],
+    ) -> std::result::Result<(), String> {
+        let blocks = len.div_ceil(BLOCK as usize).min(MAX_GRID as usize) as u32;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| format!("binding the context: {e}"))?;
+        // SAFETY: `funcs[func]` comes from the live module; the caller vouches for `params`.
+        unsafe {
+            result::launch_kernel(
+                self.funcs[func],
+                (blocks, 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(|e| format!("cuLaunchKernel: {e}"))
+    }
+}
+
 /// The division kernels of one context, JIT-compiled on first use and shared by every
 /// communicator split from the same world.
 #[derive(Default)]
 pub(super) struct MeanKernels {
-    loaded: OnceLock<std::result::Result<Loaded, String>>,
+    loaded: OnceLock<std::result::Result<PtxModule, String>>,
 }
 
 impl std::fmt::Debug for MeanKernels {
@@ -190,42 +265,6 @@ impl std::fmt::Debug for MeanKernels {
         f.debug_struct("MeanKernels")
             .field("loaded", &matches!(self.loaded.get(), Some(Ok(_))))
             .finish()
-    }
-}
-
-fn load(ctx: &Arc<CudaContext>) -> std::result::Result<Loaded, String> {
-    ctx.bind_to_thread()
-        .map_err(|e| format!("binding the context: {e}"))?;
-    let src = CString::new(PTX).map_err(|e| e.to_string())?;
-    // SAFETY: a NUL-terminated PTX text, which the driver JIT-compiles.
-    let module = unsafe { result::module::load_data(src.as_ptr().cast()) }
-        .map_err(|e| format!("cuModuleLoadData of the mean kernels: {e}"))?;
-    let get = |name: &str| -> std::result::Result<CUfunction, String> {
-        let c = CString::new(name).map_err(|e| e.to_string())?;
-        // SAFETY: `module` was just loaded.
-        unsafe { result::module::get_function(module, c) }
-            .map_err(|e| format!("cuModuleGetFunction({name}): {e}"))
-    };
-    let funcs = (|| {
-        Ok::<_, String>((
-            get("zero_div_f32")?,
-            get("zero_div_f16")?,
-            get("zero_div_bf16")?,
-        ))
-    })();
-    match funcs {
-        Ok((f32, f16, bf16)) => Ok(Loaded {
-            ctx: ctx.clone(),
-            module,
-            f32,
-            f16,
-            bf16,
-        }),
-        Err(e) => {
-            // SAFETY: loaded above, not referenced anywhere else.
-            let _ = unsafe { result::module::unload(module) };
-            Err(e)
-        }
     }
 }
 
@@ -245,20 +284,21 @@ impl MeanKernels {
         }
         let k = self
             .loaded
-            .get_or_init(|| load(ctx))
+            .get_or_init(|| {
+                PtxModule::load(ctx, PTX, &["zero_div_f32", "zero_div_f16", "zero_div_bf16"])
+            })
             .as_ref()
             .map_err(|e| Error::Backend(format!("nccl mean kernel: {e}")))?;
         let f = match dtype {
-            DType::F32 => k.f32,
-            DType::F16 => k.f16,
-            DType::BF16 => k.bf16,
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::BF16 => 2,
             DType::U8 => {
                 return Err(Error::Backend(
                     "nccl mean kernel: u8 is not reducible".into(),
                 ));
             }
         };
-        let blocks = len.div_ceil(BLOCK as usize).min(MAX_GRID as usize) as u32;
         let mut p_buf: u64 = buf;
         let mut p_len: u64 = len as u64;
         let mut p_div: f32 = divisor;
@@ -267,22 +307,11 @@ impl MeanKernels {
             (&mut p_len as *mut u64).cast(),
             (&mut p_div as *mut f32).cast(),
         ];
-        ctx.bind_to_thread()
-            .map_err(|e| Error::Backend(format!("nccl mean kernel: binding the context: {e}")))?;
-        // SAFETY: `f` comes from the live module; the three parameters match the kernel's
-        // signature and are read by the driver during this call; `buf` holds `len` elements of
-        // `dtype` on the stream's device (the caller's buffer, kept alive and stream-ordered).
-        unsafe {
-            result::launch_kernel(
-                f,
-                (blocks, 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| Error::Backend(format!("nccl mean kernel: cuLaunchKernel: {e}")))
+        // SAFETY: the three parameters match the kernel's signature and are read by the driver
+        // during this call; `buf` holds `len` elements of `dtype` on the stream's device (the
+        // caller's buffer, kept alive and stream-ordered).
+        unsafe { k.launch(f, stream, len, &mut params) }
+            .map_err(|e| Error::Backend(format!("nccl mean kernel: {e}")))
     }
 }
 

@@ -1,7 +1,7 @@
 //! The real backend (feature `nccl`): [`NcclComm`] over cudarc's CUDA driver and NCCL bindings.
 
 mod ffi;
-mod kernels;
+pub(super) mod kernels;
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
