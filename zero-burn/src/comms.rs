@@ -309,7 +309,9 @@ pub(crate) fn with_exec<C: Communicator, R>(
             return inline(comms, &mut call);
         };
         if let Err(back) = comms_tx.send(comms) {
-            unreachable!("the worker waits for its communicators ({:?})", back.0.half);
+            // The worker is gone before its first job (it cannot be, short of a panic in the
+            // channel): the same collectives, inline.
+            return inline(back.0, &mut call);
         }
         let mut exec = Exec::Thread {
             rank,
