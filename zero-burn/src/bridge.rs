@@ -390,10 +390,11 @@ impl DeviceTensors<WgpuComm> for BridgeTensors {
 }
 
 /// The trainer's [`DeviceQuant`] codecs on the wgpu path: zero-comm's device qwZ and qgZ with
-/// zero-quant's WGSL kernels on the shared device (bit-identical to the host codecs).
-#[derive(Debug)]
+/// zero-quant's WGSL kernels on the shared device (bit-identical to the host codecs). Clones
+/// share the compiled kernels, so one serves every rank of the device.
+#[derive(Clone, Debug)]
 pub struct BridgeQuant {
-    quantizer: WgpuQuantizer,
+    quantizer: Arc<WgpuQuantizer>,
 }
 
 impl BridgeQuant {
@@ -404,7 +405,10 @@ impl BridgeQuant {
     /// [`Error::Quant`] if the kernels cannot be built on the device.
     pub fn new(comm: &WgpuDevice) -> Result<Self> {
         Ok(BridgeQuant {
-            quantizer: WgpuQuantizer::new(comm.device().clone(), comm.queue().clone())?,
+            quantizer: Arc::new(WgpuQuantizer::new(
+                comm.device().clone(),
+                comm.queue().clone(),
+            )?),
         })
     }
 }

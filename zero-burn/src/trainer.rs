@@ -242,12 +242,6 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     fetching: Vec<bool>,
     /// Collectives submitted this micro-step whose results are not yet applied, oldest first.
     inflight: VecDeque<Ticket>,
-    /// Elements of the units being fetched.
-    fetching_elems: u64,
-    /// Bytes of gradient buffers in flight in reductions.
-    reduce_bytes_in_flight: u64,
-    /// Reductions in flight.
-    reduces_in_flight: usize,
     step: u64,
     micro: u32,
     /// The unscaled loss of each micro-step of the last step.
@@ -472,9 +466,6 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             gathered: vec![false; units.len()],
             fetching: vec![false; units.len()],
             inflight: VecDeque::new(),
-            fetching_elems: 0,
-            reduce_bytes_in_flight: 0,
-            reduces_in_flight: 0,
             step: 0,
             micro: 0,
             micro_losses: Vec::new(),
@@ -730,9 +721,6 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.comms = Some(comms);
         if r.is_err() {
             self.fetching.iter_mut().for_each(|f| *f = false);
-            self.fetching_elems = 0;
-            self.reduce_bytes_in_flight = 0;
-            self.reduces_in_flight = 0;
         }
         let loss = r?;
         self.micro += 1;
@@ -810,7 +798,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                     .take()
                     .unwrap_or_else(|| Pending::Host(vec![0.0; plan.units()[u].len as usize]));
                 self.submit_reduce(exec, u, g)?;
-                while self.reduces_in_flight > max_reduces {
+                while self.reductions_in_flight().0 > max_reduces {
                     self.complete_one(exec)?;
                 }
             }
@@ -894,7 +882,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
         let w = if self.half.is_some() { 2 } else { 4 };
         let bytes = len as u64 * w;
-        self.track_comm_buffer(self.reduce_bytes_in_flight + bytes);
+        self.track_comm_buffer(self.reductions_in_flight().1 + bytes);
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
         let op = match (self.options.reduction, self.half) {
@@ -952,15 +940,24 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         Ok(())
     }
 
-    /// Books a submitted reduction: its ticket, and its gradient buffer in flight.
+    /// The reductions in flight: how many, and the bytes of their gradient buffers.
+    fn reductions_in_flight(&self) -> (usize, u64) {
+        self.inflight
+            .iter()
+            .filter_map(|t| match t {
+                Ticket::Reduce { bytes, .. } => Some(*bytes),
+                Ticket::Gather { .. } => None,
+            })
+            .fold((0, 0), |(n, b), x| (n + 1, b + x))
+    }
+
+    /// Books a submitted reduction (its ticket also records its gradient buffer in flight).
     fn reduce_submitted(&mut self, off: usize, overwrite: bool, bytes: u64) {
         self.inflight.push_back(Ticket::Reduce {
             off,
             overwrite,
             bytes,
         });
-        self.reduce_bytes_in_flight += bytes;
-        self.reduces_in_flight += 1;
     }
 
     /// Waits for the oldest collective in flight and applies its result: a gathered unit is
@@ -972,38 +969,28 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         let words = exec.wait()?;
         match ticket {
             Ticket::Gather { u, backward } => self.install(u, backward, words)?,
-            Ticket::Reduce {
-                off,
-                overwrite,
-                bytes,
-            } => {
-                self.reduce_bytes_in_flight -= bytes;
-                self.reduces_in_flight -= 1;
-                match (words, self.half) {
-                    (Words::F32(r), _) if overwrite => {
-                        self.acc[off..off + r.len()].copy_from_slice(&r)
-                    }
-                    (Words::F32(r), _) => self.accumulate(off, r),
-                    (Words::U16(r), Some(h)) if self.acc32 => {
-                        let acc = &mut self.acc[off..off + r.len()];
-                        for (a, &b) in acc.iter_mut().zip(&r) {
-                            *a = if overwrite {
-                                h.widen(b)
-                            } else {
-                                *a + h.widen(b)
-                            };
-                        }
-                    }
-                    (Words::U16(r), _) if overwrite => {
-                        self.acc16[off..off + r.len()].copy_from_slice(&r)
-                    }
-                    (Words::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
-                    (Words::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
-                    (Words::Device(_), _) => {
-                        unreachable!("reductions download the rank's chunk")
+            Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
+                (Words::F32(r), _) if overwrite => self.acc[off..off + r.len()].copy_from_slice(&r),
+                (Words::F32(r), _) => self.accumulate(off, r),
+                (Words::U16(r), Some(h)) if self.acc32 => {
+                    let acc = &mut self.acc[off..off + r.len()];
+                    for (a, &b) in acc.iter_mut().zip(&r) {
+                        *a = if overwrite {
+                            h.widen(b)
+                        } else {
+                            *a + h.widen(b)
+                        };
                     }
                 }
-            }
+                (Words::U16(r), _) if overwrite => {
+                    self.acc16[off..off + r.len()].copy_from_slice(&r)
+                }
+                (Words::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
+                (Words::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
+                (Words::Device(_), _) => {
+                    unreachable!("reductions download the rank's chunk")
+                }
+            },
         }
         Ok(())
     }
@@ -1428,9 +1415,16 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         })?;
         self.inflight.push_back(Ticket::Gather { u, backward });
         self.fetching[u] = true;
-        self.fetching_elems += unit.len;
         let w = if self.half.is_some() { 2 } else { 4 };
-        let live = self.live_gathered + self.fetching_elems;
+        let fetching: u64 = self
+            .inflight
+            .iter()
+            .map(|t| match t {
+                Ticket::Gather { u, .. } => plan.units()[*u].len,
+                Ticket::Reduce { .. } => 0,
+            })
+            .sum();
+        let live = self.live_gathered + fetching;
         self.peak.gathered_working_set = self.peak.gathered_working_set.max(live * w);
         Ok(())
     }
@@ -1463,7 +1457,6 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         }
         self.fetching[u] = false;
         self.gathered[u] = true;
-        self.fetching_elems -= len as u64;
         self.live_gathered += len as u64;
         Ok(())
     }

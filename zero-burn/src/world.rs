@@ -329,6 +329,11 @@ pub fn train_wgpu_with<M: Segmented>(
         )));
     }
     let models = RankModels::new(&model, plan.world_size());
+    // The WGSL codecs, compiled once for every rank.
+    let quant = match grads {
+        WgpuTensors::Bridge => Some(crate::bridge::BridgeQuant::new(&shared.comm)?),
+        WgpuTensors::Host => None,
+    };
     let world = zero_comm::wgpu_loopback::WgpuWorld::with_device(
         shared.comm.clone(),
         *plan.topology(),
@@ -336,16 +341,13 @@ pub fn train_wgpu_with<M: Segmented>(
     );
     let results = world.launch(|comm| {
         let mine = models.take(comm.rank())?;
-        let hook = match grads {
-            WgpuTensors::Bridge => Some(Device {
-                tensors: Box::new(crate::bridge::BridgeTensors::new(
-                    shared.comm.clone(),
-                    shared.autodiff_device(),
-                )),
-                quant: Some(Box::new(crate::bridge::BridgeQuant::new(&shared.comm)?)),
-            }),
-            WgpuTensors::Host => None,
-        };
+        let hook = quant.clone().map(|q| Device {
+            tensors: Box::new(crate::bridge::BridgeTensors::new(
+                shared.comm.clone(),
+                shared.autodiff_device(),
+            )) as Box<dyn DeviceTensors<_>>,
+            quant: Some(Box::new(q) as Box<dyn DeviceQuant<_>>),
+        });
         run_rank(
             plan.clone(),
             comm,
