@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use zero_burn::job::{Backend, DataSource, JobConfig, RunReport, run_job};
+use zero_burn::demo::job::{Backend, DataSource, JobConfig, RunReport, run_job};
 use zero_core::report::human_bytes;
 use zero_core::{Collective, LinkClass, Precision, ZeroConfig};
 
@@ -81,8 +81,8 @@ pub(crate) struct TrainArgs {
     timeout: u64,
 }
 
-fn model_preset(name: &str) -> anyhow::Result<zero_burn::GptConfig> {
-    use zero_burn::GptConfig;
+fn model_preset(name: &str) -> anyhow::Result<zero_burn::demo::gpt::GptConfig> {
+    use zero_burn::demo::gpt::GptConfig;
     Ok(match name {
         "tiny" => GptConfig {
             vocab: 64,

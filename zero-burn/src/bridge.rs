@@ -1,7 +1,7 @@
 //! The zero-copy bridge between burn tensors on burn's wgpu backend and the wgpu loopback's
 //! buffers (feature `wgpu`).
 //!
-//! With [`WgpuShared`](crate::world::WgpuShared), burn (cubecl-wgpu) and the wgpu loopback share
+//! With [`WgpuShared`](crate::WgpuShared), burn (cubecl-wgpu) and the wgpu loopback share
 //! one `wgpu::Device` and one queue. Then:
 //!
 //! - [`tensor_buffer`] hands out a tensor's own storage as a
@@ -241,7 +241,7 @@ pub fn tensor_buffer<const D: usize>(t: &Tensor<D>) -> Result<TensorBuffer> {
 /// A fresh f32 tensor of `shape` on `device` (burn's wgpu backend, with or without autodiff)
 /// holding the elements of `src`, copied device-to-device on the shared queue: no host round trip.
 /// `comm` is the loopback's side of the device burn's tensors live on
-/// ([`WgpuShared::comm_device`](crate::world::WgpuShared::comm_device)). The copy is submitted
+/// ([`WgpuShared::comm_device`](crate::WgpuShared::comm_device)). The copy is submitted
 /// before this returns, so burn work on the tensor executes after it.
 ///
 /// On an autodiff device the tensor has autodiff enabled but does not require gradients: call
@@ -333,7 +333,7 @@ pub struct BridgeTensors {
 
 impl BridgeTensors {
     /// A hook on the loopback's side of the shared device
-    /// ([`WgpuShared::comm_device`](crate::world::WgpuShared::comm_device)), making weights on
+    /// ([`WgpuShared::comm_device`](crate::WgpuShared::comm_device)), making weights on
     /// `model`, the device the model lives on.
     pub fn new(comm: Arc<WgpuDevice>, model: Device) -> Self {
         BridgeTensors { comm, model }

@@ -16,6 +16,29 @@ pub enum Error {
     /// The model does not fit the trainer's expectations.
     #[error("model: {0}")]
     Model(String),
+    /// The model's segments do not cover its parameters exactly once.
+    #[error("segments: parameter `{path}` {detail}")]
+    Segmentation {
+        /// The parameter's dotted path.
+        path: String,
+        /// What is wrong (visited by no segment, or by two).
+        detail: String,
+    },
+    /// A segment returned the wrong kind of output.
+    #[error("segment {segment} of {segments} returned {got}, expected {expected}")]
+    SegmentOutput {
+        /// The segment.
+        segment: usize,
+        /// Segments in the model.
+        segments: usize,
+        /// What it returned.
+        got: &'static str,
+        /// What the engine expected.
+        expected: &'static str,
+    },
+    /// A tensor could not be read (wrong dtype or shape).
+    #[error("tensor: {0}")]
+    Tensor(String),
     /// A training option is out of range.
     #[error("invalid {field}: got {got}, expected {expected}")]
     Invalid {

@@ -1,46 +1,90 @@
 //! # zero-burn
 //!
-//! **Role.** The burn integration: runs ZeRO-1/2/3 data-parallel training of burn modules by
-//! executing a `zero_core::Plan` with one `zero_comm` communicator per rank. See [`trainer`] for
-//! the step, [`model`] for how models are executed segment by segment, and [`world`] for the
-//! in-process launcher.
+//! ZeRO-1/2/3 and ZeRO++ data-parallel training for any burn model. One [`ZeroEngine`] per rank
+//! executes a `zero_core::Plan` over one `zero_comm` communicator; the caller owns the model, the
+//! batches, the loss and the loop.
+//!
+//! - A model is [`Segmented`]: it names its segments (the points where stage 3 gathers and
+//!   releases weights and where gradients are complete) and runs them one at a time, with any
+//!   batch type and any [`Activation`] between segments. [`Whole`] makes any burn module plus a
+//!   loss closure a one-segment model.
+//! - [`EngineBuilder`] checks the model, plan, communicator and optimizer once, in `build`.
+//! - [`ZeroEngine::step`] runs one optimizer step over this rank's micro-batches;
+//!   [`ZeroEngine::eval`] a forward pass; [`ZeroEngine::consolidated_model`] gathers the full
+//!   model; [`ZeroEngine::report`] compares measured traffic and memory with the plan.
+//! - [`Launch`] runs one closure per rank on threads of this process (host loopback; wgpu
+//!   loopback with feature `wgpu`); a failing rank fails the others fast.
+//!
+//! The demo (a GPT-style decoder, corpora and the job `cargo xtask train` runs) lives in
+//! [`demo`] and uses this API alone.
+//!
+//! ```
+//! use burn::nn::loss::CrossEntropyLossConfig;
+//! use burn::nn::{Linear, LinearConfig};
+//! use burn::tensor::{Device, Int, Tensor, TensorData};
+//! use zero_burn::{Launch, Whole, ZeroEngine};
+//! use zero_core::{Topology, ZeroConfig};
+//!
+//! // Any burn module and a loss: here a linear classifier of 4 features into 2 classes.
+//! struct Batch { x: Tensor<2>, y: Tensor<1, Int> }
+//! let device = Device::flex().autodiff();
+//! let model = Whole::new(LinearConfig::new(4, 2).init(&device), |m: &Linear, b: &Batch| {
+//!     CrossEntropyLossConfig::new().init(&b.x.device()).forward(m.forward(b.x.clone()), b.y.clone())
+//! });
+//! // Rank r's batch at step s: two points of its own.
+//! let batch = |s: usize, r: usize| {
+//!     let v = (s * 2 + r) as f32;
+//!     Batch {
+//!         x: Tensor::from_data(TensorData::new(vec![v, 1.0, -v, 0.5, -1.0, v, 0.0, 2.0], [2, 4]), &Device::flex()),
+//!         y: Tensor::from_data(TensorData::new(vec![0i64, 1], [2]), &Device::flex()),
+//!     }
+//! };
+//! // Two ranks in this process, ZeRO-3: each builds its engine and drives its own loop.
+//! let topology = Topology::single_node(2)?;
+//! let losses = Launch::new(topology).run_with(&model, |comm, model| {
+//!     let rank = zero_comm::Communicator::rank(&comm);
+//!     let mut engine = ZeroEngine::builder(comm, model)
+//!         .config(ZeroConfig { stage: 3, ..Default::default() })
+//!         .build()?;
+//!     let mut losses = Vec::new();
+//!     for step in 0..3 {
+//!         losses.push(engine.step(1e-2, &[batch(step, rank)])?.loss);
+//!     }
+//!     assert!(engine.report().traffic_matches_plan());
+//!     let _full = engine.consolidated_model()?; // collective: every rank calls it
+//!     Ok(losses)
+//! })?;
+//! assert_eq!(losses.len(), 2);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 //!
 //! **May depend on:** zero-core, zero-comm, zero-quant and burn. It is the only library crate that
-//! names burn types.
-//!
-//! **Status:** stages 0–3 and ZeRO++ (qwZ, hpZ, qgZ, alone or together) in fp32, bf16 and fp16
-//! on burn's CPU backend (flex) with the host loopback. Stages 0–3 are bit-identical to each
-//! other; with [`Reduction::CanonicalTree`] also across world sizes for the same global batch
-//! (fp32 only; any power-of-two N, or accumulation 1; not with clipping, qwZ or qgZ), see
-//! [`reduction`]. bf16/fp16 keep fp32 master weights and optimizer states, move and store 16-bit
-//! weights and gradients, and (fp16) scale the loss and skip overflowing steps on every rank
-//! together; compute stays f32 on the CPU backend, see [`precision`]. Feature `wgpu`:
-//! the same trainer on burn's wgpu backend with the wgpu loopback on one shared device
-//! (`world::train_wgpu`; collectives round-trip through host memory), and [`bridge`], which hands
-//! a burn-wgpu tensor's own storage to the wgpu loopback without a copy (the wgpu path packs and
-//! reduces gradients through it on the device). `overlap_comm` runs each rank's collectives on a thread of its own, bit-identical to
-//! synchronous. bf16/fp16 can accumulate gradients in fp32 (`grad_accum_dtype`). The CUDA path
-//! (burn's CUDA backend) is not built: it cannot be built offline.
+//! names burn types. What works and what does not is in README's status table.
 
 #[cfg(feature = "wgpu")]
 pub mod bridge;
 mod comms;
-pub mod data;
+pub mod demo;
+mod engine;
 pub mod error;
-pub mod job;
-pub mod model;
+mod launch;
 pub mod optim;
 pub mod params;
 pub mod precision;
 pub mod reduction;
+pub mod segmented;
 pub mod trainer;
-pub mod world;
 
+pub use engine::{EngineBuilder, RankReport};
 pub use error::{Error, Result};
-pub use model::{Gpt, GptConfig, Segmented};
+#[cfg(feature = "wgpu")]
+pub use launch::WgpuShared;
+pub use launch::{Launch, launch};
+pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;
-pub use trainer::{DeviceQuant, DeviceTensors, MeasuredMemory, RankTrainer, TrainOptions};
+pub use segmented::{Activation, SegmentOut, Segmented, Whole};
+pub use trainer::{DeviceQuant, DeviceTensors, MeasuredMemory, StepOutput, ZeroEngine};
 
 use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 
@@ -48,9 +92,8 @@ use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 /// gathers by segment.
 pub fn describe_model<M: Segmented>(model: &M) -> Result<ModelDesc> {
     let params = params::describe(model);
-    params::model_desc(&params, |path| {
-        format!("segment.{}", model.segment_of(path))
-    })
+    let segment = segmented::param_segments(model, &params)?;
+    params::model_desc(&params, |i| format!("segment.{}", segment[i]))
 }
 
 /// A checked plan for `model`.

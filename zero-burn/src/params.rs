@@ -67,13 +67,14 @@ pub fn describe<M: Module>(model: &M) -> Vec<ParamInfo> {
     d.out
 }
 
-/// A zero-core model description. `group_of` maps a parameter path to the name of the unit it is
-/// gathered with at stage 3 (e.g. its segment).
-pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(&str) -> String) -> Result<ModelDesc> {
+/// A zero-core model description. `group_of(i)` names the unit parameter `i` is gathered with at
+/// stage 3 (e.g. its segment).
+pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(usize) -> String) -> Result<ModelDesc> {
     let descs = params
         .iter()
-        .map(|p| {
-            let mut d = ParamDesc::new(p.path.clone(), &p.shape, group_of(&p.path));
+        .enumerate()
+        .map(|(i, p)| {
+            let mut d = ParamDesc::new(p.path.clone(), &p.shape, group_of(i));
             d.trainable = p.trainable;
             d
         })
@@ -233,4 +234,14 @@ pub fn resident_elems<M: Module>(model: &M) -> u64 {
     let mut c = CountResident { elems: 0 };
     model.visit(&mut c);
     c.elems
+}
+
+/// The ids of the float parameters a visit reaches, in order.
+#[derive(Default)]
+pub(crate) struct Ids(pub(crate) Vec<ParamId>);
+
+impl ModuleVisitor for Ids {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        self.0.push(p.id);
+    }
 }

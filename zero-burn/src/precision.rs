@@ -22,7 +22,7 @@
 //! the plan already schedules for the fp16 overflow check (a non-finite partial on any rank makes
 //! every rank's total non-finite), so every rank skips the same step. A skipped step leaves the
 //! master weights, the working weights and the optimizer state (including Adam's step count)
-//! untouched, and [`crate::RankTrainer::last_step`] reports it. bf16 runs unscaled and unchecked,
+//! untouched, and [`crate::ZeroEngine::last_step`] reports it. bf16 runs unscaled and unchecked,
 //! as in DeepSpeed.
 
 use burn::tensor::{bf16, f16};
@@ -175,6 +175,9 @@ pub struct StepInfo {
     pub skipped: bool,
     /// The loss scale the step's backward used (1 in fp32 and bf16).
     pub loss_scale: f32,
+    /// The global gradient norm before clipping, where the step computed it (gradient clipping
+    /// on; the norm costs an 8-byte all-gather that the plan counts only then).
+    pub grad_norm: Option<f32>,
 }
 
 /// DeepSpeed's loss scaler: static, or dynamic with hysteresis and a window.

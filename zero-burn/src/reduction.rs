@@ -19,7 +19,7 @@
 //! canonical tree over all `N·A` micro-batches whenever `N` is a power of two or `A = 1`. Two such
 //! configurations with the same `N·A` (and the same micro-batch size, data and seeds) perform the
 //! same floating-point operations on the same values: bit-identical parameters and losses
-//! ([`crate::world::global_losses`]). Not covered: gradient clipping (the f64 norm partials are
+//! ([`crate::demo::run::global_losses`]). Not covered: gradient clipping (the f64 norm partials are
 //! split at shard boundaries that depend on `N`), qwZ (its quantization blocks follow the shards)
 //! and qgZ (rejected: its all-to-all has its own order).
 
@@ -36,7 +36,7 @@ pub enum Reduction {
     /// Unscaled gradients summed over the canonical pairwise tree of all micro-batches, divided
     /// once by `N·A`: the same bits for every world size that is a power of two. Needs a
     /// communicator whose reductions follow [`zero_comm::ReduceOrder::PairwiseTree`] (the host
-    /// loopback built with it; [`crate::world::train_host`] does this).
+    /// loopback built with it; [`crate::demo::run::train_host`] does this).
     CanonicalTree,
 }
 

@@ -1,6 +1,6 @@
 //! The per-rank trainer: executes a [`Plan`] with one communicator per rank.
 //!
-//! One micro-step runs the model segment by segment (see [`crate::model`]):
+//! One micro-step runs the model segment by segment (see [`crate::segmented`]):
 //!
 //! 1. **Forward.** For each segment: at stage 3, all-gather its gather units (prefetching the next
 //!    unit when the plan allows), run it, keep only its output activation, release the units
@@ -37,27 +37,33 @@ use zero_core::{MemoryModel, Plan, TrafficTable, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
 use crate::comms::{self, Comms, Exec, Job, Out, Words};
-use crate::data::{Corpus, TokenBatch};
 use crate::error::{Error, Result};
-use crate::model::Segmented;
 use crate::optim::{self, OptimState, Optimizer};
 use crate::params::{self, ParamInfo};
 use crate::precision::{Half, LossScaler, StepInfo};
 use crate::reduction::{Reduction, TreeAccumulator};
+use crate::segmented::{Activation, SegmentOut, Segmented};
 
-/// Training options that are not part of the ZeRO plan.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct TrainOptions {
-    /// Learning rate.
-    pub lr: f32,
+/// The engine's options that are not part of the ZeRO plan (set through
+/// [`crate::EngineBuilder`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct EngineOptions {
     /// Optimizer.
-    pub optimizer: Optimizer,
-    /// Sequences per rank per micro-step.
-    pub micro_batch: usize,
-    /// Tokens per sequence.
-    pub seq: usize,
+    pub(crate) optimizer: Optimizer,
     /// How gradients are summed over micro-steps and ranks.
-    pub reduction: Reduction,
+    pub(crate) reduction: Reduction,
+}
+
+/// What one optimizer step did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepOutput {
+    /// This rank's mean loss over its micro-batches (unscaled).
+    pub loss: f32,
+    /// This rank's loss of each micro-batch, in order (unscaled): what
+    /// [`crate::demo::run::global_losses`] sums over the canonical tree.
+    pub micro_losses: Vec<f32>,
+    /// Skipped or not (fp16 overflow), the loss scale, and the global gradient norm.
+    pub info: StepInfo,
 }
 
 /// Measured bytes per rank, in the plan's categories.
@@ -168,13 +174,15 @@ enum Ticket {
     },
 }
 
-/// The communicators are away only inside [`RankTrainer::micro_step`], which always takes them
+/// The communicators are away only inside [`ZeroEngine::micro_step`], which always takes them
 /// back, so every other method finds them home.
 const HOME: &str = "the communicators are home between micro-steps";
 
-/// The per-rank trainer.
+/// One rank's engine: executes a [`Plan`] for a [`Segmented`] burn model over one communicator.
+/// Built by [`crate::EngineBuilder`]; the caller owns the loop and the data and calls
+/// [`ZeroEngine::step`] once per optimizer step.
 #[derive(Debug)]
-pub struct RankTrainer<C: Communicator, M: Segmented> {
+pub struct ZeroEngine<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
     /// Packs gradients in the communicator's memory (the wgpu path's zero-copy bridge).
@@ -189,7 +197,7 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     /// micro-step, home otherwise (see [`crate::comms`]).
     comms: Option<Comms<C>>,
     model: M,
-    options: TrainOptions,
+    options: EngineOptions,
     /// Parameter infos, indexed like the plan's model.
     params: Vec<ParamInfo>,
     /// Segment of every parameter.
@@ -249,6 +257,10 @@ pub struct RankTrainer<C: Communicator, M: Segmented> {
     peak: MeasuredMemory,
     live_gathered: u64,
     traffic_base: TrafficTable,
+    /// Steps skipped (fp16 overflow).
+    skipped: u64,
+    /// Traffic of collectives outside training steps (eval, consolidation).
+    other_traffic: TrafficTable,
 }
 
 /// The global sum of squared gradients, identical on every rank and at every stage: an f64
@@ -289,10 +301,15 @@ fn global_sum_sq<C: Communicator>(
         .fold(0.0, |a, b| a + b))
 }
 
-impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
-    /// A trainer for this rank. `model` must hold the same initial values on every rank; the
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// The engine of this rank. `model` must hold the same initial values on every rank; the
     /// plan must describe it (see [`crate::plan_for`]).
-    pub fn new(plan: Arc<Plan>, mut world: C, model: M, options: TrainOptions) -> Result<Self> {
+    pub(crate) fn new(
+        plan: Arc<Plan>,
+        mut world: C,
+        model: M,
+        options: EngineOptions,
+    ) -> Result<Self> {
         let rank = world.rank();
         if world.world_size() != plan.world_size() {
             return Err(Error::Model(format!(
@@ -337,13 +354,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             ));
         }
         let segments = model.num_segments();
-        let param_segment: Vec<usize> = params.iter().map(|p| model.segment_of(&p.path)).collect();
-        if let Some(i) = param_segment.iter().position(|&s| s >= segments) {
-            return Err(Error::Model(format!(
-                "parameter `{}` maps to segment {} of {segments}",
-                params[i].path, param_segment[i]
-            )));
-        }
+        let param_segment = crate::segmented::param_segments(&model, &params)?;
         let units = plan.units();
         let mut completes_at = vec![Vec::new(); segments];
         let mut seg_units = vec![Vec::new(); segments];
@@ -408,7 +419,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         } else {
             None
         };
-        let mut t = RankTrainer {
+        let mut t = ZeroEngine {
             plan: plan.clone(),
             rank,
             device_tensors: None,
@@ -472,6 +483,8 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             peak: MeasuredMemory::default(),
             live_gathered: 0,
             traffic_base: TrafficTable::new(),
+            skipped: 0,
+            other_traffic: TrafficTable::new(),
         };
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial
@@ -608,9 +621,63 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.rank
     }
 
-    /// The model (stage 3: gather units are released between steps).
+    /// The model (stage 3: gather units are released between steps; see
+    /// [`Self::consolidated_model`] for the full one).
     pub fn model(&self) -> &M {
         &self.model
+    }
+
+    /// The plan this engine executes.
+    pub fn plan(&self) -> &Arc<Plan> {
+        &self.plan
+    }
+
+    /// Steps skipped because fp16 gradients overflowed.
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Traffic of collectives outside training steps ([`Self::eval`], consolidation).
+    pub fn other_traffic(&self) -> &TrafficTable {
+        &self.other_traffic
+    }
+
+    pub(crate) fn has_device_tensors(&self) -> bool {
+        self.device_tensors.is_some()
+    }
+
+    /// Runs `f` and books its traffic as [`Self::other_traffic`] rather than training traffic.
+    pub(crate) fn untracked<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let before = self.traffic();
+        let r = f(self);
+        let delta = self.traffic().since(&before);
+        self.other_traffic.merge(&delta);
+        self.traffic_base.merge(&delta);
+        r
+    }
+
+    /// New values for every parameter, indexed like the plan's model.
+    pub(crate) fn params_with(&self, values: Vec<Vec<f32>>) -> params::NewValues {
+        self.params
+            .iter()
+            .zip(values)
+            .map(|(p, v)| (p.id, (v, p.shape.clone(), p.trainable)))
+            .collect()
+    }
+
+    /// The mean loss of `batch` with the current weights: a forward pass only, no gradients and
+    /// no optimizer state touched (stage 3 gathers each segment's units and releases them). Its
+    /// traffic is booked as [`Self::other_traffic`]. Collective at stage 3: every rank must call it.
+    pub fn eval(&mut self, batch: &M::Batch) -> Result<f32> {
+        self.untracked(|e| {
+            let r = e.with_exec(false, |e, exec| {
+                e.forward(exec, batch).map(|(loss, _)| loss)
+            });
+            // Nothing of an eval's gathers outlives it: no hpZ secondary (kept for a backward).
+            e.secondary.iter_mut().for_each(|s| *s = None);
+            e.secondary16.iter_mut().for_each(|s| *s = None);
+            r
+        })
     }
 
     /// Traffic measured on every communicator of this rank since the trainer was built.
@@ -672,24 +739,33 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     }
 
     /// The loss of each micro-step of the last optimizer step (this rank's micro-batches, in
-    /// order), unscaled: what [`crate::world::global_losses`] sums over the canonical tree.
+    /// order), unscaled: what [`crate::demo::run::global_losses`] sums over the canonical tree.
     pub fn last_micro_losses(&self) -> &[f32] {
         &self.micro_losses
     }
 
-    /// One optimizer step: `gradient_accumulation_steps` micro-steps over the global batch
-    /// `step`, then the update. Returns this rank's mean micro-step loss.
-    pub fn train_step(&mut self, corpus: &dyn Corpus) -> Result<f32> {
-        let a = self.plan.config().gradient_accumulation_steps;
-        let n = self.plan.world_size() as u64;
-        let b = self.options.micro_batch as u64;
+    /// One optimizer step at learning rate `lr` over this rank's `gradient_accumulation_steps`
+    /// micro-batches, in order. Every rank must call it with the same number of batches.
+    pub fn step(&mut self, lr: f32, batches: &[M::Batch]) -> Result<StepOutput> {
+        let a = self.plan.config().gradient_accumulation_steps as usize;
+        if batches.len() != a {
+            return Err(Error::Invalid {
+                field: "batches",
+                got: format!("{} micro-batches", batches.len()),
+                expected: format!("{a}, the plan's gradient_accumulation_steps"),
+            });
+        }
+        if !lr.is_finite() || lr < 0.0 {
+            return Err(Error::Invalid {
+                field: "lr",
+                got: lr.to_string(),
+                expected: "a finite learning rate >= 0".into(),
+            });
+        }
         let mut loss = 0.0f64;
         self.micro_losses.clear();
-        for m in 0..a {
-            // Sequence indices: step-major, then micro-step, then rank, then row.
-            let first = ((self.step * u64::from(a) + u64::from(m)) * n + self.rank as u64) * b;
-            let batch = corpus.batch(first, self.options.micro_batch, self.options.seq);
-            let l = self.micro_step(&batch)?;
+        for batch in batches {
+            let l = self.micro_step(batch)?;
             if !l.is_finite() {
                 // The other ranks learn of it from this rank's dropped communicator (PeerFailed).
                 return Err(Error::Model(format!(
@@ -700,35 +776,47 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             loss += f64::from(l);
             self.micro_losses.push(l);
         }
-        self.optimizer_step()?;
-        Ok((loss / f64::from(a)) as f32)
+        self.optimizer_step(lr)?;
+        Ok(StepOutput {
+            loss: (loss / a as f64) as f32,
+            micro_losses: self.micro_losses.clone(),
+            info: self.last_step,
+        })
     }
 
-    fn micro_step(&mut self, batch: &TokenBatch) -> Result<f32> {
+    /// Runs `f` with the communicators lent to an executor (inline, or on the communication
+    /// thread with `overlap`), then applies what is still in flight, or after a failure forgets
+    /// it; the communicators are home again afterwards.
+    fn with_exec<T>(
+        &mut self,
+        overlap: bool,
+        f: impl FnOnce(&mut Self, &mut Exec<C>) -> Result<T>,
+    ) -> Result<T> {
         let comms = self.comms.take().expect(HOME);
-        let overlap = self.plan.config().overlap_comm;
-        let (comms, r) = comms::with_exec(comms, overlap, self.rank, |exec| {
-            let r = self.micro_step_with(exec, batch);
-            // Apply what is still in flight, or (after a failure) forget it.
-            match r {
-                Ok(loss) => self.settle_all(exec).map(|()| loss),
-                Err(e) => {
-                    self.inflight.clear();
-                    Err(e)
-                }
+        let (comms, r) = comms::with_exec(comms, overlap, self.rank, |exec| match f(self, exec) {
+            Ok(v) => self.settle_all(exec).map(|()| v),
+            Err(e) => {
+                self.inflight.clear();
+                Err(e)
             }
         });
         self.comms = Some(comms);
         if r.is_err() {
             self.fetching.iter_mut().for_each(|f| *f = false);
         }
+        r
+    }
+
+    fn micro_step(&mut self, batch: &M::Batch) -> Result<f32> {
+        let overlap = self.plan.config().overlap_comm;
+        let r = self.with_exec(overlap, |t, exec| t.micro_step_with(exec, batch));
         let loss = r?;
         self.micro += 1;
         self.sample_memory();
         Ok(loss)
     }
 
-    fn micro_step_with(&mut self, exec: &mut Exec<C>, batch: &TokenBatch) -> Result<f32> {
+    fn micro_step_with(&mut self, exec: &mut Exec<C>, batch: &M::Batch) -> Result<f32> {
         let plan = self.plan.clone();
         let stage3 = plan.stage() == 3;
         let segments = self.model.num_segments();
@@ -743,42 +831,20 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         // With overlap, one reduction may be in flight while the next bucket fills (the plan's
         // doubled reduction buffer); inline, each is applied as soon as it is submitted.
         let max_reduces = usize::from(plan.config().overlap_comm);
-        // Forward, keeping only the activations between segments.
-        let mut acts: Vec<Tensor<3>> = Vec::with_capacity(segments);
-        let mut loss = 0.0f32;
-        for i in 0..segments {
-            if stage3 {
-                self.gather_segment(exec, i, false)?;
-            }
-            // Without autodiff: a graph recorded here would never be consumed, and it would keep
-            // the released weights alive. The backward recomputes the segment under autodiff.
-            let x = (i > 0).then(|| acts[i - 1].clone());
-            let y = self.model.valid().forward_segment(i, batch, x);
-            if i + 1 == segments {
-                loss = y
-                    .into_data()
-                    .try_into_vec_as::<f32>()
-                    .map_err(|e| Error::Model(format!("loss: {e:?}")))?[0];
-            } else {
-                acts.push(y);
-            }
-            if stage3 {
-                self.release_segment(i);
-            }
-        }
+        let (loss, acts) = self.forward(exec, batch)?;
         // Backward, recomputing each segment.
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
             (0..plan.units().len()).map(|_| None).collect();
-        let mut grad_out: Option<Tensor<3>> = None;
+        let mut grad_out: Option<M::Act> = None;
         for i in (0..segments).rev() {
             if stage3 {
                 self.gather_segment(exec, i, true)?;
             }
-            let x = (i > 0).then(|| Tensor::from_inner(acts[i - 1].clone()).require_grad());
-            let y = self.model.forward_segment(i, batch, x.clone());
-            let surrogate = match &grad_out {
-                None => y.mul_scalar(scale).sum(),
-                Some(g) => (y * Tensor::from_inner(g.clone())).sum(),
+            let x = (i > 0).then(|| acts[i - 1].leaf());
+            let surrogate = match (self.model.forward_segment(i, batch, x.clone()), &grad_out) {
+                (SegmentOut::Loss(l), None) => l.mul_scalar(scale).sum(),
+                (SegmentOut::Next(y), Some(g)) => y.dot(g),
+                (_, g) => return Err(crate::segmented::wrong_output(i, segments, g.is_none())),
             };
             let grads = surrogate.backward();
             grad_out = x.as_ref().and_then(|x| x.grad(&grads));
@@ -804,6 +870,36 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             }
         }
         Ok(loss)
+    }
+
+    /// The forward pass: each segment without autodiff (stage 3: gathered before, released
+    /// after), keeping only the activations between segments. Returns the loss and those
+    /// activations.
+    fn forward(&mut self, exec: &mut Exec<C>, batch: &M::Batch) -> Result<(f32, Vec<M::Act>)> {
+        let stage3 = self.plan.stage() == 3;
+        let segments = self.model.num_segments();
+        let mut acts: Vec<M::Act> = Vec::with_capacity(segments);
+        let mut loss = 0.0f32;
+        for i in 0..segments {
+            if stage3 {
+                self.gather_segment(exec, i, false)?;
+            }
+            // Without autodiff: a graph recorded here would never be consumed, and it would keep
+            // the released weights alive. The backward recomputes the segment under autodiff.
+            let x = (i > 0).then(|| acts[i - 1].clone());
+            match (
+                self.model.valid().forward_segment(i, batch, x),
+                i + 1 == segments,
+            ) {
+                (SegmentOut::Loss(l), true) => loss = crate::segmented::loss_value(l)?,
+                (SegmentOut::Next(y), false) => acts.push(y),
+                (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
+            }
+            if stage3 {
+                self.release_segment(i);
+            }
+        }
+        Ok((loss, acts))
     }
 
     fn collect_grads(
@@ -1011,13 +1107,14 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         }
     }
 
-    fn optimizer_step(&mut self) -> Result<()> {
+    fn optimizer_step(&mut self, lr: f32) -> Result<()> {
         if let Some(h) = self.half {
-            return self.optimizer_step16(h);
+            return self.optimizer_step16(h, lr);
         }
         self.last_step = StepInfo {
             skipped: false,
             loss_scale: 1.0,
+            grad_norm: None,
         };
         let plan = self.plan.clone();
         let c = plan.config();
@@ -1058,6 +1155,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 )));
             }
             let norm = total.sqrt();
+            self.last_step.grad_norm = Some(norm as f32);
             let k = c.gradient_clipping / (norm + 1e-6);
             if k < 1.0 {
                 coef = k as f32;
@@ -1069,7 +1167,6 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
             }
         }
         // The update, on this rank's part.
-        let lr = self.options.lr;
         let opt = self.options.optimizer;
         let mut updates: Vec<(usize, Out<C>)> = Vec::new();
         for (u, unit) in plan.units().iter().enumerate() {
@@ -1155,7 +1252,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
     /// [`Self::optimizer_step`] in bf16/fp16: widen the 16-bit reduced gradients to fp32, unscale
     /// (fp16), check for overflow (fp16: every rank sees the same total and skips together),
     /// clip, step the fp32 master, and round it to the 16-bit working weights.
-    fn optimizer_step16(&mut self, h: Half) -> Result<()> {
+    fn optimizer_step16(&mut self, h: Half, lr: f32) -> Result<()> {
         let plan = self.plan.clone();
         let c = plan.config();
         let stage = plan.stage();
@@ -1183,6 +1280,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         };
         let mut coef = 1.0f32;
         let mut overflow = false;
+        let mut grad_norm = None;
         // fp16 always checks (the plan schedules the 8-byte partial for it); bf16 only to clip.
         if c.gradient_clipping > 0.0 || fp16 {
             // A non-finite element makes its rank's partial, and so every rank's total,
@@ -1210,6 +1308,7 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 }
                 overflow = true;
             } else if c.gradient_clipping > 0.0 {
+                grad_norm = Some(total.sqrt() as f32);
                 let k = c.gradient_clipping / (total.sqrt() + 1e-6);
                 if k < 1.0 {
                     coef = k as f32;
@@ -1222,8 +1321,10 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
         self.last_step = StepInfo {
             skipped: overflow,
             loss_scale: loss_scale as f32,
+            grad_norm,
         };
         if overflow {
+            self.skipped += 1;
             // Skip: master, working weights and optimizer state stay as they are.
             self.sample_memory();
             self.acc16.iter_mut().for_each(|g| *g = 0);
@@ -1240,7 +1341,6 @@ impl<C: Communicator, M: Segmented> RankTrainer<C, M> {
                 })
                 .collect()
         };
-        let lr = self.options.lr;
         let opt = self.options.optimizer;
         let mut updates: Vec<(usize, Vec<f32>)> = Vec::new();
         for (u, unit) in plan.units().iter().enumerate() {

@@ -15,9 +15,11 @@ use common::*;
 use std::sync::Arc;
 use std::time::Duration;
 
+use zero_burn::demo::gpt::Gpt;
+use zero_burn::demo::run::engine_builder;
+use zero_burn::demo::run::{RankResult, global_losses};
 use zero_burn::reduction::extra_levels;
-use zero_burn::world::{RankResult, global_losses};
-use zero_burn::{Error, Gpt, MeasuredMemory, RankTrainer, Reduction, plan_for};
+use zero_burn::{Error, MeasuredMemory, Reduction, plan_for};
 use zero_comm::host::HostWorld;
 use zero_core::{Topology, ZeroConfig};
 
@@ -132,12 +134,13 @@ fn the_canonical_tree_needs_a_tree_ordered_communicator_and_no_qgz() {
     let comm = HostWorld::new(topo, Duration::from_secs(5))
         .into_comms()
         .remove(0);
-    let err = RankTrainer::new(
-        plan,
+    let err = engine_builder(
+        &plan,
         comm,
         model.clone(),
         options_with(Reduction::CanonicalTree),
     )
+    .build()
     .unwrap_err();
     assert!(
         matches!(
@@ -159,7 +162,8 @@ fn the_canonical_tree_needs_a_tree_ordered_communicator_and_no_qgz() {
         .with_reduce_order(zero_comm::ReduceOrder::PairwiseTree)
         .into_comms()
         .remove(0);
-    let err =
-        RankTrainer::new(plan, comm, model, options_with(Reduction::CanonicalTree)).unwrap_err();
+    let err = engine_builder(&plan, comm, model, options_with(Reduction::CanonicalTree))
+        .build()
+        .unwrap_err();
     assert!(err.to_string().contains("qgZ"), "{err}");
 }

@@ -1,7 +1,7 @@
 //! Determinism guard: a short run of the embedded default job (`cargo xtask train`'s) has a fixed
 //! loss trajectory, and its measured bytes equal the plan.
 
-use zero_burn::job::{JobConfig, run_job};
+use zero_burn::demo::job::{JobConfig, run_job};
 
 #[test]
 fn default_job_loss_trajectory() {

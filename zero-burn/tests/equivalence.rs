@@ -8,8 +8,9 @@ use common::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, plan_for};
+use zero_burn::demo::gpt::Gpt;
+use zero_burn::demo::run::{HostRun, RankResult, train_host};
+use zero_burn::plan_for;
 use zero_core::{Topology, ZeroConfig};
 
 const STEPS: u64 = 3;

@@ -8,10 +8,12 @@ use common::*;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use zero_burn::job::{JobConfig, run_job};
+use zero_burn::demo::gpt::Gpt;
+use zero_burn::demo::job::{JobConfig, run_job};
+use zero_burn::demo::run::RankResult;
+use zero_burn::demo::run::{corpus_step, engine_builder};
+use zero_burn::plan_for;
 use zero_burn::precision::Half;
-use zero_burn::world::RankResult;
-use zero_burn::{Gpt, RankTrainer, plan_for};
 use zero_comm::host::HostWorld;
 use zero_core::{Collective, LossScaleConfig, Precision, Topology, TrafficTable, ZeroConfig};
 
@@ -295,7 +297,9 @@ fn fp16_overflow_skips_on_every_rank() {
         let results = HostWorld::new(topo, Duration::from_secs(30)).launch(|comm| {
             let rank = zero_comm::Communicator::rank(&comm);
             let mine = models.lock().unwrap()[rank].take().unwrap();
-            let mut t = RankTrainer::new(plan.clone(), comm, mine, options()).unwrap();
+            let mut t = engine_builder(&plan, comm, mine, options())
+                .build()
+                .unwrap();
             let mut seen = Seen {
                 steps: Vec::new(),
                 skipped_steps_left_state: true,
@@ -308,7 +312,7 @@ fn fp16_overflow_skips_on_every_rank() {
                     t.inject_overflow_next_step();
                 }
                 let before = (t.master_weights().to_vec(), t.optimizer_state().0.to_vec());
-                let loss = t.train_step(&corpus).unwrap();
+                let loss = corpus_step(&mut t, &corpus, &options()).unwrap().loss;
                 let after = (t.master_weights().to_vec(), t.optimizer_state().0.to_vec());
                 let info = t.last_step();
                 if info.skipped {

@@ -19,12 +19,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
-use zero_burn::data::{Corpus, MarkovLanguage};
-use zero_burn::model::{Gpt, GptConfig};
+use zero_burn::demo::data::{Corpus, MarkovLanguage};
+use zero_burn::demo::gpt::{Gpt, GptConfig};
+use zero_burn::demo::run::{HostRun, TrainOptions, corpus_step, engine_builder, train_host};
 use zero_burn::optim::Optimizer;
 use zero_burn::reduction::Reduction;
-use zero_burn::trainer::{RankTrainer, TrainOptions};
-use zero_burn::world::{HostRun, train_host};
 use zero_comm::nccl::{NcclComm, NcclOptions};
 use zero_core::{Plan, Topology, ZeroConfig};
 
@@ -71,7 +70,7 @@ fn setup() -> Setup {
     let corpus = MarkovLanguage::new(64, 7).unwrap();
     let cfg = GptConfig {
         vocab: corpus.vocab(),
-        ..zero_burn::job::JobConfig::default_job().model
+        ..zero_burn::demo::job::JobConfig::default_job().model
     };
     let model = cfg.init(&Device::flex().autodiff(), 7);
     let optimizer = Optimizer::default();
@@ -124,11 +123,13 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
         };
         let plan = Arc::new(zero_burn::plan_for(&model, *plan.topology(), &zero).unwrap());
         let comm = NcclComm::single(0, NcclOptions::default()).unwrap();
-        let mut trainer = RankTrainer::new(plan.clone(), comm, model.clone(), options).unwrap();
+        let mut trainer = engine_builder(&plan, comm, model.clone(), options)
+            .build()
+            .unwrap();
         let t = Instant::now();
         let mut got = Vec::new();
         for _ in 0..STEPS {
-            got.push(trainer.train_step(&corpus).unwrap());
+            got.push(corpus_step(&mut trainer, &corpus, &options).unwrap().loss);
         }
         let secs = t.elapsed().as_secs_f64();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -10,8 +10,10 @@ use common::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zero_burn::world::RankResult;
-use zero_burn::{Error, Gpt, RankTrainer, plan_for};
+use zero_burn::demo::gpt::Gpt;
+use zero_burn::demo::run::RankResult;
+use zero_burn::demo::run::{corpus_step, engine_builder};
+use zero_burn::{Error, plan_for};
 use zero_comm::Communicator;
 use zero_comm::host::HostWorld;
 use zero_core::{Precision, Topology, ZeroConfig};
@@ -132,13 +134,13 @@ fn a_failing_rank_fails_its_overlapping_peers_fast() {
     let started = Instant::now();
     let results = HostWorld::new(topo, timeout).launch(|comm| {
         let rank = comm.rank();
-        let mut t = RankTrainer::new(plan.clone(), comm, model.clone(), options())?;
-        t.train_step(&corpus)?;
+        let mut t = engine_builder(&plan, comm, model.clone(), options()).build()?;
+        corpus_step(&mut t, &corpus, &options())?;
         if rank == 2 {
             // Rank 2 stops after one step; its communicators drop with it.
             return Err(Error::Model("rank 2 stops".into()));
         }
-        t.train_step(&corpus)?;
+        corpus_step(&mut t, &corpus, &options())?;
         Ok::<_, Error>(())
     });
     let elapsed = started.elapsed();

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use zero_burn::Error;
+use zero_burn::WgpuShared;
 use zero_burn::bridge::{tensor_buffer, tensor_from_buffer};
-use zero_burn::world::WgpuShared;
 use zero_comm::wgpu_loopback::{WgpuBuffer, WgpuComm, WgpuWorld};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::Topology;

@@ -15,11 +15,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
-use zero_burn::data::MarkovLanguage;
-use zero_burn::job::JobConfig;
+use zero_burn::demo::data::MarkovLanguage;
+use zero_burn::demo::gpt::{Gpt, GptConfig};
+use zero_burn::demo::job::JobConfig;
+use zero_burn::demo::run::{
+    HostRun, RankResult, TrainOptions, WgpuTensors, train_host, train_wgpu, train_wgpu_with,
+};
 use zero_burn::optim::Optimizer;
-use zero_burn::world::{HostRun, RankResult, WgpuTensors, train_host, train_wgpu, train_wgpu_with};
-use zero_burn::{Error, Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
+use zero_burn::{Error, MeasuredMemory, Reduction, plan_for};
 use zero_core::{Plan, Topology, ZeroConfig};
 
 const STEPS: u64 = 8;
@@ -291,11 +294,11 @@ fn the_default_job_runs_on_the_wgpu_backend() {
         ..JobConfig::default_job()
     };
     let wgpu = JobConfig {
-        backend: zero_burn::job::Backend::Wgpu,
+        backend: zero_burn::demo::job::Backend::Wgpu,
         ..host.clone()
     };
-    let want = zero_burn::job::run_job(&host, &|_, _| {}).unwrap();
-    let got = zero_burn::job::run_job(&wgpu, &|_, _| {}).unwrap();
+    let want = zero_burn::demo::job::run_job(&host, &|_, _| {}).unwrap();
+    let got = zero_burn::demo::job::run_job(&wgpu, &|_, _| {}).unwrap();
     assert!(got.comm_matches_plan, "traffic differs from the plan");
     assert!(
         got.memory_matches_plan,

@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
-use zero_burn::data::MarkovLanguage;
+use zero_burn::demo::data::MarkovLanguage;
+use zero_burn::demo::gpt::{Gpt, GptConfig};
+use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, train_host};
 use zero_burn::optim::Optimizer;
-use zero_burn::world::{HostRun, RankResult, train_host};
-use zero_burn::{Gpt, GptConfig, MeasuredMemory, Reduction, TrainOptions, plan_for};
+use zero_burn::{MeasuredMemory, Reduction, plan_for};
 use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
 
 /// A 2-block GPT with d_model 16 on flex, and a 16-token Markov language.
@@ -116,8 +117,8 @@ pub(crate) fn assert_model_states(plan: &Plan, res: &[RankResult<Gpt>]) {
 /// The process's shared wgpu device, or `None` after printing why the calling test is skipped
 /// (a failure instead with `ZERO_REQUIRE_WGPU=1`, as CI sets).
 #[cfg(feature = "wgpu")]
-pub(crate) fn shared(test: &str) -> Option<zero_burn::world::WgpuShared> {
-    match zero_burn::world::WgpuShared::get() {
+pub(crate) fn shared(test: &str) -> Option<zero_burn::WgpuShared> {
+    match zero_burn::WgpuShared::get() {
         Ok(s) => Some(s),
         Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
             panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")

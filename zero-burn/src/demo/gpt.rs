@@ -1,14 +1,7 @@
-//! Models the trainer runs segment by segment, and the embedded GPT-style decoder.
-//!
-//! The trainer executes a model as a sequence of **segments** (embeddings, each block, the head
-//! and loss). The forward pass keeps only the activation between segments; the backward pass
-//! recomputes each segment under autodiff from its saved input, in reverse order (activation
-//! checkpointing at segment granularity). That is what lets stage 3 gather a segment's weights,
-//! use them and release them again, for forward and again for backward, while burn's autodiff
-//! graph never holds more than one segment. Every stage runs the same way, so stages 0–3 perform
-//! the same floating-point operations in the same order and agree bit for bit.
+//! The demo's GPT-style decoder, a [`Segmented`] model: the embeddings, each block, and the head
+//! with the loss are its segments.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::attention::{
     MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
 };
@@ -18,21 +11,8 @@ use burn::nn::{
 };
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use crate::data::TokenBatch;
-
-/// A model the trainer can run segment by segment.
-pub trait Segmented: Module + Clone + Send + 'static {
-    /// Number of segments.
-    fn num_segments(&self) -> usize;
-
-    /// The segment a parameter belongs to, from its dotted path (as [`crate::params::describe`]
-    /// reports it). Segments must follow the module's parameter visit order.
-    fn segment_of(&self, path: &str) -> usize;
-
-    /// Runs segment `i`. Segment 0 receives `None` and reads the batch; the last segment returns
-    /// the mean loss as a `[1, 1, 1]` tensor.
-    fn forward_segment(&self, i: usize, batch: &TokenBatch, x: Option<Tensor<3>>) -> Tensor<3>;
-}
+use crate::demo::data::TokenBatch;
+use crate::segmented::{SegmentOut, Segmented};
 
 /// Size of the embedded GPT-style decoder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -119,41 +99,41 @@ impl Block {
 }
 
 impl Segmented for Gpt {
+    type Batch = TokenBatch;
+    type Act = Tensor<3>;
+
+    /// The embeddings, each block, and the head with the loss.
     fn num_segments(&self) -> usize {
         self.blocks.len() + 2
     }
 
-    fn segment_of(&self, path: &str) -> usize {
-        let mut parts = path.split('.');
-        match parts.next() {
-            Some("wte" | "wpe") => 0,
-            Some("blocks") => {
-                1 + parts
-                    .next()
-                    .and_then(|i| i.parse::<usize>().ok())
-                    .unwrap_or(0)
+    fn visit_segment<V: ModuleVisitor>(&self, i: usize, visitor: &mut V) {
+        match i {
+            0 => {
+                self.wte.visit(visitor);
+                self.wpe.visit(visitor);
             }
-            _ => self.blocks.len() + 1,
+            i if i <= self.blocks.len() => self.blocks[i - 1].visit(visitor),
+            _ => {
+                self.ln_f.visit(visitor);
+                self.head.visit(visitor);
+            }
         }
     }
 
-    fn forward_segment(&self, i: usize, batch: &TokenBatch, x: Option<Tensor<3>>) -> Tensor<3> {
+    fn forward_segment(
+        &self,
+        i: usize,
+        batch: &TokenBatch,
+        x: Option<Tensor<3>>,
+    ) -> SegmentOut<Tensor<3>> {
         let device = self.head.weight.val().device();
         if i == 0 {
-            let tokens = Tensor::<2, Int>::from_data(
-                TensorData::new(batch.inputs.clone(), [batch.batch, batch.seq]),
-                &device,
-            );
-            let pos: Vec<i64> = (0..batch.batch).flat_map(|_| 0..batch.seq as i64).collect();
-            let pos = Tensor::<2, Int>::from_data(
-                TensorData::new(pos, [batch.batch, batch.seq]),
-                &device,
-            );
-            return self.wte.forward(tokens) + self.wpe.forward(pos);
+            return SegmentOut::Next(self.embed(batch, &device));
         }
-        let x = x.expect("segments after the first receive an activation");
+        let x = x.expect("the engine hands every segment after the first its input");
         if i <= self.blocks.len() {
-            return self.blocks[i - 1].forward(x);
+            return SegmentOut::Next(self.blocks[i - 1].forward(x));
         }
         let logits = self.head.forward(self.ln_f.forward(x));
         let [b, t, v] = logits.dims();
@@ -162,7 +142,20 @@ impl Segmented for Gpt {
         let loss = CrossEntropyLossConfig::new()
             .init(&device)
             .forward(logits.reshape([b * t, v]), targets);
-        loss.reshape([1, 1, 1])
+        SegmentOut::Loss(loss)
+    }
+}
+
+impl Gpt {
+    fn embed(&self, batch: &TokenBatch, device: &Device) -> Tensor<3> {
+        let tokens = Tensor::<2, Int>::from_data(
+            TensorData::new(batch.inputs.clone(), [batch.batch, batch.seq]),
+            device,
+        );
+        let pos: Vec<i64> = (0..batch.batch).flat_map(|_| 0..batch.seq as i64).collect();
+        let pos =
+            Tensor::<2, Int>::from_data(TensorData::new(pos, [batch.batch, batch.seq]), device);
+        self.wte.forward(tokens) + self.wpe.forward(pos)
     }
 }
 
@@ -184,7 +177,7 @@ impl ModuleMapper for DetInit {
         let dims = t.dims();
         let n: usize = dims.iter().product();
         let leaf = self.path.last().map(String::as_str).unwrap_or("");
-        let mut rng = crate::data::SplitMix::new(
+        let mut rng = crate::demo::data::SplitMix::new(
             self.seed ^ (self.index.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
         );
         self.index += 1;

@@ -54,6 +54,14 @@ pub struct TokenBatch {
     pub seq: usize,
 }
 
+/// The global index of the first sequence of `rank`'s micro-batch `micro` at optimizer step
+/// `step`, with `n` ranks, `a` micro-steps per step and `b` sequences per micro-batch: step-major,
+/// then micro-step, then rank, then row. The canonical-tree reduction numbers micro-batches the
+/// same way (`micro · n + rank`), which makes runs at different world sizes comparable.
+pub fn global_index(step: u64, micro: u64, rank: u64, n: u64, a: u64, b: u64) -> u64 {
+    ((step * a + micro) * n + rank) * b
+}
+
 /// Where sequences come from.
 pub trait Corpus: Send + Sync {
     /// Vocabulary size.
@@ -78,6 +86,25 @@ pub trait Corpus: Send + Sync {
             batch,
             seq,
         }
+    }
+
+    /// `rank`'s `a` micro-batches of `b` sequences at optimizer step `step` with `n` ranks
+    /// (numbered by [`global_index`]).
+    fn rank_batches(
+        &self,
+        step: u64,
+        rank: usize,
+        n: usize,
+        a: u32,
+        b: usize,
+        seq: usize,
+    ) -> Vec<TokenBatch> {
+        (0..u64::from(a))
+            .map(|m| {
+                let first = global_index(step, m, rank as u64, n as u64, a.into(), b as u64);
+                self.batch(first, b, seq)
+            })
+            .collect()
     }
 }
 

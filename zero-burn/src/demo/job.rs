@@ -7,13 +7,13 @@ use burn::tensor::Device;
 use serde::Serialize;
 use zero_core::{MemoryModel, Plan, Topology, TrafficTable, ZeroConfig};
 
-use crate::data::{ByteText, Corpus, MarkovLanguage};
+use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
+use crate::demo::gpt::GptConfig;
+use crate::demo::run::{HostRun, TrainOptions, train_host};
 use crate::error::{Error, Result};
-use crate::model::GptConfig;
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
-use crate::trainer::{MeasuredMemory, TrainOptions};
-use crate::world::{HostRun, train_host};
+use crate::trainer::MeasuredMemory;
 
 /// Where the data comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -42,7 +42,7 @@ pub enum Backend {
     #[default]
     Host,
     /// burn's wgpu backend with the wgpu loopback on one shared device (feature `wgpu`;
-    /// collectives stage through host memory, see [`crate::world::train_wgpu`]).
+    /// collectives stage through host memory, see [`crate::demo::run::train_wgpu`]).
     Wgpu,
 }
 
@@ -157,7 +157,7 @@ pub struct RunReport {
 
 /// The shared wgpu device of the wgpu backend (`None`: the host backend).
 #[cfg(feature = "wgpu")]
-type Shared = crate::world::WgpuShared;
+type Shared = crate::WgpuShared;
 /// Without the `wgpu` feature there is no such device.
 #[cfg(not(feature = "wgpu"))]
 type Shared = std::convert::Infallible;
@@ -166,7 +166,7 @@ fn shared_for(backend: Backend) -> Result<Option<Shared>> {
     match backend {
         Backend::Host => Ok(None),
         #[cfg(feature = "wgpu")]
-        Backend::Wgpu => crate::world::WgpuShared::get().map(Some),
+        Backend::Wgpu => crate::WgpuShared::get().map(Some),
         #[cfg(not(feature = "wgpu"))]
         Backend::Wgpu => Err(Error::Backend(
             "the wgpu backend is not compiled in: build with zero-burn's `wgpu` feature \
@@ -236,7 +236,7 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     let results = match &shared {
         None => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
         #[cfg(feature = "wgpu")]
-        Some(s) => crate::world::train_wgpu(
+        Some(s) => crate::demo::run::train_wgpu(
             s,
             plan.clone(),
             model,

@@ -1,0 +1,8 @@
+//! The demo, on the public API alone: a GPT-style decoder ([`gpt`]), token corpora with a known
+//! loss floor ([`data`]), in-process launchers that train it ([`run`]), and the whole job
+//! `cargo xtask train` runs ([`job`]). Nothing in the engine depends on this module.
+
+pub mod data;
+pub mod gpt;
+pub mod job;
+pub mod run;

@@ -1,0 +1,282 @@
+//! The demo's launchers: N ranks in one process training a token model on a [`Corpus`], on the
+//! host loopback ([`train_host`]) or (feature `wgpu`) on burn's wgpu backend with the wgpu
+//! loopback on one shared device (`train_wgpu`). Built on the public API alone
+//! ([`crate::Launch`], [`crate::EngineBuilder`], [`crate::ZeroEngine::step`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use zero_comm::Communicator;
+use zero_core::{Plan, TrafficTable};
+
+use crate::demo::data::{Corpus, TokenBatch};
+use crate::engine::EngineBuilder;
+use crate::error::{Error, Result};
+#[cfg(feature = "wgpu")]
+use crate::launch::WgpuShared;
+use crate::launch::{Clones, Launch};
+use crate::optim::Optimizer;
+use crate::reduction::{Reduction, canonical_sum};
+use crate::segmented::Segmented;
+#[cfg(feature = "wgpu")]
+use crate::trainer::{DeviceQuant, DeviceTensors};
+use crate::trainer::{MeasuredMemory, ZeroEngine};
+
+/// The demo's training options that are not part of the ZeRO plan.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TrainOptions {
+    /// Learning rate.
+    pub lr: f32,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Sequences per rank per micro-step.
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// How gradients are summed over micro-steps and ranks.
+    pub reduction: Reduction,
+}
+
+/// What one rank reports after training.
+#[derive(Debug)]
+pub struct RankResult<M> {
+    /// The rank.
+    pub rank: usize,
+    /// This rank's mean loss per step.
+    pub losses: Vec<f32>,
+    /// This rank's unscaled loss of each micro-step, per step (for [`global_losses`]).
+    pub micro_losses: Vec<Vec<f32>>,
+    /// Per step: skipped (fp16 overflow) or not, and the loss scale.
+    pub step_info: Vec<crate::StepInfo>,
+    /// Traffic measured over all steps.
+    pub traffic: TrafficTable,
+    /// Peak measured memory.
+    pub memory: MeasuredMemory,
+    /// The final model (stage 3: gather units released).
+    pub model: M,
+    /// Every parameter's final values, indexed like the plan's model (for equivalence checks);
+    /// empty unless [`HostRun::keep_final_params`].
+    pub final_params: Vec<Vec<f32>>,
+    /// Gradient bytes a [`DeviceTensors`] hook packed in the communicator's memory (never read
+    /// back to the host); 0 on the host path.
+    pub device_grad_bytes: u64,
+    /// Weight bytes a [`DeviceTensors`] hook installed in the model straight from the
+    /// communicator's memory; 0 on the host path.
+    pub device_weight_bytes: u64,
+}
+
+/// How long to run and what to keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRun {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Timeout of every collective.
+    pub timeout: Duration,
+    /// Gather every parameter at the end into [`RankResult::final_params`].
+    pub keep_final_params: bool,
+}
+
+/// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
+/// from a clone of `model`. The loopback sums in the order `options.reduction` needs (rank order,
+/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step(step, mean_loss)` is called by rank 0 after each step.
+pub fn train_host<M: Segmented<Batch = TokenBatch>>(
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<Vec<RankResult<M>>> {
+    let models = Clones::new(&model, plan.world_size());
+    Launch::new(*plan.topology())
+        .timeout(run.timeout)
+        .reduction(options.reduction)
+        .run(|comm| {
+            let mine = models.take(comm.rank())?;
+            let builder = engine_builder(&plan, comm, mine, options);
+            run_rank(builder, corpus, options, run, on_step)
+        })
+}
+
+/// The builder of one rank's engine for the demo's plan and options.
+pub fn engine_builder<C: Communicator, M: Segmented>(
+    plan: &Arc<Plan>,
+    comm: C,
+    model: M,
+    options: TrainOptions,
+) -> EngineBuilder<C, M> {
+    ZeroEngine::builder(comm, model)
+        .plan(plan.clone())
+        .optimizer(options.optimizer)
+        .reduction(options.reduction)
+}
+
+/// One optimizer step of the demo: this rank's micro-batches of `corpus` at the engine's next
+/// step (numbered by [`crate::demo::data::global_index`]).
+pub fn corpus_step<C: Communicator, M: Segmented<Batch = TokenBatch>>(
+    engine: &mut ZeroEngine<C, M>,
+    corpus: &dyn Corpus,
+    options: &TrainOptions,
+) -> Result<crate::StepOutput> {
+    let plan = engine.plan().clone();
+    let batches = corpus.rank_batches(
+        engine.steps(),
+        engine.rank(),
+        plan.world_size(),
+        plan.config().gradient_accumulation_steps,
+        options.micro_batch,
+        options.seq,
+    );
+    engine.step(options.lr, &batches)
+}
+
+/// One rank's whole run: `run.steps` steps, then its report.
+fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
+    builder: EngineBuilder<C, M>,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<RankResult<M>> {
+    let mut t = builder.build()?;
+    let mut losses = Vec::with_capacity(run.steps as usize);
+    let mut micro_losses = Vec::with_capacity(run.steps as usize);
+    let mut step_info = Vec::with_capacity(run.steps as usize);
+    for s in 0..run.steps {
+        let out = corpus_step(&mut t, corpus, &options)?;
+        if t.rank() == 0 {
+            on_step(s, out.loss);
+        }
+        losses.push(out.loss);
+        micro_losses.push(out.micro_losses);
+        step_info.push(out.info);
+    }
+    let report = t.report();
+    // Gathering every parameter costs a full copy per rank: only on request.
+    let final_params = if run.keep_final_params {
+        t.gather_all_params()?
+    } else {
+        Vec::new()
+    };
+    Ok(RankResult {
+        rank: t.rank(),
+        losses,
+        micro_losses,
+        step_info,
+        traffic: report.traffic,
+        memory: report.memory,
+        device_grad_bytes: report.device_grad_bytes,
+        device_weight_bytes: report.device_weight_bytes,
+        model: t.model().clone(),
+        final_params,
+    })
+}
+
+/// The global loss of every step: the canonical pairwise-tree sum of all `N·A` micro-batch losses,
+/// numbered `a·N + rank` like the data, divided once by `N·A`. With
+/// [`Reduction::CanonicalTree`] it is bit-identical across the world sizes the gradients are (see
+/// [`crate::reduction`]); ranks' [`RankResult::losses`] are per-rank means.
+pub fn global_losses<M>(results: &[RankResult<M>]) -> Vec<f32> {
+    let Some(first) = results.first() else {
+        return Vec::new();
+    };
+    (0..first.micro_losses.len())
+        .map(|s| {
+            let a = first.micro_losses[s].len();
+            let leaves: Vec<f32> = (0..a)
+                .flat_map(|m| results.iter().map(move |r| r.micro_losses[s][m]))
+                .collect();
+            canonical_sum(&leaves) / leaves.len() as f32
+        })
+        .collect()
+}
+
+/// [`train_host`] on the GPU path (feature `wgpu`): every rank's model runs on burn's wgpu
+/// backend and every collective on the wgpu loopback, both on `shared`'s one device. `model`
+/// must live on [`WgpuShared::autodiff_device`].
+///
+/// Tensors reach the loopback through the zero-copy bridge ([`WgpuTensors::Bridge`]) in fp32:
+/// units reduced every micro-step are packed from burn's gradient tensors on the device and
+/// reduced there (qgZ with the WGSL codecs), only the rank's reduced chunk downloaded; weights
+/// are gathered on the device (qwZ likewise) and installed from there, only the rank's chunk
+/// uploaded. The trainer keeps its shards, gradient accumulator and optimizer state in host
+/// memory, so the other collectives (16-bit or deferred) upload their input and download the
+/// result: a host round trip. The loopback reduces in rank order, so
+/// [`Reduction::CanonicalTree`] is rejected.
+#[cfg(feature = "wgpu")]
+pub fn train_wgpu<M: Segmented<Batch = TokenBatch>>(
+    shared: &WgpuShared,
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<Vec<RankResult<M>>> {
+    train_wgpu_with(
+        shared,
+        plan,
+        model,
+        corpus,
+        options,
+        run,
+        on_step,
+        WgpuTensors::Bridge,
+    )
+}
+
+/// How [`train_wgpu_with`] moves burn tensors to and from the loopback.
+#[cfg(feature = "wgpu")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgpuTensors {
+    /// Through the zero-copy bridge ([`crate::bridge::BridgeTensors`]), where fp32 allows: see
+    /// [`train_wgpu`]. The default.
+    Bridge,
+    /// Through host memory: every gradient is read back, packed on the host and uploaded, every
+    /// gathered unit downloaded and uploaded again.
+    Host,
+}
+
+/// [`train_wgpu`] choosing how tensors reach the loopback.
+#[allow(clippy::too_many_arguments)]
+#[cfg(feature = "wgpu")]
+pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
+    shared: &WgpuShared,
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+    grads: WgpuTensors,
+) -> Result<Vec<RankResult<M>>> {
+    if let Some(d) = model.devices().into_iter().find(|d| *d != shared.device()) {
+        return Err(Error::Model(format!(
+            "the model lives on {d:?}; train_wgpu needs it on the shared device {:?}",
+            shared.device()
+        )));
+    }
+    let models = Clones::new(&model, plan.world_size());
+    // The WGSL codecs, compiled once for every rank.
+    let quant = match grads {
+        WgpuTensors::Bridge => Some(crate::bridge::BridgeQuant::new(shared.comm_device())?),
+        WgpuTensors::Host => None,
+    };
+    Launch::new(*plan.topology())
+        .timeout(run.timeout)
+        .reduction(options.reduction)
+        .run_wgpu(shared, |comm| {
+            let mine = models.take(comm.rank())?;
+            let mut builder = engine_builder(&plan, comm, mine, options);
+            if let Some(q) = quant.clone() {
+                builder = builder
+                    .device_tensors(Box::new(crate::bridge::BridgeTensors::new(
+                        shared.comm_device().clone(),
+                        shared.autodiff_device(),
+                    )) as Box<dyn DeviceTensors<_>>)
+                    .device_quant(Box::new(q) as Box<dyn DeviceQuant<_>>);
+            }
+            run_rank(builder, corpus, options, run, on_step)
+        })
+}

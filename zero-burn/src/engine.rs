@@ -1,0 +1,249 @@
+//! The public engine API: [`EngineBuilder`] makes one rank's [`ZeroEngine`], the caller owns the
+//! loop and the data, and [`RankReport`] compares what the rank measured with what the plan said.
+//!
+//! ```text
+//! let mut engine = ZeroEngine::builder(comm, model)   // any Communicator, any Segmented model
+//!     .config(zero_config)                             // or .plan(Arc<Plan>)
+//!     .optimizer(Optimizer::default())
+//!     .build()?;
+//! for step in 0..steps {
+//!     let out = engine.step(lr, &batches)?;            // gradient_accumulation_steps batches
+//! }
+//! let model = engine.consolidated_model()?;           // collective: the full model on every rank
+//! ```
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use zero_comm::{Communicator, ReduceOrder};
+use zero_core::{MemoryModel, OptimizerKind, Plan, TrafficTable, ZeroConfig};
+
+use crate::error::{Error, Result};
+use crate::optim::Optimizer;
+use crate::reduction::Reduction;
+use crate::segmented::Segmented;
+use crate::trainer::{DeviceQuant, DeviceTensors, EngineOptions, MeasuredMemory, ZeroEngine};
+
+/// Where the engine's plan comes from.
+#[derive(Debug)]
+enum PlanFrom {
+    /// A plan made by the caller (it must describe the model and the communicator's world).
+    Plan(Arc<Plan>),
+    /// A ZeRO configuration, planned for the model on the communicator's topology.
+    Config(Box<ZeroConfig>),
+}
+
+/// Builds one rank's [`ZeroEngine`]: the communicator, the model, the plan (or a [`ZeroConfig`]
+/// to plan from), the optimizer, the reduction order and the device hooks. Every check happens
+/// once, in [`EngineBuilder::build`].
+#[derive(Debug)]
+#[must_use = "an EngineBuilder does nothing until `build`"]
+pub struct EngineBuilder<C: Communicator, M: Segmented> {
+    comm: C,
+    model: M,
+    plan: PlanFrom,
+    optimizer: Option<Optimizer>,
+    reduction: Option<Reduction>,
+    device_tensors: Option<Box<dyn DeviceTensors<C>>>,
+    device_quant: Option<Box<dyn DeviceQuant<C>>>,
+}
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// A builder for this rank's engine over `comm`, training `model`. Every rank must pass a
+    /// model with the same structure and the same initial values. Without
+    /// [`plan`](EngineBuilder::plan) or [`config`](EngineBuilder::config) it plans with
+    /// [`ZeroConfig::default`] (ZeRO-1).
+    pub fn builder(comm: C, model: M) -> EngineBuilder<C, M> {
+        EngineBuilder {
+            comm,
+            model,
+            plan: PlanFrom::Config(Box::default()),
+            optimizer: None,
+            reduction: None,
+            device_tensors: None,
+            device_quant: None,
+        }
+    }
+}
+
+impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
+    /// Executes `plan`, which must describe the model and the communicator's world (see
+    /// [`crate::plan_for`]).
+    pub fn plan(mut self, plan: Arc<Plan>) -> Self {
+        self.plan = PlanFrom::Plan(plan);
+        self
+    }
+
+    /// Plans `config` for the model on the communicator's topology. The optimizer set with
+    /// [`optimizer`](Self::optimizer) decides `config.optimizer`.
+    pub fn config(mut self, config: ZeroConfig) -> Self {
+        self.plan = PlanFrom::Config(Box::new(config));
+        self
+    }
+
+    /// The optimizer; by default the plan's optimizer kind with its usual hyper-parameters
+    /// (AdamW β = (0.9, 0.999), ε = 1e-8, no weight decay; SGD with momentum 0.9 or none).
+    pub fn optimizer(mut self, optimizer: Optimizer) -> Self {
+        self.optimizer = Some(optimizer);
+        self
+    }
+
+    /// How gradients are summed over micro-steps and ranks; by default the communicator's own
+    /// order decides ([`Reduction::CanonicalTree`] on a pairwise-tree loopback, else
+    /// [`Reduction::RankOrdered`]).
+    pub fn reduction(mut self, reduction: Reduction) -> Self {
+        self.reduction = Some(reduction);
+        self
+    }
+
+    /// Moves fp32 gradients and gathered weights between burn and the communicator's memory
+    /// through `hook` instead of through host memory (the wgpu path's zero-copy bridge). The
+    /// arithmetic is the same, so are the bits.
+    pub fn device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
+        self.device_tensors = Some(hook);
+        self
+    }
+
+    /// Runs qwZ and qgZ on the communicator's memory where a [`DeviceTensors`] hook keeps the
+    /// tensors there. It must give the host codecs' bits.
+    pub fn device_quant(mut self, quant: Box<dyn DeviceQuant<C>>) -> Self {
+        self.device_quant = Some(quant);
+        self
+    }
+
+    /// Checks everything and builds the engine: the plan against the model (names, shapes,
+    /// trainable flags) and the communicator's world, the optimizer against the plan, the
+    /// reduction order against the communicator, the segments against the parameters.
+    pub fn build(self) -> Result<ZeroEngine<C, M>> {
+        let reduction = self.reduction.unwrap_or(match self.comm.reduce_order() {
+            Some(ReduceOrder::PairwiseTree) => Reduction::CanonicalTree,
+            _ => Reduction::RankOrdered,
+        });
+        let (plan, optimizer) = match self.plan {
+            PlanFrom::Plan(plan) => {
+                let optimizer = self
+                    .optimizer
+                    .unwrap_or_else(|| default_optimizer(plan.config().optimizer));
+                (plan, optimizer)
+            }
+            PlanFrom::Config(config) => {
+                let optimizer = self
+                    .optimizer
+                    .unwrap_or_else(|| default_optimizer(config.optimizer));
+                let config = ZeroConfig {
+                    optimizer: optimizer.kind(),
+                    ..*config
+                };
+                let plan = crate::plan_for(&self.model, *self.comm.topology(), &config)?;
+                (Arc::new(plan), optimizer)
+            }
+        };
+        let options = EngineOptions {
+            optimizer,
+            reduction,
+        };
+        let mut engine = ZeroEngine::new(plan, self.comm, self.model, options)?;
+        if let Some(hook) = self.device_tensors {
+            engine = engine.with_device_tensors(hook);
+        }
+        if let Some(quant) = self.device_quant {
+            if !engine.has_device_tensors() {
+                return Err(Error::Invalid {
+                    field: "device_quant",
+                    got: "device codecs without a device_tensors hook".into(),
+                    expected: "a device_tensors hook as well (the codecs run where it puts the \
+                               tensors)"
+                        .into(),
+                });
+            }
+            engine = engine.with_device_quant(quant);
+        }
+        Ok(engine)
+    }
+}
+
+/// The optimizer a plan's kind stands for, with its usual hyper-parameters.
+fn default_optimizer(kind: OptimizerKind) -> Optimizer {
+    match kind {
+        OptimizerKind::Adam => Optimizer::default(),
+        OptimizerKind::SgdMomentum => Optimizer::Sgd { momentum: 0.9 },
+        OptimizerKind::Sgd => Optimizer::Sgd { momentum: 0.0 },
+    }
+}
+
+/// What one rank measured next to what its plan predicted.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: usize,
+    /// Optimizer steps taken, skipped fp16 steps included.
+    pub steps: u64,
+    /// Steps skipped because fp16 gradients overflowed.
+    pub skipped_steps: u64,
+    /// Bytes moved by training steps since the engine was built, per collective and link class.
+    pub traffic: TrafficTable,
+    /// What the plan predicts for those steps (a skipped step issues no post-step gathers).
+    pub planned_traffic: TrafficTable,
+    /// Bytes moved by [`ZeroEngine::eval`] and [`ZeroEngine::consolidated_model`] (not in the
+    /// plan, which counts training steps).
+    pub other_traffic: TrafficTable,
+    /// Peak bytes by category.
+    pub memory: MeasuredMemory,
+    /// The plan's bytes by category.
+    pub planned_memory: MemoryModel,
+    /// Gradient bytes a [`DeviceTensors`] hook packed in the communicator's memory.
+    pub device_grad_bytes: u64,
+    /// Weight bytes a [`DeviceTensors`] hook installed straight from the communicator's memory.
+    pub device_weight_bytes: u64,
+}
+
+impl RankReport {
+    /// Whether the measured training traffic equals the plan's.
+    pub fn traffic_matches_plan(&self) -> bool {
+        self.traffic == self.planned_traffic
+    }
+
+    /// Whether the measured model-state bytes (parameters, gradients, optimizer states, master
+    /// weights) equal the plan's.
+    pub fn model_states_match_plan(&self) -> bool {
+        self.memory.model_states() == MeasuredMemory::planned_model_states(&self.planned_memory)
+    }
+}
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// Traffic and memory, measured and planned.
+    pub fn report(&self) -> RankReport {
+        let plan = self.plan();
+        let skipped = self.skipped_steps();
+        let mut planned_traffic = TrafficTable::new();
+        let clean = plan.comm(self.rank()).by_collective;
+        let skip = plan.comm_skipped_step(self.rank()).by_collective;
+        for _ in 0..self.steps() - skipped {
+            planned_traffic.merge(&clean);
+        }
+        for _ in 0..skipped {
+            planned_traffic.merge(&skip);
+        }
+        RankReport {
+            rank: self.rank(),
+            steps: self.steps(),
+            skipped_steps: skipped,
+            traffic: self.traffic(),
+            planned_traffic,
+            other_traffic: self.other_traffic().clone(),
+            memory: self.measured_memory(),
+            planned_memory: plan.memory(),
+            device_grad_bytes: self.device_grad_bytes(),
+            device_weight_bytes: self.device_weight_bytes(),
+        }
+    }
+
+    /// The full model with its current weights, on every rank (collective: every rank must call
+    /// it). At stage 3 each unit is all-gathered once; the engine's own model keeps its shards.
+    /// In bf16/fp16 the weights are the 16-bit working weights (widened to f32).
+    pub fn consolidated_model(&mut self) -> Result<M> {
+        let values = self.untracked(|e| e.gather_all_params())?;
+        let fresh = self.params_with(values);
+        Ok(crate::params::write_values(self.model().clone(), fresh))
+    }
+}

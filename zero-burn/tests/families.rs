@@ -1,0 +1,594 @@
+//! Two more model families through the public API alone: (a) a segmented MLP classifier whose
+//! batches come from a burn `DataLoader`, (b) a plain residual MLP through the single-segment
+//! adapter [`Whole`]. Each runs at stages 0–3 with hpZ on and off: bit-identical across all of
+//! them, traffic and model-state bytes equal to the plan. Family (a) is also checked against plain
+//! burn (burn's own SGD and AdamW on the same global batch, one process, no zero-rs code).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::optim::{AdamWConfig, GradientsParams, SgdConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use zero_burn::demo::gpt::deterministic_init;
+use zero_burn::{
+    Launch, Optimizer, RankReport, SegmentOut, Segmented, StepOutput, Whole, ZeroEngine,
+};
+use zero_core::{Topology, ZeroConfig};
+
+const FEATURES: usize = 6;
+const CLASSES: usize = 3;
+/// Points per micro-batch.
+const B: usize = 4;
+
+/// One labelled point of a deterministic synthetic task: the label is the largest of three
+/// fixed linear scores.
+#[derive(Clone, Debug)]
+struct Point {
+    x: [f32; FEATURES],
+    label: i64,
+}
+
+fn points(n: usize) -> Vec<Point> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut uniform = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let w: Vec<[f32; FEATURES]> = (0..CLASSES)
+        .map(|_| std::array::from_fn(|_| uniform()))
+        .collect();
+    (0..n)
+        .map(|_| {
+            let x: [f32; FEATURES] = std::array::from_fn(|_| uniform());
+            let score = |c: usize| w[c].iter().zip(&x).map(|(a, b)| a * b).sum::<f32>();
+            let label = (0..CLASSES)
+                .max_by(|&a, &b| score(a).total_cmp(&score(b)))
+                .expect("classes") as i64;
+            Point { x, label }
+        })
+        .collect()
+}
+
+/// A micro-batch: features `[B, FEATURES]` and labels `[B]`, without autodiff.
+#[derive(Clone, Debug)]
+struct PointBatch {
+    x: Tensor<2>,
+    y: Tensor<1, Int>,
+}
+
+#[derive(Clone, Debug)]
+struct PointBatcher;
+
+impl Batcher<Point, PointBatch> for PointBatcher {
+    fn batch(&self, items: Vec<Point>, device: &Device) -> PointBatch {
+        let n = items.len();
+        let x: Vec<f32> = items.iter().flat_map(|p| p.x).collect();
+        let y: Vec<i64> = items.iter().map(|p| p.label).collect();
+        PointBatch {
+            x: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+            y: Tensor::from_data(TensorData::new(y, [n]), device),
+        }
+    }
+}
+
+/// The loader every rank reads: `B` points a batch, in order. Global micro-batch `k` (numbered
+/// step-major, then micro-step, then rank) is the loader's batch `k`.
+fn loader(items: &[Point]) -> Arc<dyn DataLoader<PointBatch>> {
+    DataLoaderBuilder::new(PointBatcher)
+        .batch_size(B)
+        .set_device(Device::flex())
+        .build(InMemDataset::new(items.to_vec()))
+}
+
+/// Rank `rank`'s micro-batches of every step: loader batch `(s·A + m)·N + rank`.
+fn rank_batches(
+    loader: &dyn DataLoader<PointBatch>,
+    rank: usize,
+    n: usize,
+    a: usize,
+) -> Vec<Vec<PointBatch>> {
+    let mine: Vec<PointBatch> = loader
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| k % n == rank)
+        .map(|(_, b)| b.expect("the in-memory dataset never fails"))
+        .collect();
+    mine.chunks_exact(a).map(<[PointBatch]>::to_vec).collect()
+}
+
+fn cross_entropy(logits: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(logits, y)
+}
+
+/// Family (a): three segments (two hidden layers, then the head with the loss).
+#[derive(Module, Debug)]
+struct Mlp {
+    l1: Linear,
+    l2: Linear,
+    head: Linear,
+}
+
+impl Mlp {
+    /// Deterministic weights (burn's initialisers draw from a global RNG), so every run of the
+    /// suite trains the same model.
+    fn new(device: &Device) -> Self {
+        deterministic_init(
+            Mlp {
+                l1: LinearConfig::new(FEATURES, 16).init(device),
+                l2: LinearConfig::new(16, 16).init(device),
+                head: LinearConfig::new(16, CLASSES).init(device),
+            },
+            7,
+        )
+    }
+
+    /// The plain forward: what the oracle trains with burn alone.
+    fn loss(&self, batch: &PointBatch) -> Tensor<1> {
+        let h = relu(self.l2.forward(relu(self.l1.forward(batch.x.clone()))));
+        cross_entropy(self.head.forward(h), batch.y.clone())
+    }
+}
+
+impl Segmented for Mlp {
+    type Batch = PointBatch;
+    type Act = Tensor<2>;
+
+    fn num_segments(&self) -> usize {
+        3
+    }
+
+    fn visit_segment<V: ModuleVisitor>(&self, i: usize, visitor: &mut V) {
+        match i {
+            0 => self.l1.visit(visitor),
+            1 => self.l2.visit(visitor),
+            _ => self.head.visit(visitor),
+        }
+    }
+
+    fn forward_segment(
+        &self,
+        i: usize,
+        batch: &PointBatch,
+        x: Option<Tensor<2>>,
+    ) -> SegmentOut<Tensor<2>> {
+        match (i, x) {
+            (0, _) => SegmentOut::Next(relu(self.l1.forward(batch.x.clone()))),
+            (1, Some(x)) => SegmentOut::Next(relu(self.l2.forward(x))),
+            (_, Some(x)) => SegmentOut::Loss(cross_entropy(self.head.forward(x), batch.y.clone())),
+            (_, None) => unreachable!("the engine hands segments after the first their input"),
+        }
+    }
+}
+
+/// Family (b): a residual MLP with nothing zero-rs-specific about it.
+#[derive(Module, Debug)]
+struct ResMlp {
+    input: Linear,
+    blocks: Vec<ResBlock>,
+    out: Linear,
+}
+
+#[derive(Module, Debug)]
+struct ResBlock {
+    norm: LayerNorm,
+    fc: Linear,
+}
+
+impl ResMlp {
+    fn new(device: &Device) -> Self {
+        deterministic_init(
+            ResMlp {
+                input: LinearConfig::new(FEATURES, 16).init(device),
+                blocks: (0..2)
+                    .map(|_| ResBlock {
+                        norm: LayerNormConfig::new(16).init(device),
+                        fc: LinearConfig::new(16, 16).init(device),
+                    })
+                    .collect(),
+                out: LinearConfig::new(16, CLASSES).init(device),
+            },
+            11,
+        )
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let mut h = self.input.forward(x);
+        for b in &self.blocks {
+            h = h.clone() + relu(b.fc.forward(b.norm.forward(h)));
+        }
+        self.out.forward(h)
+    }
+}
+
+/// Every float parameter's values, in visit order (plain burn: a visitor).
+fn values<M: Module>(model: &M) -> Vec<Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let v = p
+                .val()
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .expect("f32 parameters");
+            self.0.push(v);
+        }
+    }
+    let mut v = Values(Vec::new());
+    model.visit(&mut v);
+    v.0
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|p| p.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+/// What one rank saw: its losses per step, the consolidated model's values, its report.
+struct Seen {
+    losses: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    report: RankReport,
+}
+
+const STEPS: usize = 8;
+
+/// Trains `model` with `cfg` on `topo` for `steps`, every rank reading the shared loader.
+fn train<M: Segmented<Batch = PointBatch>>(
+    model: &M,
+    topo: Topology,
+    cfg: &ZeroConfig,
+    optimizer: Optimizer,
+    lr: f32,
+    steps: usize,
+) -> Vec<Seen> {
+    let n = topo.world_size();
+    let a = cfg.gradient_accumulation_steps as usize;
+    let items = points(steps * n * a * B);
+    let loader = loader(&items);
+    Launch::new(topo)
+        .timeout(Duration::from_secs(60))
+        .run_with(model, |comm, model| {
+            let rank = zero_comm::Communicator::rank(&comm);
+            let mut engine = ZeroEngine::builder(comm, model)
+                .config(cfg.clone())
+                .optimizer(optimizer)
+                .build()?;
+            let mut losses = Vec::new();
+            for batches in rank_batches(loader.as_ref(), rank, n, a) {
+                let out: StepOutput = engine.step(lr, &batches)?;
+                losses.push(out.loss);
+            }
+            let report = engine.report();
+            let params = values(&engine.consolidated_model()?);
+            Ok(Seen {
+                losses,
+                params,
+                report,
+            })
+        })
+        .unwrap()
+}
+
+fn topo() -> Topology {
+    Topology::new(4, 2).unwrap()
+}
+
+/// Stages 0–3 (stage 3 with hpZ off and on, and with qwZ-free persistence of small tensors),
+/// accumulation 2: identical bits on every rank and every stage, traffic and model-state bytes
+/// as planned.
+fn stages_are_bit_identical<M: Segmented<Batch = PointBatch>>(model: &M, family: &str) {
+    let mut reference: Option<(Vec<u32>, Vec<Vec<u32>>)> = None;
+    for (stage, hpz) in [(0u8, 1usize), (1, 1), (2, 1), (3, 1), (3, 2)] {
+        let cfg = ZeroConfig {
+            stage,
+            hpz_partition_size: hpz,
+            gradient_accumulation_steps: 2,
+            param_persistence_threshold: 20,
+            ..Default::default()
+        };
+        let seen = train(model, topo(), &cfg, Optimizer::default(), 3e-2, STEPS);
+        for s in &seen {
+            let r = &s.report;
+            assert_eq!(r.steps, STEPS as u64);
+            assert!(
+                r.traffic_matches_plan(),
+                "{family} stage {stage} hpz {hpz} rank {}: traffic {:?} vs plan {:?}",
+                r.rank,
+                r.traffic,
+                r.planned_traffic
+            );
+            assert!(
+                r.model_states_match_plan(),
+                "{family} stage {stage} hpz {hpz} rank {}: {:?} vs {:?}",
+                r.rank,
+                r.memory,
+                r.planned_memory
+            );
+            if hpz > 1 {
+                assert!(r.memory.hpz_secondary > 0, "{family}: hpZ held a secondary");
+            }
+        }
+        let losses: Vec<u32> = seen[0].losses.iter().map(|l| l.to_bits()).collect();
+        let params = bits(&seen[0].params);
+        for s in &seen[1..] {
+            assert_eq!(
+                bits(&s.params),
+                params,
+                "{family}: ranks agree on the model"
+            );
+        }
+        match &reference {
+            None => reference = Some((losses, params)),
+            Some((l, p)) => {
+                assert_eq!(&losses, l, "{family} stage {stage} hpz {hpz}: losses");
+                assert_eq!(&params, p, "{family} stage {stage} hpz {hpz}: parameters");
+            }
+        }
+    }
+    // The run trained: the loss fell and the weights moved.
+    let (l, p) = reference.expect("ran");
+    let first = f32::from_bits(l[0]);
+    let last = f32::from_bits(*l.last().expect("steps"));
+    assert!(last < first, "{family}: loss {first} -> {last}");
+    assert_ne!(p, bits(&values(model)), "{family}: the weights moved");
+}
+
+#[test]
+fn family_a_segmented_mlp_is_bit_identical_across_stages() {
+    stages_are_bit_identical(&Mlp::new(&Device::flex().autodiff()), "mlp");
+}
+
+#[test]
+fn family_b_any_module_through_whole_is_bit_identical_across_stages() {
+    let model = Whole::new(
+        ResMlp::new(&Device::flex().autodiff()),
+        |m: &ResMlp, b: &PointBatch| cross_entropy(m.forward(b.x.clone()), b.y.clone()),
+    );
+    stages_are_bit_identical(&model, "resmlp");
+}
+
+/// Plain burn on one process: the global batch of each step (all `N·A·B` points, in loader
+/// order) through `Mlp::loss`, burn's backward and burn's optimizer.
+fn plain_burn(
+    model: Mlp,
+    optim: &mut burn::optim::ModuleOptimizer,
+    lr: f64,
+    steps: usize,
+    per_step: usize,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let items = points(steps * per_step);
+    let mut model = model;
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        let batch = PointBatcher.batch(
+            items[s * per_step..(s + 1) * per_step].to_vec(),
+            &Device::flex(),
+        );
+        let loss = model.loss(&batch);
+        losses.push(
+            loss.clone()
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .expect("f32")[0],
+        );
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+    }
+    (losses, values(&model))
+}
+
+/// Largest |a − b| relative to the largest |b|, over every element.
+fn rel_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    let scale = b.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
+    let gap = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    gap / scale
+}
+
+const ORACLE_STEPS: usize = 20;
+
+fn against_plain_burn(
+    optimizer: Optimizer,
+    burn_optim: &mut dyn FnMut() -> burn::optim::ModuleOptimizer,
+    tol: f32,
+) {
+    let model = Mlp::new(&Device::flex().autodiff());
+    let topo = Topology::new(2, 1).unwrap();
+    let a = 2usize;
+    let (want_losses, want_params) = plain_burn(
+        model.clone(),
+        &mut burn_optim(),
+        1e-2,
+        ORACLE_STEPS,
+        2 * a * B,
+    );
+    for stage in 0..=3u8 {
+        let cfg = ZeroConfig {
+            stage,
+            gradient_accumulation_steps: a as u32,
+            ..Default::default()
+        };
+        let seen = train(&model, topo, &cfg, optimizer, 1e-2, ORACLE_STEPS);
+        // The global loss of a step: the mean of the two ranks' means (equal micro-batches).
+        let losses: Vec<Vec<f32>> = vec![
+            (0..ORACLE_STEPS)
+                .map(|s| (seen[0].losses[s] + seen[1].losses[s]) / 2.0)
+                .collect(),
+        ];
+        let loss_gap = rel_gap(&losses, std::slice::from_ref(&want_losses));
+        let param_gap = rel_gap(&seen[0].params, &want_params);
+        eprintln!(
+            "{optimizer:?} stage {stage}: loss gap {loss_gap:e}, parameter gap {param_gap:e}"
+        );
+        assert!(
+            loss_gap <= tol,
+            "{optimizer:?} stage {stage}: losses {losses:?} vs burn {want_losses:?}"
+        );
+        assert!(
+            param_gap <= tol,
+            "{optimizer:?} stage {stage}: parameter gap {param_gap:e}"
+        );
+    }
+}
+
+#[test]
+fn family_a_sgd_matches_plain_burn() {
+    against_plain_burn(
+        Optimizer::Sgd { momentum: 0.0 },
+        &mut || SgdConfig::new().init(),
+        1e-6,
+    );
+}
+
+/// burn's AdamW decays the weights first, `p·(1 − lr·wd) − lr·u`; zero-rs computes
+/// `p − lr·(u + wd·p)`: the same update, rounded differently.
+#[test]
+fn family_a_adamw_matches_plain_burn() {
+    let wd = 0.01;
+    against_plain_burn(
+        Optimizer::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: wd,
+        },
+        &mut || {
+            AdamWConfig::new()
+                .with_beta_1(0.9)
+                .with_beta_2(0.999)
+                .with_epsilon(1e-8)
+                .with_weight_decay(wd)
+                .init()
+        },
+        1e-4,
+    );
+}
+
+/// `eval` is a forward pass with the current weights: at stage 3 with hpZ it gives the loss the
+/// next step's forward computes, bit for bit, changes no weight, and its gathers are booked apart
+/// from the plan's training traffic.
+#[test]
+fn eval_is_the_forward_of_the_next_step() {
+    let model = Mlp::new(&Device::flex().autodiff());
+    let topo = topo();
+    let n = topo.world_size();
+    let items = points(3 * n * B);
+    let loader = loader(&items);
+    let cfg = ZeroConfig {
+        stage: 3,
+        hpz_partition_size: 2,
+        param_persistence_threshold: 20,
+        ..Default::default()
+    };
+    Launch::new(topo)
+        .run_with(&model, |comm, model| {
+            let rank = zero_comm::Communicator::rank(&comm);
+            let mut engine = ZeroEngine::builder(comm, model)
+                .config(cfg.clone())
+                .build()?;
+            for batches in rank_batches(loader.as_ref(), rank, n, 1) {
+                let before = values(&engine.consolidated_model()?);
+                let eval = engine.eval(&batches[0])?;
+                assert_eq!(
+                    before,
+                    values(&engine.consolidated_model()?),
+                    "eval changed weights"
+                );
+                let out = engine.step(1e-2, &batches)?;
+                assert_eq!(eval.to_bits(), out.loss.to_bits(), "rank {rank}");
+            }
+            let r = engine.report();
+            assert!(
+                r.traffic_matches_plan(),
+                "{:?} vs {:?}",
+                r.traffic,
+                r.planned_traffic
+            );
+            assert!(
+                r.other_traffic.sent().total() > 0,
+                "eval and consolidation moved bytes"
+            );
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// A model whose segments miss a parameter, or visit one twice, is refused at `build` with the
+/// parameter named.
+#[test]
+fn segments_must_cover_every_parameter_once() {
+    #[derive(Module, Debug)]
+    struct Bad {
+        a: Linear,
+        b: Linear,
+        #[module(skip)]
+        twice: bool,
+    }
+    impl Segmented for Bad {
+        type Batch = PointBatch;
+        type Act = Tensor<2>;
+        fn num_segments(&self) -> usize {
+            2
+        }
+        fn visit_segment<V: ModuleVisitor>(&self, i: usize, visitor: &mut V) {
+            match (i, self.twice) {
+                (0, _) => self.a.visit(visitor),
+                (_, true) => self.a.visit(visitor),
+                (_, false) => {}
+            }
+        }
+        fn forward_segment(
+            &self,
+            i: usize,
+            b: &PointBatch,
+            x: Option<Tensor<2>>,
+        ) -> SegmentOut<Tensor<2>> {
+            match x {
+                None => SegmentOut::Next(self.a.forward(b.x.clone())),
+                Some(x) if i == 1 => {
+                    SegmentOut::Loss(cross_entropy(self.b.forward(x), b.y.clone()))
+                }
+                Some(x) => SegmentOut::Next(x),
+            }
+        }
+    }
+    let device = Device::flex().autodiff();
+    for (twice, want) in [
+        (false, "visited by none"),
+        (true, "visited by segments 0 and 1"),
+    ] {
+        let model = Bad {
+            a: LinearConfig::new(FEATURES, 4).init(&device),
+            b: LinearConfig::new(4, CLASSES).init(&device),
+            twice,
+        };
+        let err = Launch::new(Topology::single_node(1).unwrap())
+            .run_with(&model, |comm, model| {
+                ZeroEngine::builder(comm, model).build().map(|_| ())
+            })
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(err, zero_burn::Error::Segmentation { .. }),
+            "{msg}"
+        );
+        assert!(msg.contains(want), "{msg}");
+        let path = if twice { "`a.weight`" } else { "`b.weight`" };
+        assert!(msg.contains(path), "{msg}");
+    }
+}
