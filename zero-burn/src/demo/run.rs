@@ -12,7 +12,9 @@ use zero_core::{Plan, TrafficTable};
 
 use crate::demo::data::{Corpus, TokenBatch};
 use crate::engine::EngineBuilder;
-use crate::error::{Error, Result};
+#[cfg(feature = "wgpu")]
+use crate::error::Error;
+use crate::error::Result;
 #[cfg(feature = "wgpu")]
 use crate::launch::WgpuShared;
 use crate::launch::{Clones, Launch};
