@@ -1,6 +1,7 @@
 //! Project workflows. Run `cargo xtask --help`.
 //!
 //! - `plan`: the estimator: memory per rank and bytes on the wire for a model, topology and config.
+//! - `simulate`: the plan's step time, throughput and memory on a modelled GPU cluster (sweeps, plots).
 //! - `train`: a real training job end to end (default: a small GPT on a synthetic language, 4
 //!   in-process ranks as 2 nodes of 2, ZeRO-3 + qwZ + hpZ + qgZ).
 //! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
@@ -11,7 +12,9 @@
 mod bench;
 mod gpu_check;
 mod plan;
+mod plot;
 mod ptx;
+mod simulate;
 mod test;
 mod train;
 
@@ -28,6 +31,8 @@ struct Cli {
 enum Command {
     /// Estimate memory per rank and communication per step for a model, topology and config.
     Plan(plan::PlanArgs),
+    /// Predict step time, throughput and memory of a plan on a GPU cluster (one point or a sweep).
+    Simulate(Box<simulate::SimulateArgs>),
     /// Train a GPT-style model with ZeRO on in-process ranks; prints and writes a report.
     Train(Box<train::TrainArgs>),
     /// Trainer benchmarks: step time per stage and switch, loss gap, peak memory.
@@ -44,6 +49,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
+        Command::Simulate(a) => simulate::run(*a),
         Command::Train(a) => train::run(*a),
         Command::Test(a) => test::run(a),
         Command::Bench(a) => bench::run(a),

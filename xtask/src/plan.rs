@@ -6,23 +6,23 @@ use anyhow::{Context, bail};
 use clap::Args;
 use zero_core::{ModelDesc, Plan, Precision, Topology, ZeroConfig, model::PRESETS};
 
+/// Which model: shared by `plan` and `simulate`.
 #[derive(Args, Debug)]
-pub(crate) struct PlanArgs {
+pub(crate) struct ModelArgs {
     /// A preset model: gpt2-small, gpt2-medium, llama-7b, llama-70b.
     #[arg(long, conflicts_with_all = ["model", "params"])]
-    preset: Option<String>,
+    pub(crate) preset: Option<String>,
     /// A model-description file (JSON or TOML: a list of params with name, shape, module).
     #[arg(long, conflicts_with = "params")]
-    model: Option<PathBuf>,
+    pub(crate) model: Option<PathBuf>,
     /// A parameter count alone (e.g. 7.5e9): a synthetic model of 32 equal layers.
     #[arg(long)]
-    params: Option<String>,
-    /// Data-parallel world size.
-    #[arg(long, default_value_t = 8)]
-    world_size: usize,
-    /// Ranks per node (defaults to min(world size, 8)).
-    #[arg(long)]
-    ranks_per_node: Option<usize>,
+    pub(crate) params: Option<String>,
+}
+
+/// The ZeRO switches: shared by `plan` and `simulate`.
+#[derive(Args, Debug)]
+pub(crate) struct ZeroArgs {
     /// ZeRO stage 0–3 (overrides the config file).
     #[arg(long)]
     stage: Option<u8>,
@@ -44,6 +44,49 @@ pub(crate) struct PlanArgs {
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
     #[arg(long)]
     config: Option<PathBuf>,
+}
+
+impl ZeroArgs {
+    /// The config file (or the defaults) with the flags applied.
+    pub(crate) fn config(&self) -> anyhow::Result<ZeroConfig> {
+        let mut cfg = match &self.config {
+            Some(path) => load_config(path)?,
+            None => ZeroConfig::default(),
+        };
+        if let Some(s) = self.stage {
+            cfg.stage = s;
+        }
+        if let Some(p) = &self.precision {
+            cfg.precision = Precision::parse(p)?;
+        }
+        if self.qwz {
+            cfg.quantized_weights = true;
+        }
+        if let Some(h) = self.hpz {
+            cfg.hpz_partition_size = h;
+        }
+        if self.qgz {
+            cfg.quantized_gradients = true;
+        }
+        if let Some(g) = self.grad_accum {
+            cfg.gradient_accumulation_steps = g;
+        }
+        Ok(cfg)
+    }
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PlanArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Data-parallel world size.
+    #[arg(long, default_value_t = 8)]
+    world_size: usize,
+    /// Ranks per node (defaults to min(world size, 8)).
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
+    #[command(flatten)]
+    zero: ZeroArgs,
     /// The rank to report (traffic is per rank).
     #[arg(long, default_value_t = 0)]
     rank: usize,
@@ -53,29 +96,8 @@ pub(crate) struct PlanArgs {
 }
 
 pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
-    let model = load_model(&a)?;
-    let mut cfg = match &a.config {
-        Some(path) => load_config(path)?,
-        None => ZeroConfig::default(),
-    };
-    if let Some(s) = a.stage {
-        cfg.stage = s;
-    }
-    if let Some(p) = &a.precision {
-        cfg.precision = Precision::parse(p)?;
-    }
-    if a.qwz {
-        cfg.quantized_weights = true;
-    }
-    if let Some(h) = a.hpz {
-        cfg.hpz_partition_size = h;
-    }
-    if a.qgz {
-        cfg.quantized_gradients = true;
-    }
-    if let Some(g) = a.grad_accum {
-        cfg.gradient_accumulation_steps = g;
-    }
+    let model = load_model(&a.model)?;
+    let cfg = a.zero.config()?;
     let rpn = a.ranks_per_node.unwrap_or(a.world_size.clamp(1, 8));
     let topo = Topology::new(a.world_size, rpn)?;
     if a.rank >= a.world_size {
@@ -107,7 +129,7 @@ pub(crate) fn load_config(path: &std::path::Path) -> anyhow::Result<ZeroConfig> 
     Ok(imp.config)
 }
 
-fn load_model(a: &PlanArgs) -> anyhow::Result<ModelDesc> {
+pub(crate) fn load_model(a: &ModelArgs) -> anyhow::Result<ModelDesc> {
     if let Some(p) = &a.preset {
         return Ok(ModelDesc::preset(p)?);
     }

@@ -23,6 +23,7 @@ pub mod model;
 pub mod plan;
 pub mod quant_wire;
 pub mod report;
+pub mod sim;
 pub mod topology;
 pub mod traffic;
 

@@ -1,0 +1,357 @@
+//! `cargo xtask simulate`: step time, throughput and memory of a plan on a cluster, from
+//! `zero_core::sim`; one configuration, or a sweep as a table and a plot.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use zero_core::sim::sweep::{VARIANTS, sweep};
+use zero_core::sim::{
+    CLUSTER_PRESETS, Cluster, ModelShape, Overlap, SimOptions, SweepAxis, SweepTable, Variant,
+    compute, simulate,
+};
+use zero_core::{ModelDesc, Plan};
+
+use crate::plan::{ModelArgs, ZeroArgs, load_model, parse_count};
+use crate::plot::{Panel, Series, line_charts_svg};
+
+#[derive(Args, Debug)]
+pub(crate) struct SimulateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A GPT-2-style model LAYERSxHIDDEN (e.g. 40x6144: 18B), sequence length from --seq-len.
+    #[arg(long, conflicts_with_all = ["preset", "model", "params"])]
+    gpt: Option<String>,
+    /// Transformer layers (attention FLOPs, activations); presets and --gpt know theirs.
+    #[arg(long)]
+    layers: Option<u64>,
+    /// Hidden size (attention FLOPs, activations).
+    #[arg(long)]
+    hidden: Option<u64>,
+    /// Sequence length (default: the preset's context, else 1024).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    #[command(flatten)]
+    zero: ZeroArgs,
+    /// A cluster preset (dgx2-v100, dgx-a100, dgx-h100) or a TOML file (`preset = "NAME"` plus
+    /// the fields to change, or a full description: see `--print-cluster`).
+    #[arg(long, default_value = "dgx-h100")]
+    cluster: String,
+    /// Nodes.
+    #[arg(long, default_value_t = 8)]
+    nodes: usize,
+    /// GPUs per node (overrides the cluster).
+    #[arg(long)]
+    gpus_per_node: Option<usize>,
+    /// NICs per node (overrides the cluster).
+    #[arg(long)]
+    nics_per_node: Option<usize>,
+    /// Line rate of one NIC, Gbit/s (overrides the cluster).
+    #[arg(long)]
+    nic_gbps: Option<f64>,
+    /// Total NIC line rate per node, Gbit/s (split over the NICs; applied last).
+    #[arg(long)]
+    nic_gbps_per_node: Option<f64>,
+    /// GPU memory, GiB (overrides the cluster).
+    #[arg(long)]
+    gpu_memory_gib: Option<f64>,
+    /// Sustained fraction of peak FLOPs (overrides the cluster).
+    #[arg(long)]
+    compute_efficiency: Option<f64>,
+    /// Any cluster field by dotted path, e.g. `--set intra.efficiency=0.9` (repeatable).
+    #[arg(long, value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Tokens per GPU per micro-step (default: one sequence).
+    #[arg(long)]
+    tokens_per_gpu: Option<String>,
+    /// Overlap of communication with compute: none, full or a fraction (default: the config's
+    /// overlap_comm).
+    #[arg(long)]
+    overlap: Option<String>,
+    /// No activation checkpointing (the trainer always recomputes).
+    #[arg(long)]
+    no_recompute: bool,
+    /// Sweep: `nodes=1,8,64`, `nic-gbps=100,200,400,800` (per node) or `variants`.
+    #[arg(long)]
+    sweep: Option<String>,
+    /// Variants of a sweep, comma-separated (default: zero-3,zero++; all for `variants`).
+    #[arg(long)]
+    variants: Option<String>,
+    /// Where a sweep's plot goes.
+    #[arg(long, default_value = "runs/simulate.svg")]
+    plot: PathBuf,
+    /// Print the cluster description (TOML) and exit.
+    #[arg(long)]
+    print_cluster: bool,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
+    let cluster = load_cluster(&a)?;
+    if a.print_cluster {
+        print!("{}", cluster.to_toml());
+        return Ok(());
+    }
+    let (model, shape) = model_and_shape(&a)?;
+    let tokens = match &a.tokens_per_gpu {
+        Some(t) => parse_count(t).context("--tokens-per-gpu")?,
+        None => shape.map_or(1024, |s| s.seq_len),
+    };
+    let opts = SimOptions {
+        tokens_per_gpu: tokens,
+        shape,
+        recompute: !a.no_recompute,
+        overlap: a.overlap.as_deref().map(Overlap::parse).transpose()?,
+    };
+    let cfg = a.zero.config()?;
+    let Some(spec) = &a.sweep else {
+        let plan = Plan::new(&model, cluster.topology(a.nodes)?, &cfg)?;
+        let r = simulate(&plan, &cluster, &opts)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        } else {
+            print!("{r}");
+        }
+        return Ok(());
+    };
+    let axis = parse_sweep(spec)?;
+    let default = match axis {
+        SweepAxis::Variants => VARIANTS[2..].join(","),
+        _ => "zero-3,zero++".into(),
+    };
+    let variants = a
+        .variants
+        .as_deref()
+        .unwrap_or(&default)
+        .split(',')
+        .map(|v| Variant::named(v.trim(), &cfg, cluster.gpus_per_node))
+        .collect::<Result<Vec<_>, _>>()?;
+    let table = sweep(&model, &cluster, a.nodes, &axis, &variants, &opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&table)?);
+    } else {
+        let r = &table.rows[0].report;
+        println!(
+            "{} on {} ({} GPUs/node, {} Gbps/node unless swept), {} tokens/GPU x {} micro-step(s), overlap {}",
+            model_name(&a),
+            cluster.name,
+            cluster.gpus_per_node,
+            cluster.nic_gbps_per_node(),
+            r.tokens_per_gpu,
+            r.grad_accum,
+            r.overlap
+        );
+        print!("{table}");
+    }
+    plot_sweep(&a.plot, &table, &model_name(&a), &cluster)?;
+    eprintln!("plot: {}", a.plot.display());
+    Ok(())
+}
+
+fn load_cluster(a: &SimulateArgs) -> anyhow::Result<Cluster> {
+    let mut c = if CLUSTER_PRESETS.contains(&a.cluster.as_str()) || !Path::new(&a.cluster).exists()
+    {
+        Cluster::preset(&a.cluster)?
+    } else {
+        let text = std::fs::read_to_string(&a.cluster)
+            .with_context(|| format!("cannot read cluster file {}", a.cluster))?;
+        Cluster::from_toml(&text).with_context(|| format!("in cluster file {}", a.cluster))?
+    };
+    for kv in &a.set {
+        let Some((k, v)) = kv.split_once('=') else {
+            bail!("--set {kv:?}: expected KEY=VALUE, e.g. inter.efficiency=0.9");
+        };
+        c = c
+            .set(k.trim(), v.trim())
+            .with_context(|| format!("--set {kv}"))?;
+    }
+    let flags = [
+        ("gpus_per_node", a.gpus_per_node.map(|v| v.to_string())),
+        (
+            "inter.nics_per_node",
+            a.nics_per_node.map(|v| v.to_string()),
+        ),
+        ("inter.nic_gbps", a.nic_gbps.map(|v| format!("{v:?}"))),
+        ("gpu.memory_gib", a.gpu_memory_gib.map(|v| format!("{v:?}"))),
+        (
+            "gpu.compute_efficiency",
+            a.compute_efficiency.map(|v| format!("{v:?}")),
+        ),
+    ];
+    for (k, v) in flags {
+        if let Some(v) = v {
+            c = c.set(k, &v)?;
+        }
+    }
+    if let Some(g) = a.nic_gbps_per_node {
+        c = c.with_nic_gbps_per_node(g)?;
+    }
+    Ok(c)
+}
+
+fn model_and_shape(a: &SimulateArgs) -> anyhow::Result<(ModelDesc, Option<ModelShape>)> {
+    if let Some(g) = &a.gpt {
+        let Some((l, h)) = g
+            .split_once('x')
+            .and_then(|(l, h)| Some((l.parse().ok()?, h.parse().ok()?)))
+        else {
+            bail!("--gpt {g:?}: expected LAYERSxHIDDEN, e.g. 40x6144");
+        };
+        let (m, s) = compute::gpt(l, h, a.seq_len.unwrap_or(1024) as usize)?;
+        return Ok((m, Some(s)));
+    }
+    let model = load_model(&a.model)?;
+    let base = a.model.preset.as_deref().and_then(ModelShape::of_preset);
+    let shape = match (base, a.layers, a.hidden) {
+        (Some(s), l, h) => Some(ModelShape {
+            layers: l.unwrap_or(s.layers),
+            hidden: h.unwrap_or(s.hidden),
+            seq_len: a.seq_len.unwrap_or(s.seq_len),
+        }),
+        (None, Some(layers), Some(hidden)) => Some(ModelShape {
+            layers,
+            hidden,
+            seq_len: a.seq_len.unwrap_or(1024),
+        }),
+        (None, None, None) => {
+            eprintln!("note: no --layers/--hidden: attention FLOPs and activations are left out");
+            None
+        }
+        _ => bail!("give both --layers and --hidden, or neither"),
+    };
+    Ok((model, shape))
+}
+
+fn model_name(a: &SimulateArgs) -> String {
+    if let Some(g) = &a.gpt {
+        return format!("GPT {g}");
+    }
+    match (&a.model.preset, &a.model.model, &a.model.params) {
+        (Some(p), _, _) => p.clone(),
+        (_, Some(f), _) => f.display().to_string(),
+        (_, _, Some(n)) => format!("{n} params"),
+        _ => "model".into(),
+    }
+}
+
+fn parse_sweep(spec: &str) -> anyhow::Result<SweepAxis> {
+    if spec == "variants" {
+        return Ok(SweepAxis::Variants);
+    }
+    let Some((axis, list)) = spec.split_once('=') else {
+        bail!("--sweep {spec:?}: expected nodes=1,8,64, nic-gbps=100,200,400,800 or variants");
+    };
+    let values: Vec<&str> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .collect();
+    match axis {
+        "nodes" => Ok(SweepAxis::Nodes(
+            values
+                .iter()
+                .map(|v| {
+                    v.parse()
+                        .with_context(|| format!("--sweep nodes: {v:?} is not a node count"))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        )),
+        "nic-gbps" => Ok(SweepAxis::NicGbpsPerNode(
+            values
+                .iter()
+                .map(|v| {
+                    v.parse()
+                        .with_context(|| format!("--sweep nic-gbps: {v:?} is not a number"))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        )),
+        other => bail!("--sweep {other:?}: expected nodes, nic-gbps or variants"),
+    }
+}
+
+/// Tokens/s and TFLOPs/GPU against the swept value, one line per variant, side by side.
+fn plot_sweep(path: &Path, t: &SweepTable, model: &str, c: &Cluster) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let (x_label, x_names) = match t.axis {
+        SweepAxis::Nodes(_) => ("nodes".to_string(), None),
+        SweepAxis::NicGbpsPerNode(_) => ("NIC Gbps per node".to_string(), None),
+        SweepAxis::Variants => (
+            "variant".to_string(),
+            Some(t.rows.iter().map(|r| r.variant.clone()).collect()),
+        ),
+    };
+    let mut names: Vec<String> = Vec::new();
+    for r in &t.rows {
+        if !names.contains(&r.variant) {
+            names.push(r.variant.clone());
+        }
+    }
+    let series = |y: fn(&zero_core::sim::SimReport) -> f64| -> Vec<Series> {
+        match t.axis {
+            SweepAxis::Variants => vec![Series {
+                name: "all variants".into(),
+                points: t
+                    .rows
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (i as f64, y(&r.report)))
+                    .collect(),
+            }],
+            _ => names
+                .iter()
+                .map(|n| Series {
+                    name: n.clone(),
+                    points: t
+                        .rows
+                        .iter()
+                        .filter(|r| &r.variant == n)
+                        .map(|r| (r.x, y(&r.report)))
+                        .collect(),
+                })
+                .collect(),
+        }
+    };
+    let title = |what: &str| format!("{what}: {model} on {}", c.name);
+    let panels = [
+        Panel {
+            title: title("tokens/s"),
+            x_label: x_label.clone(),
+            y_label: "tokens/s (cluster)".into(),
+            x_names: x_names.clone(),
+            series: series(|r| r.tokens_per_sec),
+        },
+        Panel {
+            title: title("TFLOPs per GPU"),
+            x_label,
+            y_label: "TFLOPs/GPU (recompute counted)".into(),
+            x_names,
+            series: series(|r| r.tflops_per_gpu),
+        },
+    ];
+    line_charts_svg(path, &panels, 1200, 450)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweeps_parse() {
+        assert_eq!(
+            parse_sweep("nodes=1,8").unwrap(),
+            SweepAxis::Nodes(vec![1, 8])
+        );
+        assert_eq!(
+            parse_sweep("nic-gbps=100, 800").unwrap(),
+            SweepAxis::NicGbpsPerNode(vec![100.0, 800.0])
+        );
+        assert_eq!(parse_sweep("variants").unwrap(), SweepAxis::Variants);
+        assert!(parse_sweep("nodes=x").is_err());
+        assert!(parse_sweep("gpus=8").is_err());
+        assert!(parse_sweep("nodes").is_err());
+    }
+}
