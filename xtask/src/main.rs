@@ -6,7 +6,9 @@
 //!   in-process ranks as 2 nodes of 2, ZeRO-3 + qwZ + hpZ + qgZ).
 //! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
 //!   compiles), and the whole test suite with snapshot checks.
-//! - `gpu-check`: the short script for a machine with a GPU (NCCL tests and bandwidth, a report).
+//! - `gpu-check`: the short script for a machine with a GPU: the NCCL and CUDA-codec tests, the
+//!   trainer over NCCL, the wgpu programs on the GPU's Vulkan driver, bandwidth figures, a report;
+//!   `--bundle` builds it for a GPU machine without cargo.
 //! - `ptx`: compiles zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
 
 mod bench;
@@ -39,7 +41,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run what CI runs: fmt check, clippy (all features that compile here), all tests.
     Test(test::TestArgs),
-    /// On a GPU machine: nvidia-smi, the NCCL GPU tests, a short NCCL bandwidth check, a report.
+    /// On a GPU machine: every GPU test (NCCL, CUDA codecs, the trainer, wgpu on Vulkan), figures.
     GpuCheck(gpu_check::GpuCheckArgs),
     /// Compile zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
     Ptx(ptx::PtxArgs),

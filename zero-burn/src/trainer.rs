@@ -185,7 +185,8 @@ const HOME: &str = "the communicators are home between micro-steps";
 pub struct ZeroEngine<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
-    /// Packs gradients in the communicator's memory (the wgpu path's zero-copy bridge).
+    /// Packs gradients in, and installs gathered weights from, the communicator's memory (the
+    /// wgpu path's zero-copy bridge).
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
     /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
     device_quant: bool,

@@ -113,9 +113,9 @@
 //! # Allocation
 //!
 //! [`QuantScratch`] keeps the host wires and the `f32` accumulators between calls; it grows to the
-//! largest call and is not shrunk. The communicator buffers are not reused: the [`Communicator`]
-//! trait can only `upload` into a fresh buffer, so each collective allocates its send and receive
-//! buffers (host `Vec`s for the loopback).
+//! largest call and is not shrunk. The host path allocates each collective's send and receive
+//! buffers afresh (host `Vec`s for the loopback); the device paths write into existing buffers with
+//! [`Communicator::upload_into`].
 
 use std::fmt;
 

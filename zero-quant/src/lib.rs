@@ -6,11 +6,11 @@
 //!
 //! This crate fixes the **wire format** and the **arithmetic** of the
 //! quantized collectives. The communicator layer calls it to turn a shard into
-//! bytes and back; GPU kernels written elsewhere must produce the same bytes
-//! and values, and can be tested against these host codecs. The crate has no
-//! collectives and no knowledge of sharding. With the optional feature
-//! `wgpu` it also provides WGSL device kernels bit-identical to the host
-//! codecs (`wgpu_kernels::WgpuQuantizer`).
+//! bytes and back; its GPU kernels produce the same bytes and values and are
+//! tested against these host codecs. The crate has no collectives and no
+//! knowledge of sharding. Feature `wgpu`: WGSL device kernels bit-identical to
+//! the host codecs (`wgpu_kernels::WgpuQuantizer`); feature `cuda`: CUDA
+//! kernels (checked-in PTX, loaded through cudarc), likewise.
 //!
 //! Dependencies: `half` (bf16/f16 types and F16C conversions), `thiserror`,
 //! and `bytemuck` (used by the `wgpu` feature); `wgpu` and `pollster` with
