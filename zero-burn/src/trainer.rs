@@ -832,6 +832,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // With overlap, one reduction may be in flight while the next bucket fills (the plan's
         // doubled reduction buffer); inline, each is applied as soon as it is submitted.
         let max_reduces = usize::from(plan.config().overlap_comm);
+        if !plan.config().recompute() {
+            return self.micro_step_one_graph(exec, batch, scale, max_reduces);
+        }
         let (loss, acts) = self.forward(exec, batch)?;
         // Backward, recomputing each segment.
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
@@ -860,17 +863,78 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if stage3 {
                 self.release_segment(i);
             }
-            for u in self.completes_at[i].clone() {
-                let g = pending[u]
-                    .take()
-                    .unwrap_or_else(|| Pending::Host(vec![0.0; plan.units()[u].len as usize]));
-                self.submit_reduce(exec, u, g)?;
-                while self.reductions_in_flight().0 > max_reduces {
-                    self.complete_one(exec)?;
-                }
-            }
+            self.reduce_completed(exec, i, &mut pending, max_reduces)?;
         }
         Ok(loss)
+    }
+
+    /// Submits the reductions of the units segment `i`'s backward completed, keeping at most
+    /// `max_reduces` in flight.
+    fn reduce_completed(
+        &mut self,
+        exec: &mut Exec<C>,
+        i: usize,
+        pending: &mut [Option<Pending<C::Buffer<f32>>>],
+        max_reduces: usize,
+    ) -> Result<()> {
+        for u in self.completes_at[i].clone() {
+            let g = pending[u]
+                .take()
+                .unwrap_or_else(|| Pending::Host(vec![0.0; self.plan.units()[u].len as usize]));
+            self.submit_reduce(exec, u, g)?;
+            while self.reductions_in_flight().0 > max_reduces {
+                self.complete_one(exec)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A micro-step without activation checkpointing: one autodiff graph over every segment
+    /// (stage 3: each segment's units gathered before it runs and kept until the backward is
+    /// done), one backward, then every unit's reduction in the order the segment-wise backward
+    /// issues them (last segment first).
+    fn micro_step_one_graph(
+        &mut self,
+        exec: &mut Exec<C>,
+        batch: &M::Batch,
+        scale: f32,
+        max_reduces: usize,
+    ) -> Result<f32> {
+        let plan = self.plan.clone();
+        let stage3 = plan.stage() == 3;
+        let segments = self.model.num_segments();
+        let mut x: Option<M::Act> = None;
+        let mut loss = None;
+        for i in 0..segments {
+            if stage3 {
+                self.gather_segment(exec, i, false)?;
+            }
+            match (
+                self.model.forward_segment(i, batch, x.take()),
+                i + 1 == segments,
+            ) {
+                (SegmentOut::Loss(l), true) => loss = Some(l),
+                (SegmentOut::Next(y), false) => x = Some(y),
+                (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
+            }
+        }
+        let loss = loss.ok_or_else(|| crate::segmented::wrong_output(0, segments, true))?;
+        let value = crate::segmented::loss_value(loss.clone())?;
+        let grads = loss.mul_scalar(scale).sum().backward();
+        let gp = GradientsParams::from_grads(grads, &self.model);
+        let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
+            (0..plan.units().len()).map(|_| None).collect();
+        for i in (0..segments).rev() {
+            self.collect_grads(i, &gp, &mut pending)?;
+        }
+        drop(gp);
+        for i in (0..segments).rev() {
+            if stage3 {
+                self.release_segment(i);
+            }
+            self.reduce_completed(exec, i, &mut pending, max_reduces)?;
+        }
+        Ok(value)
     }
 
     /// The forward pass: each segment without autodiff (stage 3: gathered before, released

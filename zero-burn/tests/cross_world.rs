@@ -31,6 +31,8 @@ fn config(stage: u8, ga: u32) -> ZeroConfig {
         gradient_accumulation_steps: ga,
         reduce_bucket_size: 3000,
         param_persistence_threshold: 64,
+        // Stage 3's default at every stage: compare like with like.
+        checkpoint_activations: Some(true),
         ..Default::default()
     }
 }

@@ -285,17 +285,27 @@ fn topo() -> Topology {
     Topology::new(4, 2).unwrap()
 }
 
-/// Stages 0–3 (stage 3 with hpZ off and on, and with qwZ-free persistence of small tensors),
-/// accumulation 2: identical bits on every rank and every stage, traffic and model-state bytes
-/// as planned.
+/// Stages 0–3 (stage 3 with hpZ off and on, and with persistence of small tensors),
+/// accumulation 2, with and without activation checkpointing: identical bits on every rank and
+/// every stage for each choice, traffic and model-state bytes as planned.
 fn stages_are_bit_identical<M: Segmented<Batch = PointBatch>>(model: &M, family: &str) {
+    for ckpt in [true, false] {
+        stages_agree(model, family, ckpt);
+    }
+}
+
+/// [`stages_are_bit_identical`] with one activation-checkpointing choice for every stage (hpZ
+/// needs it).
+fn stages_agree<M: Segmented<Batch = PointBatch>>(model: &M, family: &str, ckpt: bool) {
     let mut reference: Option<(Vec<u32>, Vec<Vec<u32>>)> = None;
-    for (stage, hpz) in [(0u8, 1usize), (1, 1), (2, 1), (3, 1), (3, 2)] {
+    let hpz = if ckpt { 2 } else { 1 };
+    for (stage, hpz) in [(0u8, 1usize), (1, 1), (2, 1), (3, 1), (3, hpz)] {
         let cfg = ZeroConfig {
             stage,
             hpz_partition_size: hpz,
             gradient_accumulation_steps: 2,
             param_persistence_threshold: 20,
+            checkpoint_activations: Some(ckpt),
             ..Default::default()
         };
         let seen = train(model, topo(), &cfg, Optimizer::default(), 3e-2, STEPS);

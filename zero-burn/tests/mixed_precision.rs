@@ -38,6 +38,8 @@ fn stages_are_bit_identical_in_bf16_and_fp16() {
                 gradient_accumulation_steps: ga,
                 reduce_bucket_size: 3000,
                 param_persistence_threshold: 64,
+                // Stage 3's default at every stage: compare like with like.
+                checkpoint_activations: Some(true),
                 ..Default::default()
             };
             let reference = run(
@@ -97,6 +99,8 @@ fn fp32_gradient_accumulation_in_bf16_and_fp16() {
                 gradient_accumulation_steps: ga,
                 reduce_bucket_size: 3000,
                 param_persistence_threshold: 64,
+                // Stage 3's default at every stage: compare like with like.
+                checkpoint_activations: Some(true),
                 ..Default::default()
             };
             let acc32 = |stage: u8| ZeroConfig {

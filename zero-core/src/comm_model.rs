@@ -8,8 +8,9 @@
 //! - Stage 0: per micro-step, one all-reduce (mean) per bucket.
 //! - Stages 1–2: per micro-step, one reduce-scatter (mean) per bucket; after the optimizer step,
 //!   one all-gather per bucket. (With `accumulate_before_reduce`, stages 0–1 reduce once per step.)
-//! - Stage 3: per micro-step, per gather unit: a forward all-gather over the world; a backward
-//!   all-gather (over the hpZ group with hpZ); for trainable units a reduce-scatter (with qgZ: an
+//! - Stage 3: per micro-step, per gather unit: a forward all-gather over the world; with
+//!   activation checkpointing (the default at stage 3) a backward all-gather (over the hpZ group
+//!   with hpZ); for trainable units a reduce-scatter (with qgZ: an
 //!   intra-node all-to-all then a cross-node all-to-all of int4 wire bytes). Persistent trainable
 //!   units: a reduce-scatter per micro-step and an all-gather after the step. With qwZ, weight
 //!   all-gathers of gather units move int8 wire bytes (codes plus fp32 scales).
@@ -233,21 +234,25 @@ impl Plan {
                 for (i, u) in self.units().iter().enumerate().rev() {
                     match u.kind {
                         UnitKind::Gather => {
-                            let (group, count) = match self.hpz() {
-                                Some(h) => (GroupKind::Hpz, u.len / h.size as u64),
-                                None => (GroupKind::World, u.len / n),
-                            };
-                            let (cnt, eb, pl) = gather(count);
-                            ops.push(op(
-                                Phase::Backward,
-                                Collective::AllGather,
-                                group,
-                                i,
-                                cnt,
-                                eb,
-                                pl,
-                                true,
-                            ));
+                            // Without activation checkpointing the forward's gathers stay for
+                            // the backward.
+                            if c.recompute() {
+                                let (group, count) = match self.hpz() {
+                                    Some(h) => (GroupKind::Hpz, u.len / h.size as u64),
+                                    None => (GroupKind::World, u.len / n),
+                                };
+                                let (cnt, eb, pl) = gather(count);
+                                ops.push(op(
+                                    Phase::Backward,
+                                    Collective::AllGather,
+                                    group,
+                                    i,
+                                    cnt,
+                                    eb,
+                                    pl,
+                                    true,
+                                ));
+                            }
                             if u.trainable {
                                 if c.quantized_gradients {
                                     let e = int4_wire_len(u.len / n, c.qgz_block_size as u64);

@@ -122,6 +122,15 @@ pub struct ZeroConfig {
     /// fp16 only: the loss scaler (DeepSpeed's `fp16` section). Ignored in fp32 and bf16, which
     /// run unscaled.
     pub loss_scaler: LossScaleConfig,
+    /// Activation checkpointing at segment granularity: the forward keeps only the activations
+    /// between segments and the backward recomputes each segment from its input (a third more
+    /// compute). Without it one autodiff graph spans the whole forward and the backward runs once.
+    /// `None` (the default): on at stage 3, where it is what lets each segment's gathered weights
+    /// be released after use (and gathered again, from the hpZ group with hpZ, for the backward);
+    /// off at stages 0–2. Off at stage 3 keeps every gathered unit from the forward to the
+    /// backward instead: no backward gathers, ZeRO-2-like peak memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_activations: Option<bool>,
 }
 
 /// fp16 loss scaling, with DeepSpeed's keys, defaults and semantics (zero-spec.md §3.4).
@@ -199,6 +208,7 @@ impl Default for ZeroConfig {
             accumulate_before_reduce: false,
             grad_accum_dtype: None,
             loss_scaler: LossScaleConfig::default(),
+            checkpoint_activations: None,
         }
     }
 }
@@ -215,6 +225,12 @@ impl ZeroConfig {
     /// Whether hpZ is on.
     pub fn hpz(&self) -> bool {
         self.hpz_partition_size > 1
+    }
+
+    /// Whether the backward recomputes each segment from its saved input
+    /// ([`ZeroConfig::checkpoint_activations`], by default only at stage 3).
+    pub fn recompute(&self) -> bool {
+        self.checkpoint_activations.unwrap_or(self.stage == 3)
     }
 
     /// Parses our own format from TOML.

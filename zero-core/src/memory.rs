@@ -171,9 +171,10 @@ impl Plan {
         m
     }
 
-    /// Peak gathered elements at stage 3 (0 otherwise): the current gather unit plus the next one
-    /// when it may be prefetched (`len ≤ prefetch_bucket_size` and the pair fits in
-    /// `max_live_parameters`).
+    /// Peak gathered elements at stage 3 (0 otherwise): with activation checkpointing, the current
+    /// gather unit plus the next one when it may be prefetched (`len ≤ prefetch_bucket_size` and
+    /// the pair fits in `max_live_parameters`); without, every gather unit (the forward's gathers
+    /// stay for the backward).
     pub fn peak_gathered(&self) -> u64 {
         if self.stage() != 3 {
             return 0;
@@ -184,6 +185,10 @@ impl Plan {
             .filter(|u| u.kind == UnitKind::Gather)
             .map(|u| u.len)
             .collect();
+        if !self.config().recompute() {
+            // Every unit gathered by the forward stays until the backward is done.
+            return g.iter().sum();
+        }
         let mut peak = 0;
         for i in 0..g.len() {
             let mut live = g[i];

@@ -486,6 +486,14 @@ fn validate_config(c: &ZeroConfig, t: &Topology) -> Result<()> {
             ),
         ));
     }
+    if c.hpz() && !c.recompute() {
+        return Err(Error::invalid(
+            "checkpoint_activations",
+            "false with hpz_partition_size > 1",
+            "true (or unset) with hpZ: its secondary shard serves the backward's re-gather, which \
+             stage 3 without activation checkpointing does not do",
+        ));
+    }
     if c.qwz_block_size == 0 {
         return Err(Error::invalid("qwz_block_size", "0", "at least 1 element"));
     }
