@@ -13,6 +13,8 @@ use zero_core::sim::{
 use zero_core::{ModelDesc, Plan};
 
 use crate::plan::{ModelArgs, ZeroArgs, load_model, parse_count};
+
+mod host;
 use crate::plot::{Panel, Series, line_charts_svg};
 
 #[derive(Args, Debug)]
@@ -33,10 +35,11 @@ pub(crate) struct SimulateArgs {
     seq_len: Option<u64>,
     #[command(flatten)]
     zero: ZeroArgs,
-    /// A cluster preset (dgx2-v100, dgx-a100, dgx-h100) or a TOML file (`preset = "NAME"` plus
-    /// the fields to change, or a full description: see `--print-cluster`).
-    #[arg(long, default_value = "dgx-h100")]
-    cluster: String,
+    /// A cluster preset (dgx2-v100, dgx-a100, dgx-h100; default dgx-h100), `host-loopback` (this
+    /// machine's calibrated loopback) or a TOML file (`preset = "NAME"` plus the fields to change,
+    /// or a full description: see `--print-cluster`).
+    #[arg(long)]
+    cluster: Option<String>,
     /// Nodes.
     #[arg(long, default_value_t = 8)]
     nodes: usize,
@@ -83,6 +86,13 @@ pub(crate) struct SimulateArgs {
     /// Print the cluster description (TOML) and exit.
     #[arg(long)]
     print_cluster: bool,
+    /// Replay the default training job's collectives on the host loopback, timed, next to the
+    /// prediction on the calibrated `host-loopback` cluster (no model or ZeRO flags).
+    #[arg(long, conflicts_with_all = ["sweep", "preset", "model", "params", "gpt"])]
+    validate_host: bool,
+    /// Replayed steps for --validate-host (after one warm-up).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -93,6 +103,9 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
     if a.print_cluster {
         print!("{}", cluster.to_toml());
         return Ok(());
+    }
+    if a.validate_host {
+        return host::validate(&cluster, a.steps, a.json);
     }
     let (model, shape) = model_and_shape(&a)?;
     let tokens = match &a.tokens_per_gpu {
@@ -151,13 +164,20 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
 }
 
 fn load_cluster(a: &SimulateArgs) -> anyhow::Result<Cluster> {
-    let mut c = if CLUSTER_PRESETS.contains(&a.cluster.as_str()) || !Path::new(&a.cluster).exists()
-    {
-        Cluster::preset(&a.cluster)?
+    let default = if a.validate_host {
+        "host-loopback"
     } else {
-        let text = std::fs::read_to_string(&a.cluster)
-            .with_context(|| format!("cannot read cluster file {}", a.cluster))?;
-        Cluster::from_toml(&text).with_context(|| format!("in cluster file {}", a.cluster))?
+        "dgx-h100"
+    };
+    let name = a.cluster.as_deref().unwrap_or(default);
+    let mut c = if name == "host-loopback" {
+        Cluster::from_toml(host::HOST_LOOPBACK)?
+    } else if CLUSTER_PRESETS.contains(&name) || !Path::new(name).exists() {
+        Cluster::preset(name)?
+    } else {
+        let text = std::fs::read_to_string(name)
+            .with_context(|| format!("cannot read cluster file {name}"))?;
+        Cluster::from_toml(&text).with_context(|| format!("in cluster file {name}"))?
     };
     for kv in &a.set {
         let Some((k, v)) = kv.split_once('=') else {
