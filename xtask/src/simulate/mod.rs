@@ -109,7 +109,11 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
     }
     let (model, shape) = model_and_shape(&a)?;
     let tokens = match &a.tokens_per_gpu {
-        Some(t) => parse_count(t).context("--tokens-per-gpu")?,
+        Some(t) => parse_count(t).map_err(|_| {
+            anyhow::anyhow!(
+                "--tokens-per-gpu {t:?}: expected a whole number of tokens ≥ 1 (e.g. 2048 or 2k)"
+            )
+        })?,
         None => shape.map_or(1024, |s| s.seq_len),
     };
     let opts = SimOptions {
