@@ -361,7 +361,53 @@ fn plot_sweep(path: &Path, t: &SweepTable, model: &str, c: &Cluster) -> anyhow::
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: SimulateArgs,
+    }
+
+    fn args(line: &str) -> SimulateArgs {
+        Cli::try_parse_from(std::iter::once("simulate").chain(line.split_whitespace()))
+            .unwrap()
+            .a
+    }
+
+    #[test]
+    fn cluster_flags_override_the_preset() {
+        let a = args(
+            "--cluster dgx2-v100 --gpus-per-node 8 --nics-per-node 4 --nic-gbps-per-node 200 \
+             --set intra.efficiency=0.9 --compute-efficiency 0.4",
+        );
+        let c = load_cluster(&a).unwrap();
+        assert_eq!(c.gpus_per_node, 8);
+        assert_eq!((c.inter.nics_per_node, c.inter.nic_gbps), (4, 50.0));
+        assert_eq!((c.intra.efficiency, c.gpu.compute_efficiency), (0.9, 0.4));
+        assert!(load_cluster(&args("--set intra.efficiency")).is_err());
+        assert!(load_cluster(&args("--cluster nowhere.toml")).is_err());
+        let h = load_cluster(&args("--cluster host-loopback")).unwrap();
+        assert_eq!((h.gpus_per_node, h.protocols.len()), (2, 1));
+    }
+
+    #[test]
+    fn shapes_come_from_presets_flags_or_gpt() {
+        let (_, s) = model_and_shape(&args("--preset llama-7b --seq-len 2048")).unwrap();
+        assert_eq!(
+            s.map(|s| (s.layers, s.hidden, s.seq_len)),
+            Some((32, 4096, 2048))
+        );
+        let (m, s) = model_and_shape(&args("--gpt 2x64 --seq-len 16")).unwrap();
+        assert_eq!(s.map(|s| s.seq_len), Some(16));
+        assert!(m.numel() > 2 * 12 * 64 * 64);
+        let (_, s) = model_and_shape(&args("--params 1e6 --layers 2 --hidden 8")).unwrap();
+        assert_eq!(s.map(|s| s.seq_len), Some(1024));
+        assert!(model_and_shape(&args("--params 1e6 --hidden 8")).is_err());
+        assert!(model_and_shape(&args("--gpt 2by64")).is_err());
+    }
 
     #[test]
     fn sweeps_parse() {
