@@ -230,7 +230,7 @@ mod tests {
         assert_eq!(a, Algorithm::Tree);
         close(c.latency_seconds, (10.0 + 6.0 + 60.0) * 1e-6);
         close(c.seconds, 76e-6 + 2.0 * 255.0 / 256.0 * 1e3 / 10e9);
-        // At 1 GB the two have the same bandwidth term and the ring... still pays more hops.
+        // At 1 GB ring and tree share the bandwidth term: NIC busy time is 2·(255/256)·1 GB / 10 GB/s.
         let (_, big) = cost(&toy(), g, Collective::AllReduce, 1e9);
         close(big.inter_seconds, 2.0 * 255.0 / 256.0 * 0.1);
     }

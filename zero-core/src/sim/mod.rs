@@ -36,7 +36,7 @@ pub mod cluster;
 pub mod collective;
 pub mod compute;
 mod report;
-pub use report::{CommTimes, ComputeTimes, MemoryFit, PhaseTime, SimReport};
+pub use report::{CommTimes, ComputeTimes, MemoryFit, PhaseTime, SimReport, config_label};
 pub mod sweep;
 
 use std::collections::HashMap;

@@ -137,7 +137,7 @@ pub struct SimReport {
 }
 
 /// `ZeRO-3 Fp16 + qwZ + hpZ=16 + qgZ`.
-pub(crate) fn config_label(c: &ZeroConfig) -> String {
+pub fn config_label(c: &ZeroConfig) -> String {
     let mut s = format!("ZeRO-{} {:?}", c.stage, c.precision);
     if c.quantized_weights {
         s.push_str(" + qwZ");

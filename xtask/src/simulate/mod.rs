@@ -13,6 +13,8 @@ use zero_core::sim::{
 use zero_core::{ModelDesc, Plan};
 
 use crate::plan::{ModelArgs, ZeroArgs, load_model, parse_count};
+
+mod host;
 use crate::plot::{Panel, Series, line_charts_svg};
 
 #[derive(Args, Debug)]
@@ -33,10 +35,11 @@ pub(crate) struct SimulateArgs {
     seq_len: Option<u64>,
     #[command(flatten)]
     zero: ZeroArgs,
-    /// A cluster preset (dgx2-v100, dgx-a100, dgx-h100) or a TOML file (`preset = "NAME"` plus
-    /// the fields to change, or a full description: see `--print-cluster`).
-    #[arg(long, default_value = "dgx-h100")]
-    cluster: String,
+    /// A cluster preset (dgx2-v100, dgx-a100, dgx-h100; default dgx-h100), `host-loopback` (this
+    /// machine's calibrated loopback) or a TOML file (`preset = "NAME"` plus the fields to change,
+    /// or a full description: see `--print-cluster`).
+    #[arg(long)]
+    cluster: Option<String>,
     /// Nodes.
     #[arg(long, default_value_t = 8)]
     nodes: usize,
@@ -83,6 +86,13 @@ pub(crate) struct SimulateArgs {
     /// Print the cluster description (TOML) and exit.
     #[arg(long)]
     print_cluster: bool,
+    /// Replay the default training job's collectives on the host loopback, timed, next to the
+    /// prediction on the calibrated `host-loopback` cluster (no model or ZeRO flags).
+    #[arg(long, conflicts_with_all = ["sweep", "preset", "model", "params", "gpt"])]
+    validate_host: bool,
+    /// Replayed steps for --validate-host (after one warm-up).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
     /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
@@ -94,9 +104,16 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
         print!("{}", cluster.to_toml());
         return Ok(());
     }
+    if a.validate_host {
+        return host::validate(&cluster, a.steps, a.json);
+    }
     let (model, shape) = model_and_shape(&a)?;
     let tokens = match &a.tokens_per_gpu {
-        Some(t) => parse_count(t).context("--tokens-per-gpu")?,
+        Some(t) => parse_count(t).map_err(|_| {
+            anyhow::anyhow!(
+                "--tokens-per-gpu {t:?}: expected a whole number of tokens ≥ 1 (e.g. 2048 or 2k)"
+            )
+        })?,
         None => shape.map_or(1024, |s| s.seq_len),
     };
     let opts = SimOptions {
@@ -151,13 +168,20 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
 }
 
 fn load_cluster(a: &SimulateArgs) -> anyhow::Result<Cluster> {
-    let mut c = if CLUSTER_PRESETS.contains(&a.cluster.as_str()) || !Path::new(&a.cluster).exists()
-    {
-        Cluster::preset(&a.cluster)?
+    let default = if a.validate_host {
+        "host-loopback"
     } else {
-        let text = std::fs::read_to_string(&a.cluster)
-            .with_context(|| format!("cannot read cluster file {}", a.cluster))?;
-        Cluster::from_toml(&text).with_context(|| format!("in cluster file {}", a.cluster))?
+        "dgx-h100"
+    };
+    let name = a.cluster.as_deref().unwrap_or(default);
+    let mut c = if name == "host-loopback" {
+        Cluster::from_toml(host::HOST_LOOPBACK)?
+    } else if CLUSTER_PRESETS.contains(&name) || !Path::new(name).exists() {
+        Cluster::preset(name)?
+    } else {
+        let text = std::fs::read_to_string(name)
+            .with_context(|| format!("cannot read cluster file {name}"))?;
+        Cluster::from_toml(&text).with_context(|| format!("in cluster file {name}"))?
     };
     for kv in &a.set {
         let Some((k, v)) = kv.split_once('=') else {
@@ -337,7 +361,53 @@ fn plot_sweep(path: &Path, t: &SweepTable, model: &str, c: &Cluster) -> anyhow::
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: SimulateArgs,
+    }
+
+    fn args(line: &str) -> SimulateArgs {
+        Cli::try_parse_from(std::iter::once("simulate").chain(line.split_whitespace()))
+            .unwrap()
+            .a
+    }
+
+    #[test]
+    fn cluster_flags_override_the_preset() {
+        let a = args(
+            "--cluster dgx2-v100 --gpus-per-node 8 --nics-per-node 4 --nic-gbps-per-node 200 \
+             --set intra.efficiency=0.9 --compute-efficiency 0.4",
+        );
+        let c = load_cluster(&a).unwrap();
+        assert_eq!(c.gpus_per_node, 8);
+        assert_eq!((c.inter.nics_per_node, c.inter.nic_gbps), (4, 50.0));
+        assert_eq!((c.intra.efficiency, c.gpu.compute_efficiency), (0.9, 0.4));
+        assert!(load_cluster(&args("--set intra.efficiency")).is_err());
+        assert!(load_cluster(&args("--cluster nowhere.toml")).is_err());
+        let h = load_cluster(&args("--cluster host-loopback")).unwrap();
+        assert_eq!((h.gpus_per_node, h.protocols.len()), (2, 1));
+    }
+
+    #[test]
+    fn shapes_come_from_presets_flags_or_gpt() {
+        let (_, s) = model_and_shape(&args("--preset llama-7b --seq-len 2048")).unwrap();
+        assert_eq!(
+            s.map(|s| (s.layers, s.hidden, s.seq_len)),
+            Some((32, 4096, 2048))
+        );
+        let (m, s) = model_and_shape(&args("--gpt 2x64 --seq-len 16")).unwrap();
+        assert_eq!(s.map(|s| s.seq_len), Some(16));
+        assert!(m.numel() > 2 * 12 * 64 * 64);
+        let (_, s) = model_and_shape(&args("--params 1e6 --layers 2 --hidden 8")).unwrap();
+        assert_eq!(s.map(|s| s.seq_len), Some(1024));
+        assert!(model_and_shape(&args("--params 1e6 --hidden 8")).is_err());
+        assert!(model_and_shape(&args("--gpt 2by64")).is_err());
+    }
 
     #[test]
     fn sweeps_parse() {
