@@ -11,6 +11,10 @@ pub(crate) struct TestArgs {
     /// Skip `cargo fmt --check` and clippy.
     #[arg(long)]
     no_lint: bool,
+    /// Let insta rewrite snapshots that changed (`INSTA_UPDATE=always`) instead of failing, for a
+    /// deliberate update; review the result with `git diff -- '*.snap'` and commit it.
+    #[arg(long)]
+    accept_snapshots: bool,
 }
 
 fn cargo() -> Command {
@@ -66,17 +70,69 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
         "--features",
         "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu",
     ]);
-    // insta: with CI set, a missing or changed snapshot fails and nothing is written.
-    if std::env::var_os("CI").is_some() {
-        test.env("INSTA_UPDATE", "no");
-    }
+    insta_strictness(&mut test, a.accept_snapshots);
     run_step("tests", test)?;
     let stray = find_pending_snapshots(&root)?;
     if !stray.is_empty() {
         bail!("pending snapshots left behind (review and commit or delete them): {stray:?}");
     }
+    let changed = changed_snapshots(&root)?;
+    if !changed.is_empty() {
+        if a.accept_snapshots {
+            eprintln!(
+                "==> snapshots rewritten (review with `git diff -- '*.snap'` and commit): {changed:?}"
+            );
+        } else {
+            bail!(
+                "snapshots differ from git (commit or stage them, or rerun with \
+                 --accept-snapshots to rewrite them deliberately): {changed:?}"
+            );
+        }
+    }
     eprintln!("==> all checks passed");
     Ok(())
+}
+
+/// insta's strictness, set here whatever the environment says: a missing or changed snapshot
+/// fails and nothing is written, unless `accept` (then changed snapshots are rewritten in place).
+/// `INSTA_FORCE_PASS=0` also overrides an insta config file's `force_pass`; the legacy variables
+/// that would turn updates back on are removed.
+fn insta_strictness(cmd: &mut Command, accept: bool) {
+    cmd.env("INSTA_UPDATE", if accept { "always" } else { "no" })
+        .env("INSTA_FORCE_PASS", "0")
+        .env_remove("INSTA_FORCE_UPDATE")
+        .env_remove("INSTA_FORCE_UPDATE_SNAPSHOTS");
+}
+
+/// Tracked `.snap` files that differ from git's index, and untracked ones: after the tests, any of
+/// these means a snapshot was written or is not committed.
+fn changed_snapshots(root: &Path) -> anyhow::Result<Vec<String>> {
+    let mut out = Vec::new();
+    for args in [
+        &["diff", "--name-only", "--", "*.snap"][..],
+        &["ls-files", "--others", "--exclude-standard", "--", "*.snap"][..],
+    ] {
+        let o = Command::new("git")
+            .current_dir(root)
+            .args(args)
+            .output()
+            .context("cannot run git to check the snapshots (the check needs a git checkout)")?;
+        if !o.status.success() {
+            bail!(
+                "git {} failed ({}): {}",
+                args.join(" "),
+                o.status,
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+        }
+        out.extend(
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| !l.is_empty())
+                .map(str::to_string),
+        );
+    }
+    Ok(out)
 }
 
 fn find_pending_snapshots(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
@@ -98,4 +154,34 @@ fn find_pending_snapshots(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insta_is_strict_whatever_the_environment() {
+        let mut c = Command::new("true");
+        insta_strictness(&mut c, false);
+        let envs: Vec<(String, Option<String>)> = c
+            .get_envs()
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.map(|v| v.to_string_lossy().into_owned()),
+                )
+            })
+            .collect();
+        let get = |k: &str| envs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(get("INSTA_UPDATE"), Some(Some("no".into())));
+        assert_eq!(get("INSTA_FORCE_PASS"), Some(Some("0".into())));
+        assert_eq!(get("INSTA_FORCE_UPDATE"), Some(None), "removed");
+        let mut c = Command::new("true");
+        insta_strictness(&mut c, true);
+        assert!(
+            c.get_envs()
+                .any(|(k, v)| k == "INSTA_UPDATE" && v == Some("always".as_ref()))
+        );
+    }
 }

@@ -135,6 +135,9 @@ fn unresolvable_master_addr_is_named() {
 
 const LOOPBACK: &str = "127.0.0.1:0";
 const SAFE: Duration = Duration::from_secs(20);
+/// Upper bound on a wait that must end by a short timeout: it only has to catch a wait that never
+/// ends, so it is wide enough that a loaded machine cannot reach it.
+const ENDS: Duration = Duration::from_secs(30);
 
 fn id_of(seed: u8) -> UniqueId {
     let mut b = [0u8; UniqueId::LEN];
@@ -250,7 +253,7 @@ fn a_rank_times_out_when_rank_0_never_comes() {
         err.contains("rank 2") && err.contains("rank 0") && err.contains("timed out"),
         "{err}"
     );
-    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(took < ENDS, "took {took:?}");
 }
 
 #[test]
@@ -268,14 +271,11 @@ fn rank_0_times_out_listing_missing_ranks_and_tells_those_that_came() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("[2, 3]") && err.contains("timed out"), "{err}");
-        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(start.elapsed() < ENDS);
         let (res, took) = early.join().unwrap();
         let err = res.unwrap_err().to_string();
         assert!(err.contains("rank 1") && err.contains("[2, 3]"), "{err}");
-        assert!(
-            took < Duration::from_secs(5),
-            "the early rank waited {took:?}"
-        );
+        assert!(took < ENDS, "the early rank waited {took:?}");
     });
 }
 

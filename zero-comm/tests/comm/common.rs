@@ -1,6 +1,7 @@
 //! Shared test bodies and helpers, generic over the backend.
 
 use std::fmt::Debug;
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::thread;
 use std::time::Duration;
 
@@ -14,6 +15,39 @@ pub(crate) type Factory<C> = fn(Topology) -> Vec<C>;
 
 /// Timeout for tests that must not time out.
 pub(crate) const SAFE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A one-shot event that orders ranks in failure tests instead of sleeps: one rank `set`s it when
+/// something has happened (its timeout fired, say), the others `wait` for it. A wait gives up
+/// after [`SAFE_TIMEOUT`] with a panic, so a broken test fails instead of hanging.
+pub(crate) struct Signal {
+    set: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Signal {
+    pub(crate) fn new() -> Self {
+        Signal {
+            set: Mutex::new(false),
+            cv: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn set(&self) {
+        *self.set.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until [`Signal::set`]; `what` names the event for the panic message.
+    #[track_caller]
+    pub(crate) fn wait(&self, what: &str) {
+        let set = self.set.lock().unwrap_or_else(PoisonError::into_inner);
+        let (set, _) = self
+            .cv
+            .wait_timeout_while(set, SAFE_TIMEOUT, |s| !*s)
+            .unwrap_or_else(PoisonError::into_inner);
+        assert!(*set, "gave up after {SAFE_TIMEOUT:?} waiting for {what}");
+    }
+}
 
 pub(crate) fn host_world(topology: Topology) -> Vec<HostComm> {
     HostWorld::new(topology, SAFE_TIMEOUT).into_comms()
