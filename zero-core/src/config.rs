@@ -352,6 +352,10 @@ impl ZeroConfig {
                 | "seed" => notes.push(format!(
                     "top-level key `{k}` is outside the ZeRO engine and is not read"
                 )),
+                "aio" => bad.push(format!(
+                    "aio: got {val}, expected no such section (it tunes NVMe offload, which \
+                     zero-rs does not support yet)"
+                )),
                 other => bad.push(format!("unknown top-level key `{other}`")),
             }
         }
@@ -590,8 +594,22 @@ fn read_zero_section(
                 if off {
                     notes.push(format!("zero_optimization.{k}: disabled, as here"));
                 } else {
+                    let what = match k.as_str() {
+                        "mics_shard_size" | "mics_hierarchical_params_gather" => "MiCS",
+                        "zero_quantized_nontrainable_weights" => "quantizing frozen weights",
+                        "zeropp_loco_param" => "ZeRO++ LoCo",
+                        _ => "CPU/NVMe offload",
+                    };
+                    let off_form = if k == "mics_shard_size" {
+                        "-1"
+                    } else if val.is_object() {
+                        "{\"device\": \"none\"}"
+                    } else {
+                        "false"
+                    };
                     bad.push(format!(
-                        "zero_optimization.{k}: not supported by zero-rs yet"
+                        "zero_optimization.{k}: got {val}, expected {off_form} or no such key \
+                         ({what} is not supported by zero-rs yet)"
                     ));
                 }
             }

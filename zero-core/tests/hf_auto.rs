@@ -134,12 +134,30 @@ fn an_unsupported_key_is_still_refused_by_name() {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains(&format!("zero_optimization.{key}: not supported")),
+            e.contains(&format!(
+                "zero_optimization.{key}: got {}",
+                value.replace(": ", ":").replace(", ", ",")
+            )),
             "{key}: {e}"
         );
+        assert!(e.contains("is not supported by zero-rs yet"), "{key}: {e}");
         // The refusal is about that key alone: every "auto" resolved.
         assert!(!e.contains("auto"), "{key}: {e}");
     }
+}
+
+#[test]
+fn nvme_offload_s_own_section_is_refused_too() {
+    let text = HF_ZERO3.replacen(
+        '{',
+        r#"{"aio": {"block_size": 1048576, "queue_depth": 8},"#,
+        1,
+    );
+    let e = ZeroConfig::from_deepspeed_json_with(&text, &run())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("aio: got {"), "{e}");
+    assert!(e.contains("NVMe offload"), "{e}");
 }
 
 #[test]
