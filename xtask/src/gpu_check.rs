@@ -16,9 +16,10 @@
 //! 4. **tests**: each program with `ZERO_GPU_TESTS=1`: the NCCL collectives, split, groups,
 //!    validation and init timeout at world size 1, the mean kernels, the ZeRO-3 trainer over NCCL
 //!    (bit-identical to the host loopback at world size 1), and the CUDA quantization kernels bit
-//!    for bit against the host codecs (f32, bf16, f16). Each GPU test that passes appends its name
-//!    to the cookie `<work>/.gpu_tests_ran` (`ZERO_GPU_COOKIE`), removed beforehand; no name there
-//!    means they all skipped, which fails the step.
+//!    for bit against the host codecs (f32, bf16, f16). Each GPU test that passes appends
+//!    `<name> ok` to the cookie `<work>/.gpu_tests_ran` (`ZERO_GPU_COOKIE`), removed beforehand,
+//!    and one that this machine's library cannot run `<name> skipped: <reason>`. The step passes
+//!    only when every test of [`GPU_TESTS`] wrote `ok`: a missing or skipped one fails it, named.
 //! 5. **bench**: NCCL all-gather, reduce-scatter and all-reduce of 64 MiB at world size 1
 //!    (`ZERO_GPU_BENCH=1`), and **quant**: int8/int4 encode and decode throughput of a 256 MiB
 //!    tensor on the device (printed by the CUDA kernel tests), and **train**: the NCCL trainer
@@ -34,7 +35,9 @@
 //! --bundle DIR` builds the programs here and copies them, stripped and gzipped, with the xtask
 //! binary and the Vulkan loader's packages (`apt-get download`) into DIR (about 54 MiB);
 //! `DIR/xtask gpu-check --prebuilt DIR` there unzips them into `DIR/bin` and skips the build. A short report (pass/fail
-//! per step, figures) ends the run; any failed step makes the exit status non-zero.
+//! per step, figures) ends the run; any failed step makes the exit status non-zero, and so does a
+//! step that could not run (no programs, no figures, no Vulkan loader): only a step turned off
+//! by a flag (`--no-bench`) is reported as SKIP.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
@@ -403,7 +406,7 @@ const PROGRAMS: &[Program] = &[
         name: "zero-comm-nccl",
         package: "zero-comm",
         test: Some("nccl"),
-        args: &[],
+        args: &["--nocapture"],
     },
     Program {
         name: "zero-burn-nccl",
@@ -644,11 +647,12 @@ fn wgpu_step(
     limit: Duration,
 ) -> anyhow::Result<Step> {
     let t = Instant::now();
+    // A requested step that cannot run fails the run.
     let skip = |detail: String| Step {
         name: "wgpu",
-        verdict: Verdict::Skip,
+        verdict: Verdict::Fail,
         secs: None,
-        detail,
+        detail: format!("did not run: {detail}"),
     };
     if programs.is_empty() {
         return Ok(skip(
@@ -887,9 +891,9 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     if programs.is_empty() {
         steps.push(Step {
             name: "tests",
-            verdict: Verdict::Skip,
+            verdict: Verdict::Fail,
             secs: None,
-            detail: "no programs".into(),
+            detail: "no test programs to run".into(),
         });
     } else {
         let t = Instant::now();
@@ -913,31 +917,10 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
                     .filter_map(|l| l.trim().strip_prefix(TRAIN_PREFIX).map(str::to_string)),
             );
         }
-        let ran: BTreeSet<String> = std::fs::read_to_string(&cookie)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.strip_suffix(" ok").map(str::to_string))
-            .collect();
-        let missing: Vec<&str> = GPU_TESTS
-            .iter()
-            .copied()
-            .filter(|t| !ran.contains(*t))
-            .collect();
-        let verdict = if failed.is_empty() && !ran.is_empty() {
-            Verdict::Pass
-        } else {
-            Verdict::Fail
-        };
-        let mut detail = format!("{} of {} GPU tests ran", ran.len(), GPU_TESTS.len());
-        if !missing.is_empty() {
-            detail += &format!("; not run: {missing:?}");
-        }
-        if ran.is_empty() {
-            detail += " (all skipped: see their \"skip\" lines above";
-            detail += if libs_ok { ")" } else { "; libraries missing)" };
-        }
-        if !failed.is_empty() {
-            detail = format!("failed: {}; {detail}", failed.join(", "));
+        let cookie_text = std::fs::read_to_string(&cookie).unwrap_or_default();
+        let (verdict, mut detail) = tests_verdict(&cookie_text, &failed);
+        if !libs_ok {
+            detail += "; libraries missing (step libs)";
         }
         steps.push(Step {
             name: "tests",
@@ -952,15 +935,17 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         .iter()
         .find(|(i, _)| PROGRAMS[*i].name == "zero-comm-nccl");
     match (a.no_bench, nccl) {
-        (true, _) | (_, None) => steps.push(Step {
+        (true, _) => steps.push(Step {
             name: "bench",
             verdict: Verdict::Skip,
             secs: None,
-            detail: if a.no_bench {
-                "--no-bench".into()
-            } else {
-                "no NCCL test program".into()
-            },
+            detail: "--no-bench".into(),
+        }),
+        (_, None) => steps.push(Step {
+            name: "bench",
+            verdict: Verdict::Fail,
+            secs: None,
+            detail: "did not run: no NCCL test program".into(),
         }),
         (false, Some((_, exe))) => {
             let mut bench = program_cmd(exe);
@@ -997,13 +982,13 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     steps.push(Step {
         name: "quant",
         verdict: if quant_figures.is_empty() {
-            Verdict::Skip
+            Verdict::Fail
         } else {
             Verdict::Pass
         },
         secs: None,
         detail: if quant_figures.is_empty() {
-            "no figures (the CUDA kernel test did not run)".into()
+            "did not run: no figures (the CUDA kernel test did not print them)".into()
         } else {
             quant_figures.join("; ")
         },
@@ -1012,13 +997,13 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     steps.push(Step {
         name: "train",
         verdict: if train_figures.is_empty() {
-            Verdict::Skip
+            Verdict::Fail
         } else {
             Verdict::Pass
         },
         secs: None,
         detail: if train_figures.is_empty() {
-            "no figures (the NCCL trainer test did not run)".into()
+            "did not run: no figures (the NCCL trainer test did not print them)".into()
         } else {
             train_figures.join("; ")
         },
@@ -1054,6 +1039,51 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tests step's verdict from the cookie's text and the programs that failed: PASS only when
+/// no program failed and every test of [`GPU_TESTS`] wrote `<name> ok`. A test missing from the
+/// cookie, or one that wrote `<name> skipped: <reason>`, fails the step, named with its reason.
+fn tests_verdict(cookie: &str, failed: &[String]) -> (Verdict, String) {
+    let mut ran = BTreeSet::new();
+    let mut skipped = Vec::new();
+    let mut unexpected = Vec::new();
+    for line in cookie.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let name = if let Some(n) = line.strip_suffix(" ok") {
+            ran.insert(n.to_string());
+            n
+        } else if let Some((n, why)) = line.split_once(" skipped: ") {
+            skipped.push(format!("{n} ({why})"));
+            n
+        } else {
+            unexpected.push(line.to_string());
+            continue;
+        };
+        if !GPU_TESTS.contains(&name) {
+            unexpected.push(line.to_string());
+        }
+    }
+    let missing: Vec<&str> = GPU_TESTS
+        .iter()
+        .copied()
+        .filter(|t| !ran.contains(*t) && !skipped.iter().any(|s| s.starts_with(&format!("{t} ("))))
+        .collect();
+    let ok = failed.is_empty() && missing.is_empty() && skipped.is_empty();
+    let passed = GPU_TESTS.iter().filter(|t| ran.contains(**t)).count();
+    let mut detail = format!("{passed} of {} GPU tests passed", GPU_TESTS.len());
+    if !skipped.is_empty() {
+        detail += &format!("; did not run on this machine: {}", skipped.join(", "));
+    }
+    if !missing.is_empty() {
+        detail += &format!("; never reported (skipped or not compiled in): {missing:?}");
+    }
+    if !unexpected.is_empty() {
+        detail += &format!("; cookie lines gpu-check does not expect: {unexpected:?}");
+    }
+    if !failed.is_empty() {
+        detail = format!("failed: {}; {detail}", failed.join(", "));
+    }
+    (if ok { Verdict::Pass } else { Verdict::Fail }, detail)
+}
+
 fn print_report(steps: &[Step]) {
     println!();
     println!("== gpu-check report ==");
@@ -1082,6 +1112,55 @@ mod tests {
         );
         assert_eq!(parse_bw_line("test foo ... ok"), None);
         assert_eq!(parse_bw_line("ZERO_GPU_BW op=x"), None);
+    }
+
+    fn full_cookie() -> String {
+        GPU_TESTS.iter().map(|t| format!("{t} ok\n")).collect()
+    }
+
+    #[test]
+    fn every_gpu_test_must_pass_for_the_tests_step_to_pass() {
+        assert_eq!(tests_verdict(&full_cookie(), &[]).0, Verdict::Pass);
+
+        // A partial cookie: one of the 19 ran. That used to pass; now it fails naming the rest.
+        let partial = format!("{} ok\n", GPU_TESTS[0]);
+        let (v, detail) = tests_verdict(&partial, &[]);
+        assert_eq!(v, Verdict::Fail);
+        assert!(
+            detail.starts_with(&format!("1 of {} GPU tests passed", GPU_TESTS.len())),
+            "{detail}"
+        );
+        for t in &GPU_TESTS[1..] {
+            assert!(detail.contains(t), "{t} not named: {detail}");
+        }
+
+        // All but one, which the library could not run: it fails with the reason.
+        let cookie = full_cookie().replace(
+            "gpu_split_into_a_group_of_one ok",
+            "gpu_split_into_a_group_of_one skipped: libnccl (2, 17, 1) has no ncclCommSplit",
+        );
+        let (v, detail) = tests_verdict(&cookie, &[]);
+        assert_eq!(v, Verdict::Fail);
+        assert!(
+            detail.contains(
+                "did not run on this machine: gpu_split_into_a_group_of_one (libnccl (2, 17, 1) \
+                 has no ncclCommSplit)"
+            ),
+            "{detail}"
+        );
+        assert!(!detail.contains("never reported"), "{detail}");
+
+        // An empty cookie, and a full cookie next to a failed program, fail too.
+        assert_eq!(tests_verdict("", &[]).0, Verdict::Fail);
+        let (v, detail) =
+            tests_verdict(&full_cookie(), &["zero-comm-nccl: exit status: 101".into()]);
+        assert_eq!(v, Verdict::Fail);
+        assert!(detail.starts_with("failed: zero-comm-nccl"), "{detail}");
+
+        // A name gpu-check does not know is reported (the list is out of date), not counted.
+        let (v, detail) = tests_verdict(&format!("{}gpu_new_test ok\n", full_cookie()), &[]);
+        assert_eq!(v, Verdict::Pass);
+        assert!(detail.contains("gpu_new_test"), "{detail}");
     }
 
     #[test]

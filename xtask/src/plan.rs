@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use zero_core::{ModelDesc, Plan, Precision, Topology, ZeroConfig, model::PRESETS};
+use zero_core::model::{PRESETS, preset_hidden_size};
+use zero_core::{ModelDesc, Plan, Precision, RunValues, Topology, ZeroConfig};
 
 /// Which model: shared by `plan` and `simulate`.
 #[derive(Args, Debug)]
@@ -41,23 +42,48 @@ pub(crate) struct ZeroArgs {
     /// Gradient accumulation steps (overrides the config file).
     #[arg(long)]
     grad_accum: Option<u32>,
-    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
+    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config (HF Trainer style `"auto"`
+    /// values included).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// The model's hidden size, for a DeepSpeed config's `"auto"` bucket sizes and persistence
+    /// threshold (a preset's own by default).
+    #[arg(long)]
+    hidden_size: Option<u64>,
 }
 
 impl ZeroArgs {
-    /// The config file (or the defaults) with the flags applied.
-    pub(crate) fn config(&self) -> anyhow::Result<ZeroConfig> {
+    /// The config file (or the defaults) with the flags applied; a DeepSpeed config's `"auto"`
+    /// values are resolved from the flags and `model`'s hidden size.
+    pub(crate) fn config(&self, model: &ModelArgs) -> anyhow::Result<ZeroConfig> {
+        let precision = self
+            .precision
+            .as_deref()
+            .map(Precision::parse)
+            .transpose()?;
+        let run = RunValues {
+            hidden_size: self
+                .hidden_size
+                .or_else(|| model.preset.as_deref().and_then(preset_hidden_size)),
+            gradient_accumulation_steps: self.grad_accum,
+            precision,
+            ..Default::default()
+        };
         let mut cfg = match &self.config {
-            Some(path) => load_config(path)?,
+            Some(path) => load_config(path, &run).map_err(|e| {
+                if run.hidden_size.is_none() && format!("{e:#}").contains("no model hidden size") {
+                    e.context("pass the model's hidden size with --hidden-size N")
+                } else {
+                    e
+                }
+            })?,
             None => ZeroConfig::default(),
         };
         if let Some(s) = self.stage {
             cfg.stage = s;
         }
-        if let Some(p) = &self.precision {
-            cfg.precision = Precision::parse(p)?;
+        if let Some(p) = precision {
+            cfg.precision = p;
         }
         if self.qwz {
             cfg.quantized_weights = true;
@@ -97,7 +123,7 @@ pub(crate) struct PlanArgs {
 
 pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     let model = load_model(&a.model)?;
-    let cfg = a.zero.config()?;
+    let cfg = a.zero.config(&a.model)?;
     let rpn = a.ranks_per_node.unwrap_or(a.world_size.clamp(1, 8));
     let topo = Topology::new(a.world_size, rpn)?;
     if a.rank >= a.world_size {
@@ -117,14 +143,18 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reads a config file (ours in TOML/JSON, or DeepSpeed's JSON), printing the import's notes.
-pub(crate) fn load_config(path: &std::path::Path) -> anyhow::Result<ZeroConfig> {
+/// Reads a config file (ours in TOML/JSON, or DeepSpeed's JSON), resolving a DeepSpeed config's
+/// `"auto"` values from `run`; prints the import's notes and one line per resolved value.
+pub(crate) fn load_config(path: &std::path::Path, run: &RunValues) -> anyhow::Result<ZeroConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read config {}", path.display()))?;
-    let imp =
-        ZeroConfig::from_any(&text).with_context(|| format!("in config {}", path.display()))?;
+    let imp = ZeroConfig::from_any_with(&text, run)
+        .with_context(|| format!("in config {}", path.display()))?;
     for n in &imp.notes {
         eprintln!("note: {n}");
+    }
+    for r in &imp.resolved {
+        eprintln!("auto: {r}");
     }
     Ok(imp.config)
 }

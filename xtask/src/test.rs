@@ -11,6 +11,123 @@ pub(crate) struct TestArgs {
     /// Skip `cargo fmt --check` and clippy.
     #[arg(long)]
     no_lint: bool,
+    /// Let insta rewrite snapshots that changed (`INSTA_UPDATE=always`) instead of failing, for a
+    /// deliberate update; review the result with `git diff -- '*.snap'` and commit it.
+    #[arg(long)]
+    accept_snapshots: bool,
+    /// Let the tests that need a wgpu adapter (a Vulkan driver) return early when there is none
+    /// instead of failing. They still count as passed in cargo's output, so the run ends with a
+    /// list of every test that did not run and why. Without this flag a missing adapter fails the
+    /// run, as in CI.
+    #[arg(long)]
+    allow_device_skips: bool,
+}
+
+/// The test features: the wgpu loopback, the WGSL codecs and the trainer on burn's wgpu backend
+/// (on Mesa's lavapipe without a GPU). zero-burn/wgpu is for these debug builds only: burn-wgpu
+/// takes more than 20 minutes to build in release, so `cargo xtask train` never enables it.
+const TEST_FEATURES: &str = "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu";
+
+/// Clippy's features: the test features, NCCL and CUDA, and the GPU tests (compiled here, run
+/// only by `cargo xtask gpu-check`), so GPU-only code is linted without a GPU.
+const LINT_FEATURES: &str = "zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
+                             zero-quant/cuda,zero-quant/gpu-tests,zero-burn/wgpu,zero-burn/nccl";
+
+/// Where the test gates record a test that did not run: one line `<crate>/<binary>::<test>\t<why>`
+/// (`record_skip` in zero-comm/tests/comm/common.rs, zero-quant/tests/common/mod.rs and
+/// zero-burn/tests/common/mod.rs).
+const SKIP_LOG: &str = "ZERO_SKIP_LOG";
+/// Makes the wgpu gates behave as on a machine without an adapter (the self-check below).
+const SIMULATE_NO_ADAPTER: &str = "ZERO_SIMULATE_NO_ADAPTER";
+/// Makes a missing adapter fail the wgpu tests instead of skipping them.
+const REQUIRE_WGPU: &str = "ZERO_REQUIRE_WGPU";
+
+/// The test binaries whose tests need a wgpu adapter, as the gates name them in the skip log.
+const WGPU_BINARIES: &[(&str, &str)] = &[
+    ("zero-comm", "wgpu"),
+    ("zero-quant", "wgpu_kernels"),
+    ("zero-burn", "wgpu_bridge"),
+    ("zero-burn", "wgpu_path"),
+];
+
+/// A test that returned early without checking anything, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NotRun {
+    test: String,
+    reason: String,
+}
+
+/// Reads a skip log (see [`SKIP_LOG`]), one entry per test (a test that checked its gate more
+/// than once is listed once, with its first reason); a line without a reason keeps the whole line
+/// as the test.
+fn parse_skip_log(text: &str) -> Vec<NotRun> {
+    let mut seen = std::collections::BTreeSet::new();
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| match l.split_once('\t') {
+            Some((t, r)) => NotRun {
+                test: t.to_string(),
+                reason: r.to_string(),
+            },
+            None => NotRun {
+                test: l.to_string(),
+                reason: "no reason given".into(),
+            },
+        })
+        .filter(|n| seen.insert(n.test.clone()))
+        .collect()
+}
+
+/// `N tests did not run` and, per reason, how many and which.
+fn not_run_summary(skips: &[NotRun]) -> String {
+    let mut by_reason: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for s in skips {
+        by_reason.entry(&s.reason).or_default().push(&s.test);
+    }
+    let mut out = format!(
+        "{} test{} did not run (cargo counts {} as passed; {} checked nothing):",
+        skips.len(),
+        if skips.len() == 1 { "" } else { "s" },
+        if skips.len() == 1 { "it" } else { "them" },
+        if skips.len() == 1 { "it" } else { "they" },
+    );
+    for (reason, tests) in by_reason {
+        out += &format!("\n  {} x {reason}:", tests.len());
+        for t in tests {
+            out += &format!("\n      {t}");
+        }
+    }
+    out
+}
+
+/// The self-check's verdict: with the adapter simulated away, every wgpu test binary must have
+/// recorded tests that did not run, each for the simulated reason. Returns how many.
+fn simulated_no_adapter_verdict(log: &str) -> anyhow::Result<usize> {
+    let skips = parse_skip_log(log);
+    let mut missing = Vec::new();
+    for (package, binary) in WGPU_BINARIES {
+        let prefix = format!("{package}/{binary}::");
+        if !skips.iter().any(|s| s.test.starts_with(&prefix)) {
+            missing.push(format!("{package}/{binary}"));
+        }
+    }
+    if !missing.is_empty() {
+        bail!(
+            "with {SIMULATE_NO_ADAPTER}=1 these wgpu test binaries recorded no test that did not \
+             run, so their skips would go uncounted: {missing:?}"
+        );
+    }
+    if let Some(s) = skips
+        .iter()
+        .find(|s| !s.reason.contains(SIMULATE_NO_ADAPTER))
+    {
+        bail!(
+            "with {SIMULATE_NO_ADAPTER}=1, {} recorded another reason: {}",
+            s.test,
+            s.reason
+        );
+    }
+    Ok(skips.len())
 }
 
 fn cargo() -> Command {
@@ -48,35 +165,169 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "zero-comm/nccl,zero-comm/wgpu,zero-quant/wgpu,zero-quant/cuda,zero-burn/wgpu,zero-burn/nccl",
+            LINT_FEATURES,
             "--",
             "-D",
             "warnings",
         ]);
         run_step("clippy", clippy)?;
     }
+    let work = std::env::temp_dir().join(format!("zero-rs-xtask-test-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let skip_log = work.join("not-run.log");
+    let _ = std::fs::remove_file(&skip_log);
     let mut test = cargo();
-    // The wgpu loopback, the WGSL codecs and the trainer on burn's wgpu backend run on Mesa's
-    // lavapipe in CI (ZERO_REQUIRE_WGPU=1 makes a missing adapter a failure; elsewhere those tests
-    // print why they skip). zero-burn/wgpu is for these debug builds only: burn-wgpu takes more
-    // than 20 minutes to build in release, so `cargo xtask train` never enables it.
-    test.args([
-        "test",
-        "--workspace",
-        "--features",
-        "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu",
-    ]);
-    // insta: with CI set, a missing or changed snapshot fails and nothing is written.
-    if std::env::var_os("CI").is_some() {
-        test.env("INSTA_UPDATE", "no");
+    test.args(["test", "--workspace", "--features", TEST_FEATURES]);
+    device_env(&mut test, &work, a.allow_device_skips)?;
+    test.env(SKIP_LOG, &skip_log);
+    insta_strictness(&mut test, a.accept_snapshots);
+    let tests = run_step("tests", test);
+    // What did not run, printed whether or not the tests passed.
+    let skips = parse_skip_log(&std::fs::read_to_string(&skip_log).unwrap_or_default());
+    if !skips.is_empty() {
+        eprintln!("\n==> {}\n", not_run_summary(&skips));
     }
-    run_step("tests", test)?;
+    tests?;
+    if !skips.is_empty() && !a.allow_device_skips {
+        bail!(
+            "{} tests did not run; every test must run here (pass --allow-device-skips to accept \
+             a missing wgpu adapter)",
+            skips.len()
+        );
+    }
+    simulated_no_adapter_check(&work)?;
     let stray = find_pending_snapshots(&root)?;
     if !stray.is_empty() {
         bail!("pending snapshots left behind (review and commit or delete them): {stray:?}");
     }
-    eprintln!("==> all checks passed");
+    let changed = changed_snapshots(&root)?;
+    if !changed.is_empty() {
+        if a.accept_snapshots {
+            eprintln!(
+                "==> snapshots rewritten (review with `git diff -- '*.snap'` and commit): {changed:?}"
+            );
+        } else {
+            bail!(
+                "snapshots differ from git (commit or stage them, or rerun with \
+                 --accept-snapshots to rewrite them deliberately): {changed:?}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    if skips.is_empty() {
+        eprintln!("==> all checks passed; every test ran");
+    } else {
+        eprintln!(
+            "==> all checks passed, but NOT every test ran: {} did not (--allow-device-skips; \
+             listed above)",
+            skips.len()
+        );
+    }
     Ok(())
+}
+
+/// The environment of the test run for the device tests: a missing wgpu adapter fails them
+/// unless `allow_skips`; an inherited simulation switch is removed; `XDG_RUNTIME_DIR` (which
+/// Mesa's Vulkan drivers want) is made, private, when the environment has none.
+fn device_env(cmd: &mut Command, work: &Path, allow_skips: bool) -> anyhow::Result<()> {
+    cmd.env(REQUIRE_WGPU, if allow_skips { "0" } else { "1" })
+        .env_remove(SIMULATE_NO_ADAPTER);
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        let xdg = work.join("xdg-runtime");
+        std::fs::create_dir_all(&xdg)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o700))?;
+        }
+        cmd.env("XDG_RUNTIME_DIR", &xdg);
+    }
+    Ok(())
+}
+
+/// Checks the not-run accounting itself on a machine without an adapter, simulated by
+/// `ZERO_SIMULATE_NO_ADAPTER=1` (the test programs are already built): the wgpu test binaries
+/// must pass with `ZERO_REQUIRE_WGPU=0` and record every test that returned early, and must fail
+/// with `ZERO_REQUIRE_WGPU=1`.
+fn simulated_no_adapter_check(work: &Path) -> anyhow::Result<()> {
+    let log = work.join("simulated-not-run.log");
+    let _ = std::fs::remove_file(&log);
+    let run = |require: &str| -> anyhow::Result<std::process::Output> {
+        let mut c = cargo();
+        c.args(["test", "--workspace", "--features", TEST_FEATURES]);
+        for (_, binary) in WGPU_BINARIES {
+            c.args(["--test", binary]);
+        }
+        c.env(SIMULATE_NO_ADAPTER, "1")
+            .env(REQUIRE_WGPU, require)
+            .env(SKIP_LOG, &log)
+            .env("INSTA_UPDATE", "no");
+        eprintln!("==> not-run accounting, no adapter simulated, {REQUIRE_WGPU}={require}: {c:?}");
+        c.output().context("cannot start cargo test")
+    };
+    let allowed = run("0")?;
+    if !allowed.status.success() {
+        bail!(
+            "with no adapter (simulated) and skips allowed, the wgpu tests failed ({}):\n{}\n{}",
+            allowed.status,
+            String::from_utf8_lossy(&allowed.stdout),
+            String::from_utf8_lossy(&allowed.stderr)
+        );
+    }
+    let n = simulated_no_adapter_verdict(&std::fs::read_to_string(&log).unwrap_or_default())?;
+    let required = run("1")?;
+    if required.status.success() {
+        bail!(
+            "with no adapter (simulated) and {REQUIRE_WGPU}=1 the wgpu tests passed; they must fail"
+        );
+    }
+    eprintln!(
+        "==> not-run accounting checked: without an adapter {n} wgpu tests are recorded as not \
+         run, and {REQUIRE_WGPU}=1 fails them"
+    );
+    Ok(())
+}
+
+/// insta's strictness, set here whatever the environment says: a missing or changed snapshot
+/// fails and nothing is written, unless `accept` (then changed snapshots are rewritten in place).
+/// `INSTA_FORCE_PASS=0` also overrides an insta config file's `force_pass`; the legacy variables
+/// that would turn updates back on are removed.
+fn insta_strictness(cmd: &mut Command, accept: bool) {
+    cmd.env("INSTA_UPDATE", if accept { "always" } else { "no" })
+        .env("INSTA_FORCE_PASS", "0")
+        .env_remove("INSTA_FORCE_UPDATE")
+        .env_remove("INSTA_FORCE_UPDATE_SNAPSHOTS");
+}
+
+/// Tracked `.snap` files that differ from git's index, and untracked ones: after the tests, any of
+/// these means a snapshot was written or is not committed.
+fn changed_snapshots(root: &Path) -> anyhow::Result<Vec<String>> {
+    let mut out = Vec::new();
+    for args in [
+        &["diff", "--name-only", "--", "*.snap"][..],
+        &["ls-files", "--others", "--exclude-standard", "--", "*.snap"][..],
+    ] {
+        let o = Command::new("git")
+            .current_dir(root)
+            .args(args)
+            .output()
+            .context("cannot run git to check the snapshots (the check needs a git checkout)")?;
+        if !o.status.success() {
+            bail!(
+                "git {} failed ({}): {}",
+                args.join(" "),
+                o.status,
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+        }
+        out.extend(
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| !l.is_empty())
+                .map(str::to_string),
+        );
+    }
+    Ok(out)
 }
 
 fn find_pending_snapshots(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
@@ -98,4 +349,106 @@ fn find_pending_snapshots(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insta_is_strict_whatever_the_environment() {
+        let mut c = Command::new("true");
+        insta_strictness(&mut c, false);
+        let envs: Vec<(String, Option<String>)> = c
+            .get_envs()
+            .map(|(k, v)| {
+                (
+                    k.to_string_lossy().into_owned(),
+                    v.map(|v| v.to_string_lossy().into_owned()),
+                )
+            })
+            .collect();
+        let get = |k: &str| envs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(get("INSTA_UPDATE"), Some(Some("no".into())));
+        assert_eq!(get("INSTA_FORCE_PASS"), Some(Some("0".into())));
+        assert_eq!(get("INSTA_FORCE_UPDATE"), Some(None), "removed");
+        let mut c = Command::new("true");
+        insta_strictness(&mut c, true);
+        assert!(
+            c.get_envs()
+                .any(|(k, v)| k == "INSTA_UPDATE" && v == Some("always".as_ref()))
+        );
+    }
+
+    /// The log the gates write on a machine without an adapter (simulated), read back.
+    fn simulated_log() -> String {
+        let why = "no wgpu adapter (simulated by ZERO_SIMULATE_NO_ADAPTER=1); install \
+                   mesa-vulkan-drivers for lavapipe";
+        [
+            "zero-comm/wgpu::collectives::all_reduce",
+            "zero-comm/wgpu::failures::a_missing_rank_times_out_and_aborts_the_world",
+            "zero-quant/wgpu_kernels::hand_computed_int4_wire",
+            "zero-burn/wgpu_bridge::a_loopback_buffer_becomes_a_tensor",
+            "zero-burn/wgpu_path::the_default_job_runs_on_the_wgpu_backend",
+        ]
+        .iter()
+        .map(|t| format!("{t}\t{why}\n"))
+        .collect()
+    }
+
+    #[test]
+    fn tests_that_did_not_run_are_counted_and_listed_by_reason() {
+        let mut log = simulated_log();
+        log += "zero-comm/nccl::gpu_bandwidth_report\tZERO_GPU_BENCH=1 is not set\n";
+        // A test that asked twice is one test.
+        log += "zero-comm/wgpu::collectives::all_reduce\tno wgpu adapter (again)\n";
+        log += "a line without a reason\n\n";
+        let skips = parse_skip_log(&log);
+        assert_eq!(skips.len(), 7);
+        assert_eq!(skips[6].reason, "no reason given");
+        let summary = not_run_summary(&skips);
+        assert!(
+            summary.starts_with("7 tests did not run (cargo counts them as passed"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("\n  5 x no wgpu adapter (simulated"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("\n  1 x ZERO_GPU_BENCH=1 is not set:"),
+            "{summary}"
+        );
+        assert!(
+            summary
+                .contains("\n      zero-burn/wgpu_path::the_default_job_runs_on_the_wgpu_backend"),
+            "{summary}"
+        );
+        assert!(not_run_summary(&skips[..1]).starts_with("1 test did not run (cargo counts it"));
+    }
+
+    #[test]
+    fn the_simulated_machine_without_an_adapter_must_record_every_wgpu_binary() {
+        assert_eq!(simulated_no_adapter_verdict(&simulated_log()).unwrap(), 5);
+        // A binary whose gate records nothing (its skips would go uncounted) fails the check.
+        let without_quant: String = simulated_log()
+            .lines()
+            .filter(|l| !l.starts_with("zero-quant/"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let e = simulated_no_adapter_verdict(&without_quant)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("zero-quant/wgpu_kernels"), "{e}");
+        // So does a skip for another reason than the simulated one.
+        let other = format!("{}zero-comm/wgpu::x\tsomething else\n", simulated_log());
+        let e = simulated_no_adapter_verdict(&other)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("zero-comm/wgpu::x recorded another reason"),
+            "{e}"
+        );
+        assert!(simulated_no_adapter_verdict("").is_err());
+    }
 }

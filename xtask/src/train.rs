@@ -8,8 +8,9 @@ use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use zero_burn::demo::job::{Backend, DataSource, JobConfig, RunReport, run_job};
+use zero_burn::optim::Optimizer;
 use zero_core::report::human_bytes;
-use zero_core::{Collective, LinkClass, Precision, ZeroConfig};
+use zero_core::{AdamWValues, Collective, LinkClass, Precision, RunBatch, RunValues, ZeroConfig};
 
 #[derive(Args, Debug)]
 pub(crate) struct TrainArgs {
@@ -67,7 +68,8 @@ pub(crate) struct TrainArgs {
     /// config file's `overlap_comm`; on also turns stage-3 prefetching on.
     #[arg(long)]
     overlap_comm: Option<bool>,
-    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config.
+    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config; a Hugging Face Trainer
+    /// style config's `"auto"` values resolve from this run (one `auto:` line each).
     #[arg(long)]
     config: Option<PathBuf>,
     /// Train a byte-level model on this text file instead of the synthetic language.
@@ -79,6 +81,38 @@ pub(crate) struct TrainArgs {
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+}
+
+/// What this run uses, for a DeepSpeed config's `"auto"` values (HF Trainer style): the model's
+/// width, the batch, the flags that set engine keys, and the trainer's AdamW with `--lr`.
+fn run_values(a: &TrainArgs, job: &JobConfig, precision: Option<Precision>) -> RunValues {
+    // The job trains with `Optimizer::default()` at `--lr`.
+    let adamw = match Optimizer::default() {
+        Optimizer::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => Some(AdamWValues {
+            lr: a.lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        }),
+        Optimizer::Sgd { .. } => None,
+    };
+    RunValues {
+        hidden_size: Some(job.model.d_model as u64),
+        batch: Some(RunBatch {
+            world_size: a.world_size as u64,
+            micro_batch_per_rank: a.micro_batch as u64,
+        }),
+        gradient_accumulation_steps: a.grad_accum,
+        gradient_clipping: a.clip,
+        precision,
+        adamw,
+    }
 }
 
 fn model_preset(name: &str) -> anyhow::Result<zero_burn::demo::gpt::GptConfig> {
@@ -130,8 +164,9 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     job.backend = backend;
     job.model = model_preset(&a.model)?;
     let from_file = a.config.is_some();
+    let precision = a.precision.as_deref().map(Precision::parse).transpose()?;
     let mut zero = match &a.config {
-        Some(path) => crate::plan::load_config(path)?,
+        Some(path) => crate::plan::load_config(path, &run_values(&a, &job, precision))?,
         None => job.zero.clone(),
     };
     if let Some(s) = a.stage {
@@ -153,8 +188,8 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(c) = a.clip {
         zero.gradient_clipping = c;
     }
-    if let Some(p) = &a.precision {
-        zero.precision = Precision::parse(p)?;
+    if let Some(p) = precision {
+        zero.precision = p;
     }
     if let Some(o) = a.overlap_comm {
         zero.overlap_comm = o;

@@ -6,6 +6,10 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::model::DType;
 
+mod auto;
+
+pub use auto::{AdamWValues, AutoResolution, RunBatch, RunValues};
+
 /// Training precision.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -250,17 +254,26 @@ impl ZeroConfig {
     }
 
     /// Parses a config file by content: a JSON object with a `zero_optimization` key is read as
-    /// DeepSpeed's format, any other JSON as ours, anything else as our TOML.
+    /// DeepSpeed's format, any other JSON as ours, anything else as our TOML. DeepSpeed's `"auto"`
+    /// values resolve to zero-rs's defaults where they can (see [`ZeroConfig::from_any_with`]).
     pub fn from_any(text: &str) -> Result<DeepSpeedImport> {
+        Self::from_any_with(text, &RunValues::default())
+    }
+
+    /// [`ZeroConfig::from_any`], resolving a DeepSpeed config's `"auto"` values from `run` as the
+    /// Hugging Face Trainer does (see [`RunValues`]).
+    pub fn from_any_with(text: &str, run: &RunValues) -> Result<DeepSpeedImport> {
         match serde_json::from_str::<Value>(text) {
-            Ok(v) if v.get("zero_optimization").is_some() => Self::from_deepspeed_value(&v),
+            Ok(v) if v.get("zero_optimization").is_some() => Self::from_deepspeed_value(v, run),
             Ok(_) => Ok(DeepSpeedImport {
                 config: Self::from_json(text)?,
                 notes: vec![],
+                resolved: vec![],
             }),
             Err(_) => Ok(DeepSpeedImport {
                 config: Self::from_toml(text)?,
                 notes: vec![],
+                resolved: vec![],
             }),
         }
     }
@@ -270,24 +283,35 @@ impl ZeroConfig {
     /// meanings. Keys we do not know, and features we do not implement (offload, MiCS, …), are
     /// errors listing every such key. Keys that only tune DeepSpeed's own kernels and do not change
     /// results are accepted and listed in [`DeepSpeedImport::notes`], as are top-level sections
-    /// outside the ZeRO engine's scope (`optimizer`, `scheduler`, batch sizes…).
+    /// outside the ZeRO engine's scope (`optimizer`, `scheduler`, batch sizes…). `"auto"` values
+    /// resolve as in [`ZeroConfig::from_deepspeed_json_with`] with nothing known about the run.
     pub fn from_deepspeed_json(text: &str) -> Result<DeepSpeedImport> {
+        Self::from_deepspeed_json_with(text, &RunValues::default())
+    }
+
+    /// [`ZeroConfig::from_deepspeed_json`] for a config written for the Hugging Face Trainer: its
+    /// `"auto"` values are resolved from `run` the way HF resolves them (the model's hidden size
+    /// for the bucket sizes and the persistence threshold, the run's own settings for batch sizes,
+    /// accumulation, clipping, precision and the optimizer) and listed in
+    /// [`DeepSpeedImport::resolved`]. Unsupported keys (offload, NVMe, MiCS, …) are still errors.
+    pub fn from_deepspeed_json_with(text: &str, run: &RunValues) -> Result<DeepSpeedImport> {
         let v: Value = serde_json::from_str(text).map_err(|e| Error::Parse {
             what: "DeepSpeed config (JSON)".into(),
             message: e.to_string(),
         })?;
-        Self::from_deepspeed_value(&v)
+        Self::from_deepspeed_value(v, run)
     }
 
-    fn from_deepspeed_value(v: &Value) -> Result<DeepSpeedImport> {
-        let top = v.as_object().ok_or_else(|| Error::Parse {
+    fn from_deepspeed_value(mut v: Value, run: &RunValues) -> Result<DeepSpeedImport> {
+        let top = v.as_object_mut().ok_or_else(|| Error::Parse {
             what: "DeepSpeed config".into(),
             message: "expected a JSON object at the top level".into(),
         })?;
         let mut c = ZeroConfig::default();
         let mut bad = Vec::new();
         let mut notes = Vec::new();
-        for (k, val) in top {
+        let resolved = auto::resolve(top, run, &mut bad, &mut notes);
+        for (k, val) in top.iter() {
             match k.as_str() {
                 "zero_optimization" => read_zero_section(val, &mut c, &mut bad, &mut notes),
                 "fp16" | "bf16" => read_precision(k, val, &mut c, &mut bad, &mut notes),
@@ -323,9 +347,13 @@ impl ZeroConfig {
                         )),
                     }
                 }
+                "scheduler" => notes.push(
+                    "top-level key `scheduler` is not read: the learning rate stays constant \
+                     (its \"auto\" values are left unresolved)"
+                        .into(),
+                ),
                 "train_batch_size"
                 | "train_micro_batch_size_per_gpu"
-                | "scheduler"
                 | "steps_per_print"
                 | "wall_clock_breakdown"
                 | "prescale_gradients"
@@ -340,13 +368,21 @@ impl ZeroConfig {
                 | "seed" => notes.push(format!(
                     "top-level key `{k}` is outside the ZeRO engine and is not read"
                 )),
+                "aio" => bad.push(format!(
+                    "aio: got {val}, expected no such section (it tunes NVMe offload, which \
+                     zero-rs does not support yet)"
+                )),
                 other => bad.push(format!("unknown top-level key `{other}`")),
             }
         }
         if !bad.is_empty() {
             return Err(Error::UnsupportedKeys(bad));
         }
-        Ok(DeepSpeedImport { config: c, notes })
+        Ok(DeepSpeedImport {
+            config: c,
+            notes,
+            resolved,
+        })
     }
 }
 
@@ -357,6 +393,8 @@ pub struct DeepSpeedImport {
     pub config: ZeroConfig,
     /// Keys accepted without effect, each with the reason.
     pub notes: Vec<String>,
+    /// Every `"auto"` value resolved, in the order resolved: one line each for the user.
+    pub resolved: Vec<AutoResolution>,
 }
 
 fn num(v: &Value) -> Option<f64> {
@@ -387,12 +425,6 @@ fn read_precision(
     };
     let enabled = match obj.get("enabled") {
         None => false,
-        Some(Value::String(s)) if s == "auto" => {
-            bad.push(format!(
-                "{k}.enabled: \"auto\" is resolved by the HF Trainer, not here; write true or false"
-            ));
-            return;
-        }
         Some(e) => match boolean(e) {
             Some(b) => b,
             None => {
@@ -495,6 +527,11 @@ fn read_zero_section(
     for (k, val) in obj {
         let mut set_u64 = |field: &mut u64| match int(val) {
             Some(x) => *field = x,
+            None if val.as_str() == Some("auto") => bad.push(format!(
+                "zero_optimization.{k}: got \"auto\", expected a non-negative integer (\"auto\" \
+                 is resolved only for {}, as the HF Trainer does)",
+                auto::HIDDEN_SIZE_KEYS.join(", ")
+            )),
             None => bad.push(format!(
                 "zero_optimization.{k}: got {val}, expected a non-negative integer"
             )),
@@ -573,8 +610,22 @@ fn read_zero_section(
                 if off {
                     notes.push(format!("zero_optimization.{k}: disabled, as here"));
                 } else {
+                    let what = match k.as_str() {
+                        "mics_shard_size" | "mics_hierarchical_params_gather" => "MiCS",
+                        "zero_quantized_nontrainable_weights" => "quantizing frozen weights",
+                        "zeropp_loco_param" => "ZeRO++ LoCo",
+                        _ => "CPU/NVMe offload",
+                    };
+                    let off_form = if k == "mics_shard_size" {
+                        "-1"
+                    } else if val.is_object() {
+                        "{\"device\": \"none\"}"
+                    } else {
+                        "false"
+                    };
                     bad.push(format!(
-                        "zero_optimization.{k}: not supported by zero-rs yet"
+                        "zero_optimization.{k}: got {val}, expected {off_form} or no such key \
+                         ({what} is not supported by zero-rs yet)"
                     ));
                 }
             }

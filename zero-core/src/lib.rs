@@ -28,7 +28,10 @@ pub mod topology;
 pub mod traffic;
 
 pub use comm_model::{CommModel, GroupKind, Payload, Phase, PlannedOp};
-pub use config::{DeepSpeedImport, LossScaleConfig, OptimizerKind, Precision, ZeroConfig};
+pub use config::{
+    AdamWValues, AutoResolution, DeepSpeedImport, LossScaleConfig, OptimizerKind, Precision,
+    RunBatch, RunValues, ZeroConfig,
+};
 pub use error::{Error, Result};
 pub use memory::MemoryModel;
 pub use model::{DType, ModelDesc, ParamDesc};

@@ -209,6 +209,18 @@ impl ModelDesc {
     }
 }
 
+/// The hidden size (width of the residual stream) of a [`ModelDesc::preset`], as Hugging Face
+/// model configs state it (`hidden_size`); it resolves a DeepSpeed config's `"auto"` bucket sizes.
+pub fn preset_hidden_size(name: &str) -> Option<u64> {
+    match name {
+        "gpt2-small" => Some(768),
+        "gpt2-medium" => Some(1024),
+        "llama-7b" => Some(4096),
+        "llama-70b" => Some(8192),
+        _ => None,
+    }
+}
+
 /// Names accepted by [`ModelDesc::preset`].
 pub const PRESETS: [&str; 4] = ["gpt2-small", "gpt2-medium", "llama-7b", "llama-70b"];
 
@@ -280,6 +292,19 @@ mod tests {
         assert_eq!(m("llama-7b"), 6_738_415_616);
         assert_eq!(m("llama-70b"), 68_976_648_192);
         assert!(ModelDesc::preset("gpt5").is_err());
+    }
+
+    #[test]
+    fn preset_hidden_sizes_are_the_embedding_widths() {
+        for name in PRESETS {
+            let embedding = &ModelDesc::preset(name).unwrap().params[0];
+            assert_eq!(
+                preset_hidden_size(name),
+                Some(embedding.shape[1] as u64),
+                "{name}"
+            );
+        }
+        assert_eq!(preset_hidden_size("gpt5"), None);
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! wire bytes, decoded values, accumulated values and errors.
 //!
 //! Runs on any wgpu adapter (Mesa lavapipe on CPU-only machines). Without
-//! one each test prints why to stderr and passes, unless
-//! `ZERO_REQUIRE_WGPU=1`, which makes a missing adapter a failure (CI).
+//! one each test records that it did not run (`$ZERO_SKIP_LOG`, which
+//! `cargo xtask test` counts) and returns, unless `ZERO_REQUIRE_WGPU=1`
+//! (the default of `cargo xtask test`, and CI), which makes a missing adapter
+//! a failure. A device or kernel error is always a failure.
 #![cfg(feature = "wgpu")]
 
 mod common;
@@ -14,19 +16,53 @@ use common::device::{self, DeviceCodec};
 use zero_quant::wgpu_kernels::wgpu;
 use zero_quant::{Codec, Error, Identity, Int8Block, WgpuQuantizer};
 
-/// One quantizer (one device) shared by every test of this binary.
+/// Turns a missing adapter into a failure (`cargo xtask test` and CI set it).
+const REQUIRE: &str = "ZERO_REQUIRE_WGPU";
+/// Behaves as a machine without an adapter (tests the not-run accounting).
+const SIMULATE_NO_ADAPTER: &str = "ZERO_SIMULATE_NO_ADAPTER";
+
+/// One quantizer (one device) shared by every test of this binary, or `None` when there is no
+/// adapter (recorded as a test that did not run; a failure with `ZERO_REQUIRE_WGPU=1`). Only a
+/// missing adapter skips: a device that fails to open or kernels that fail to compile panic.
 fn gpu() -> Option<&'static WgpuQuantizer> {
     static Q: OnceLock<Result<WgpuQuantizer, String>> = OnceLock::new();
-    match Q.get_or_init(|| WgpuQuantizer::new_default().map_err(|e| e.to_string())) {
+    let q = Q.get_or_init(|| {
+        let adapter = adapter()?;
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("zero-quant tests"),
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }))
+        .unwrap_or_else(|e| panic!("the adapter exists but its device failed to open: {e}"));
+        Ok(WgpuQuantizer::new(device, queue)
+            .unwrap_or_else(|e| panic!("the device opened but the WGSL kernels failed: {e}")))
+    });
+    match q {
         Ok(q) => Some(q),
-        Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
-            panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")
+        Err(why) if std::env::var(REQUIRE).as_deref() == Ok("1") => {
+            panic!("{REQUIRE}=1 but there is no wgpu adapter: {why}")
         }
-        Err(e) => {
-            eprintln!("skipping: no wgpu device ({e}); install mesa-vulkan-drivers for lavapipe");
+        Err(why) => {
+            common::record_skip(&format!(
+                "no wgpu adapter ({why}); install mesa-vulkan-drivers for lavapipe"
+            ));
             None
         }
     }
+}
+
+/// The default adapter (as [`WgpuQuantizer::new_default`] requests it), or why there is none.
+fn adapter() -> Result<wgpu::Adapter, String> {
+    if std::env::var(SIMULATE_NO_ADAPTER).as_deref() == Ok("1") {
+        return Err(format!("simulated by {SIMULATE_NO_ADAPTER}=1"));
+    }
+    let instance =
+        wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+    pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+        power_preference: wgpu::PowerPreference::HighPerformance,
+        ..Default::default()
+    }))
+    .map_err(|e| e.to_string())
 }
 
 impl DeviceCodec for WgpuQuantizer {

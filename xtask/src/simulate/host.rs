@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use burn::tensor::Device;
-use zero_burn::GptConfig;
-use zero_burn::job::JobConfig;
+use zero_burn::demo::gpt::GptConfig;
+use zero_burn::demo::job::JobConfig;
 use zero_comm::host::HostWorld;
 use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_all_gather};
 use zero_comm::{Communicator, ReduceOp};

@@ -122,7 +122,7 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
         recompute: !a.no_recompute,
         overlap: a.overlap.as_deref().map(Overlap::parse).transpose()?,
     };
-    let cfg = a.zero.config()?;
+    let cfg = a.zero.config(&a.model)?;
     let Some(spec) = &a.sweep else {
         let plan = Plan::new(&model, cluster.topology(a.nodes)?, &cfg)?;
         let r = simulate(&plan, &cluster, &opts)?;

@@ -114,21 +114,59 @@ pub(crate) fn assert_model_states(plan: &Plan, res: &[RankResult<Gpt>]) {
     }
 }
 
-/// The process's shared wgpu device, or `None` after printing why the calling test is skipped
-/// (a failure instead with `ZERO_REQUIRE_WGPU=1`, as CI sets).
+/// The process's shared wgpu device, or `None` when there is no wgpu adapter: the test then
+/// records that it did not run (`$ZERO_SKIP_LOG`, counted by `cargo xtask test`), or fails with
+/// `ZERO_REQUIRE_WGPU=1` (the default of `cargo xtask test`, and CI). Only a missing adapter
+/// skips: when there is one, an error opening burn's runtime or the loopback's device (kernel
+/// compilation included) fails the test. `ZERO_SIMULATE_NO_ADAPTER=1` behaves as a machine
+/// without an adapter.
 #[cfg(feature = "wgpu")]
 pub(crate) fn shared(test: &str) -> Option<zero_burn::WgpuShared> {
-    match zero_burn::WgpuShared::get() {
-        Ok(s) => Some(s),
-        Err(e) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
-            panic!("ZERO_REQUIRE_WGPU=1 but no wgpu device: {e}")
+    static NO_ADAPTER: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let no_adapter = NO_ADAPTER.get_or_init(|| {
+        if std::env::var("ZERO_SIMULATE_NO_ADAPTER").as_deref() == Ok("1") {
+            Some("simulated by ZERO_SIMULATE_NO_ADAPTER=1".to_string())
+        } else {
+            zero_comm::wgpu_loopback::WgpuDevice::default_adapter()
+                .err()
+                .map(|e| e.to_string())
         }
-        Err(e) => {
-            eprintln!(
-                "skipped {test}: no wgpu device ({e}); install mesa-vulkan-drivers for lavapipe, \
-                 or set ZERO_REQUIRE_WGPU=1 to fail instead"
+    });
+    match no_adapter {
+        None => Some(
+            zero_burn::WgpuShared::get()
+                .unwrap_or_else(|e| panic!("there is a wgpu adapter but the device failed: {e}")),
+        ),
+        Some(why) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
+            panic!("ZERO_REQUIRE_WGPU=1 but there is no wgpu adapter: {why}")
+        }
+        Some(why) => {
+            record_skip(
+                test,
+                &format!("no wgpu adapter ({why}); install mesa-vulkan-drivers for lavapipe"),
             );
             None
         }
+    }
+}
+
+/// Records that `test` did not run and why: a line on stderr, and one line
+/// `<crate>/<test binary>::<test>\t<reason>` appended to `$ZERO_SKIP_LOG` when set, which
+/// `cargo xtask test` counts and prints (the format xtask/src/test.rs reads).
+pub(crate) fn record_skip(test: &str, reason: &str) {
+    let name = format!(
+        "{}/{}::{test}",
+        env!("CARGO_PKG_NAME"),
+        env!("CARGO_CRATE_NAME")
+    );
+    eprintln!("did not run {name}: {reason}");
+    if let Some(path) = std::env::var_os("ZERO_SKIP_LOG") {
+        let line = format!("{name}\t{}\n", reason.replace(['\t', '\n'], " "));
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
+            .unwrap_or_else(|e| panic!("cannot append to ZERO_SKIP_LOG={path:?}: {e}"));
     }
 }

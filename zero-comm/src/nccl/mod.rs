@@ -146,7 +146,7 @@ mod backend;
 
 /// Test support: records that GPU test `name` ran, in `cargo xtask gpu-check`'s cookie
 /// (`$ZERO_GPU_COOKIE`, else `.gpu_tests_ran` in the target directory).
-#[cfg(all(test, feature = "nccl"))]
+#[cfg(all(test, feature = "gpu-tests"))]
 pub(crate) fn gpu_test_ran(name: &str) {
     use std::io::Write;
     let cookie = std::env::var_os("ZERO_GPU_COOKIE")

@@ -1,6 +1,7 @@
 //! Shared test bodies and helpers, generic over the backend.
 
 use std::fmt::Debug;
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::thread;
 use std::time::Duration;
 
@@ -14,6 +15,75 @@ pub(crate) type Factory<C> = fn(Topology) -> Vec<C>;
 
 /// Timeout for tests that must not time out.
 pub(crate) const SAFE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Records that the calling test did not run and why: a line on stderr, and one line
+/// `<crate>/<test binary>::<test>\t<reason>` appended to `$ZERO_SKIP_LOG` when it is set, which
+/// `cargo xtask test` counts and prints (xtask/src/test.rs reads that format). `test` is the
+/// test's name when the caller knows it, else the test thread's name is used.
+#[track_caller]
+#[allow(dead_code)] // the wgpu and nccl binaries use it
+pub(crate) fn record_skip(test: &str, reason: &str) {
+    let thread = thread::current();
+    let name = match thread.name() {
+        Some(n) if test.is_empty() => n,
+        _ => test,
+    };
+    let name = format!(
+        "{}/{}::{name}",
+        env!("CARGO_PKG_NAME"),
+        env!("CARGO_CRATE_NAME")
+    );
+    eprintln!(
+        "did not run {name} (at {}): {reason}",
+        std::panic::Location::caller()
+    );
+    if let Some(path) = std::env::var_os(SKIP_LOG) {
+        let line = format!("{name}\t{}\n", reason.replace(['\t', '\n'], " "));
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
+            .unwrap_or_else(|e| panic!("cannot append to {SKIP_LOG}={path:?}: {e}"));
+    }
+}
+
+/// The file [`record_skip`] appends to.
+#[allow(dead_code)]
+pub(crate) const SKIP_LOG: &str = "ZERO_SKIP_LOG";
+
+/// A one-shot event that orders ranks in failure tests instead of sleeps: one rank `set`s it when
+/// something has happened (its timeout fired, say), the others `wait` for it. A wait gives up
+/// after [`SAFE_TIMEOUT`] with a panic, so a broken test fails instead of hanging.
+pub(crate) struct Signal {
+    set: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Signal {
+    pub(crate) fn new() -> Self {
+        Signal {
+            set: Mutex::new(false),
+            cv: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn set(&self) {
+        *self.set.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until [`Signal::set`]; `what` names the event for the panic message.
+    #[track_caller]
+    pub(crate) fn wait(&self, what: &str) {
+        let set = self.set.lock().unwrap_or_else(PoisonError::into_inner);
+        let (set, _) = self
+            .cv
+            .wait_timeout_while(set, SAFE_TIMEOUT, |s| !*s)
+            .unwrap_or_else(PoisonError::into_inner);
+        assert!(*set, "gave up after {SAFE_TIMEOUT:?} waiting for {what}");
+    }
+}
 
 pub(crate) fn host_world(topology: Topology) -> Vec<HostComm> {
     HostWorld::new(topology, SAFE_TIMEOUT).into_comms()

@@ -4,9 +4,10 @@
 //! [`zero_comm::Communicator`] trait), run here with a wgpu factory; results are checked bit for bit
 //! against the canonical reduction and, in `equality`, against the host loopback itself.
 //!
-//! All tests share one device per process (`device::shared`). Without a wgpu adapter every test
-//! prints why to stderr and passes, unless `ZERO_REQUIRE_WGPU=1`, which turns a missing adapter
-//! into a failure (CI sets it after installing `mesa-vulkan-drivers`).
+//! All tests share one device per process (`device::shared`). A missing wgpu adapter fails every
+//! test with `ZERO_REQUIRE_WGPU=1` (what `cargo xtask test` and CI set); without it each test
+//! records that it did not run (`$ZERO_SKIP_LOG`, counted and listed by `cargo xtask test
+//! --allow-device-skips`) and returns. An adapter whose device or kernels fail always fails.
 #![cfg(feature = "wgpu")]
 
 // The shared bodies; not every helper is used by this binary.
