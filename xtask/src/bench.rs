@@ -101,6 +101,21 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
             args: vec!["--stage", "3"],
         },
         Row {
+            name: "stage3+keep-gathered",
+            args: vec![
+                "--stage",
+                "3",
+                "--qwz",
+                "false",
+                "--qgz",
+                "false",
+                "--hpz",
+                "1",
+                "--checkpoint-activations",
+                "false",
+            ],
+        },
+        Row {
             name: "stage2+overlap",
             args: vec!["--stage", "2", "--overlap-comm", "true"],
         },

@@ -68,6 +68,11 @@ pub(crate) struct TrainArgs {
     /// config file's `overlap_comm`; on also turns stage-3 prefetching on.
     #[arg(long)]
     overlap_comm: Option<bool>,
+    /// Activation checkpointing: the backward recomputes each segment from its saved input.
+    /// Default: on at stage 3 (each segment's weights gathered again for the backward), off at
+    /// stages 0–2 (one autodiff graph); off at stage 3 keeps the gathered weights for the backward.
+    #[arg(long)]
+    checkpoint_activations: Option<bool>,
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config; a Hugging Face Trainer
     /// style config's `"auto"` values resolve from this run (one `auto:` line each).
     #[arg(long)]
@@ -190,6 +195,9 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(p) = precision {
         zero.precision = p;
+    }
+    if let Some(c) = a.checkpoint_activations {
+        zero.checkpoint_activations = Some(c);
     }
     if let Some(o) = a.overlap_comm {
         zero.overlap_comm = o;

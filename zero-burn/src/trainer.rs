@@ -1,6 +1,7 @@
 //! The per-rank trainer: executes a [`Plan`] with one communicator per rank.
 //!
-//! One micro-step runs the model segment by segment (see [`crate::segmented`]):
+//! With activation checkpointing (`ZeroConfig::checkpoint_activations`, by default on at stage 3
+//! only) one micro-step runs the model segment by segment (see [`crate::segmented`]):
 //!
 //! 1. **Forward.** For each segment: at stage 3, all-gather its gather units (prefetching the next
 //!    unit when the plan allows), run it, keep only its output activation, release the units
@@ -10,6 +11,11 @@
 //!    activation gradient, add the parameter gradients into their units, release. Every unit whose
 //!    gradients are now complete is reduced right away: an all-reduce (stage 0) or a reduce-scatter
 //!    (stages 1–3) with the mean over ranks, and the result is added into the gradient accumulator.
+//!
+//! Without it, one autodiff graph spans every segment (stage 3: each segment's units gathered
+//! before it runs and kept until the backward is done), one backward computes every gradient, and
+//! the units are then reduced in the same order, last segment first.
+//!
 //! 3. After the last micro-step: the global norm (if clipping), the optimizer on the local shard,
 //!    and the post-step all-gathers (stages 1–2: every bucket; stage 3: persistent units).
 //!
@@ -18,8 +24,8 @@
 //! overflow (fp16: every rank skips the step together) and steps the fp32 master, whose rounding
 //! is the new working weights.
 //!
-//! Every stage performs the same floating-point operations in the same order; only where the
-//! bytes live changes. With fp32 and the host loopback's rank-ordered reduction, stages 0–3 are
+//! With the same checkpointing choice every stage performs the same floating-point operations in
+//! the same order; only where the bytes live changes. With fp32 and the host loopback's rank-ordered reduction, stages 0–3 are
 //! bit-identical (invariant I1). With [`Reduction::CanonicalTree`] the micro-step gradients are
 //! summed unscaled over the canonical pairwise tree instead, and divided once by `N·A` before
 //! step 3, which makes the bits independent of the world size too (see [`crate::reduction`]).
