@@ -16,6 +16,7 @@ mod gpu_check;
 mod plan;
 mod plot;
 mod ptx;
+mod release;
 mod simulate;
 mod test;
 mod train;
@@ -52,6 +53,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
         Command::Simulate(a) => simulate::run(*a),
+        Command::Train(_) | Command::Bench(_) if release::wanted() => release::rerun(),
         Command::Train(a) => train::run(*a),
         Command::Test(a) => test::run(a),
         Command::Bench(a) => bench::run(a),

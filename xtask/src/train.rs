@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use zero_burn::demo::job::{Backend, DataSource, JobConfig, RunReport, run_job};
+use zero_burn::demo::job::{Backend, DataSource, JobConfig, RunReport, check, run_job};
 use zero_burn::optim::Optimizer;
 use zero_core::report::human_bytes;
 use zero_core::{AdamWValues, Collective, LinkClass, Precision, RunBatch, RunValues, ZeroConfig};
@@ -228,9 +228,8 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
             bytes,
         };
     }
-    if job.steps == 0 {
-        bail!("--steps 0: nothing to train");
-    }
+    // Every flag and config value is checked before the run directory exists or a rank starts.
+    check(&job)?;
     let out = a
         .out
         .clone()
@@ -491,4 +490,53 @@ pub(crate) fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use clap::Parser;
+
+    use super::{TrainArgs, run};
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn args(out: &Path, extra: &[&str]) -> TrainArgs {
+        let out = out.to_str().expect("a UTF-8 temp path");
+        let mut argv = vec!["train", "--out", out];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).expect("flags parse").train
+    }
+
+    /// Each bad flag is refused before any rank starts, naming the value, and leaves no run
+    /// directory behind.
+    #[test]
+    fn invalid_flags_fail_before_a_run_directory_exists() {
+        let root = std::env::temp_dir().join(format!("zero-rs-train-flags-{}", std::process::id()));
+        let cases: [(&[&str], &str); 7] = [
+            (&["--lr", "nan"], "lr"),
+            (&["--timeout", "0"], "timeout"),
+            (&["--stage", "4"], "stage"),
+            (&["--steps", "0"], "steps"),
+            (&["--micro-batch", "0"], "micro_batch"),
+            (
+                &["--world-size", "3", "--ranks-per-node", "2"],
+                "ranks_per_node",
+            ),
+            (&["--stage", "3", "--hpz", "3"], "hpz_partition_size"),
+        ];
+        for (i, (flags, field)) in cases.into_iter().enumerate() {
+            let out = root.join(format!("run-{i}"));
+            let err = run(args(&out, flags)).expect_err("a bad flag fails");
+            let msg = format!("{err:#}");
+            assert!(msg.contains(field), "{flags:?}: {msg}");
+            assert!(!out.exists(), "{flags:?} left {}", out.display());
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

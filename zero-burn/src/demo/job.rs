@@ -186,39 +186,67 @@ fn device_of(shared: &Option<Shared>) -> Device {
     }
 }
 
-/// Builds everything and trains. `on_step(step, loss)` reports progress from rank 0.
-pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<RunReport> {
+/// Everything a job needs before its ranks start, checked.
+struct Prepared {
+    corpus: Box<dyn Corpus>,
+    model_cfg: GptConfig,
+    shared: Option<Shared>,
+    model: crate::demo::gpt::Gpt,
+    zero: ZeroConfig,
+    plan: Arc<Plan>,
+    options: TrainOptions,
+}
+
+fn invalid(field: &'static str, got: impl ToString, expected: impl Into<String>) -> Error {
+    Error::Invalid {
+        field,
+        got: got.to_string(),
+        expected: expected.into(),
+    }
+}
+
+/// Builds and checks the data, the model, the topology and the plan: every error a job can
+/// meet before its ranks start.
+fn prepare(job: &JobConfig) -> Result<Prepared> {
+    if !(job.lr.is_finite() && job.lr > 0.0) {
+        return Err(invalid("lr", job.lr, "a finite learning rate > 0"));
+    }
+    if job.timeout.is_zero() {
+        return Err(invalid(
+            "timeout",
+            "0 s",
+            "a collective timeout of at least 1 s",
+        ));
+    }
+    if job.steps == 0 {
+        return Err(invalid("steps", 0, "at least 1 optimizer step"));
+    }
+    if job.micro_batch == 0 {
+        return Err(invalid("micro_batch", 0, "at least 1"));
+    }
+    if job.model.heads == 0 || !job.model.d_model.is_multiple_of(job.model.heads) {
+        return Err(invalid(
+            "heads",
+            job.model.heads,
+            format!("a divisor of d_model {}", job.model.d_model),
+        ));
+    }
     let corpus: Box<dyn Corpus> = match &job.data {
         DataSource::Markov { vocab } => Box::new(MarkovLanguage::new(*vocab, job.seed)?),
         DataSource::Text { bytes, .. } => Box::new(ByteText::new(bytes.clone(), job.seed)?),
     };
-    if job.micro_batch == 0 {
-        return Err(Error::Invalid {
-            field: "micro_batch",
-            got: "0".into(),
-            expected: "at least 1".into(),
-        });
-    }
-    if job.model.heads == 0 || !job.model.d_model.is_multiple_of(job.model.heads) {
-        return Err(Error::Invalid {
-            field: "heads",
-            got: job.model.heads.to_string(),
-            expected: format!("a divisor of d_model {}", job.model.d_model),
-        });
-    }
     let model_cfg = GptConfig {
         vocab: corpus.vocab(),
         ..job.model
     };
-    let shared = shared_for(job.backend)?;
-    let device = device_of(&shared);
-    let model = model_cfg.init(&device, job.seed);
     let topo = Topology::new(job.world_size, job.ranks_per_node)?;
     let optimizer = Optimizer::default();
     let zero = ZeroConfig {
         optimizer: optimizer.kind(),
         ..job.zero.clone()
     };
+    let shared = shared_for(job.backend)?;
+    let model = model_cfg.init(&device_of(&shared), job.seed);
     let plan: Arc<Plan> = Arc::new(crate::plan_for(&model, topo, &zero)?);
     let options = TrainOptions {
         lr: job.lr,
@@ -227,6 +255,34 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         seq: model_cfg.context,
         reduction: Reduction::RankOrdered,
     };
+    Ok(Prepared {
+        corpus,
+        model_cfg,
+        shared,
+        model,
+        zero,
+        plan,
+        options,
+    })
+}
+
+/// Checks a job without training it: every error [`run_job`] can meet before its ranks start
+/// (bad options, data, model shape, topology or ZeRO configuration), in "got X, expected Y" form.
+pub fn check(job: &JobConfig) -> Result<()> {
+    prepare(job).map(|_| ())
+}
+
+/// Builds everything and trains. `on_step(step, loss)` reports progress from rank 0.
+pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<RunReport> {
+    let Prepared {
+        corpus,
+        model_cfg,
+        shared,
+        model,
+        zero,
+        plan,
+        options,
+    } = prepare(job)?;
     let start = Instant::now();
     let run = HostRun {
         steps: job.steps,

@@ -1,0 +1,48 @@
+//! `cargo xtask train` and `bench` run optimised code: the `cargo xtask` alias builds this
+//! binary in the dev profile (opt-level 1, fast to build for `cargo xtask test`), so those two
+//! commands run themselves again from a release build (`cargo run --release`), which is 2–3x
+//! faster per step. The release build never enables the `wgpu` feature: burn-wgpu takes over 20
+//! minutes to build in release, so a wgpu build runs where it is.
+
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+/// Set on the release child, and by a user who wants the dev build to train.
+const STAY: &str = "ZERO_XTASK_NO_RELEASE";
+
+/// Whether this (debug, host-only) build should hand the command to a release build.
+pub(crate) fn wanted() -> bool {
+    cfg!(debug_assertions) && !cfg!(feature = "wgpu") && std::env::var_os(STAY).is_none()
+}
+
+/// Runs this command line again from a release build and exits with its status.
+pub(crate) fn rerun() -> anyhow::Result<()> {
+    eprintln!(
+        "running an optimised (release) xtask for this job; the first build takes a few minutes \
+         (set {STAY}=1 to run the dev build instead)"
+    );
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(crate::test::workspace_root())
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "--package",
+            "xtask",
+            "--bin",
+            "xtask",
+            "--",
+        ])
+        .args(std::env::args_os().skip(1))
+        .env(STAY, "1")
+        .status()
+        .context("cannot start the release build of xtask")?;
+    match status.code() {
+        Some(0) => Ok(()),
+        // The child printed its own error; exit as it did.
+        Some(code) => std::process::exit(code),
+        None => bail!("the release xtask was killed ({status})"),
+    }
+}
