@@ -1,4 +1,4 @@
-//! `cargo xtask train` and `bench` run optimised code: the `cargo xtask` alias builds this
+//! `cargo xtask train`, `bench` and `simulate --validate-host` run optimised code: the `cargo xtask` alias builds this
 //! binary in the dev profile (opt-level 1, fast to build for `cargo xtask test`), so those two
 //! commands run themselves again from a release build (`cargo run --release`), which is 2–3x
 //! faster per step. The release build never enables the `wgpu` feature: burn-wgpu takes over 20

@@ -89,7 +89,7 @@ pub(crate) struct SimulateArgs {
     /// Replay the default training job's collectives on the host loopback, timed, next to the
     /// prediction on the calibrated `host-loopback` cluster (no model or ZeRO flags).
     #[arg(long, conflicts_with_all = ["sweep", "preset", "model", "params", "gpt"])]
-    validate_host: bool,
+    pub(crate) validate_host: bool,
     /// Replayed steps for --validate-host (after one warm-up).
     #[arg(long, default_value_t = 20)]
     steps: usize,
