@@ -146,7 +146,15 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::demo::gpt::GptConfig> {
             heads: 4,
             layers: 6,
         },
-        o => bail!("--model {o:?}: expected tiny, small, medium or wide"),
+        // The 10M-parameter GPT of the engine issue's benchmark (global batch 8 = 2 ranks x 4).
+        "gpt-10m" => GptConfig {
+            vocab: 2048,
+            context: 128,
+            d_model: 384,
+            heads: 6,
+            layers: 5,
+        },
+        o => bail!("--model {o:?}: expected tiny, small, medium, wide or gpt-10m"),
     })
 }
 
@@ -168,6 +176,10 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     let mut job = JobConfig::default_job();
     job.backend = backend;
     job.model = model_preset(&a.model)?;
+    // The synthetic language has the model's vocabulary (a --data file brings its own).
+    job.data = DataSource::Markov {
+        vocab: job.model.vocab,
+    };
     let from_file = a.config.is_some();
     let precision = a.precision.as_deref().map(Precision::parse).transpose()?;
     let mut zero = match &a.config {
