@@ -15,6 +15,7 @@
 //!
 //! Sibling crates: `zero-quant` (codecs), `zero-comm` (communicators), `zero-burn` (the trainer).
 
+pub mod checkpoint;
 pub mod comm_model;
 pub mod config;
 pub mod error;
@@ -29,7 +30,7 @@ pub mod traffic;
 
 pub use comm_model::{CommModel, GroupKind, Payload, Phase, PlannedOp};
 pub use config::{DeepSpeedImport, LossScaleConfig, OptimizerKind, Precision, ZeroConfig};
-pub use error::{Error, Result};
+pub use error::{CheckpointError, Error, Result};
 pub use memory::MemoryModel;
 pub use model::{DType, ModelDesc, ParamDesc};
 pub use plan::{Entry, Fragment, HpzLayout, Plan, Unit, UnitKind};
