@@ -28,9 +28,9 @@ pub enum Error {
         /// The parser's message.
         message: String,
     },
-    /// A checkpoint is unusable: what is wrong and in which file.
+    /// A checkpoint is unusable: what is wrong and in which file (boxed: it is large).
     #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
+    Checkpoint(Box<CheckpointError>),
 }
 
 /// What is wrong with a checkpoint. Every variant names the file (or the parameter) at fault.
@@ -145,6 +145,12 @@ pub enum CheckpointError {
         /// Its name.
         name: String,
     },
+}
+
+impl From<CheckpointError> for Error {
+    fn from(e: CheckpointError) -> Self {
+        Error::Checkpoint(Box::new(e))
+    }
 }
 
 impl Error {

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::layout::CkptLayout;
-use crate::error::{CheckpointError, Error, Result};
+use crate::error::{CheckpointError, Result};
 
 /// The manifest's `format` field.
 pub const FORMAT: &str = "zero-rs-checkpoint";
@@ -112,30 +112,30 @@ impl Manifest {
 
     /// Parses and checks the format and version; `file` names the source in errors.
     pub fn from_json(bytes: &[u8], file: &str) -> Result<Manifest> {
-        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| {
-            Error::Checkpoint(CheckpointError::Parse {
-                file: file.into(),
-                message: e.to_string(),
-            })
+        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| CheckpointError::Parse {
+            file: file.into(),
+            message: e.to_string(),
         })?;
         if m.format != FORMAT || m.format_version != FORMAT_VERSION {
-            return Err(Error::Checkpoint(CheckpointError::Version {
+            return Err(CheckpointError::Version {
                 file: file.into(),
                 found: format!("{} v{}", m.format, m.format_version),
                 expected: format!("{FORMAT} v{FORMAT_VERSION}"),
-            }));
+            }
+            .into());
         }
         if m.files.len() != m.layout.world_size
             || m.files.iter().enumerate().any(|(r, f)| f.rank != r)
         {
-            return Err(Error::Checkpoint(CheckpointError::Parse {
+            return Err(CheckpointError::Parse {
                 file: file.into(),
                 message: format!(
                     "{} file records for world size {}, expected one per rank in rank order",
                     m.files.len(),
                     m.layout.world_size
                 ),
-            }));
+            }
+            .into());
         }
         Ok(m)
     }
@@ -197,10 +197,11 @@ impl ShardHeader {
     /// Decodes the header at the start of `bytes`; returns it and the data section's offset.
     pub fn decode(bytes: &[u8], file: &str) -> Result<(ShardHeader, usize)> {
         let bad = |message: String| {
-            Error::Checkpoint(CheckpointError::Parse {
+            CheckpointError::Parse {
                 file: file.into(),
                 message,
-            })
+            }
+            .into()
         };
         if bytes.len() < 16 || &bytes[..8] != SHARD_MAGIC {
             return Err(bad("not a zero-rs rank file (bad magic)".into()));
@@ -240,10 +241,11 @@ impl LatestPointer {
     /// Parses `LATEST`; `file` names it in errors.
     pub fn parse(text: &[u8], file: &str) -> Result<LatestPointer> {
         let bad = || {
-            Error::Checkpoint(CheckpointError::Parse {
+            CheckpointError::Parse {
                 file: file.into(),
                 message: "expected \"<tag> <crc32c hex> <bytes>\\n\"".into(),
-            })
+            }
+            .into()
         };
         let s = std::str::from_utf8(text).map_err(|_| bad())?;
         let s = s.strip_suffix('\n').ok_or_else(bad)?;

@@ -1,0 +1,270 @@
+//! The verified load on the same plan: resolve `LATEST`, check the manifest's checksum, the
+//! model, the plan and every byte of the rank files this rank reads, agree with every rank, and
+//! only then restore.
+
+use std::collections::BTreeMap;
+
+use zero_comm::Communicator;
+use zero_core::CheckpointError;
+use zero_core::checkpoint::{CkptLayout, LatestPointer, Manifest, fingerprint};
+
+use super::shard::{self, Expect, ShardFile};
+use super::storage::{Storage, join};
+use super::{Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses};
+use crate::error::{Error, Result};
+use crate::segmented::Segmented;
+use crate::trainer::ZeroEngine;
+
+/// Everything read and verified, ready to restore.
+struct Prepared {
+    units: Vec<[Vec<f32>; 3]>,
+    scalars: Scalars,
+    loaded: Loaded,
+}
+
+pub(crate) fn load<C: Communicator, M: Segmented>(
+    e: &mut ZeroEngine<C, M>,
+    store: &dyn Storage,
+) -> Result<Loaded> {
+    let local = prepare(e, store);
+    let msg = status_bytes(local.as_ref().map(|_| Vec::new()));
+    let all = all_gather_bytes(e.ckpt_world(), &msg)?;
+    for (r, st) in statuses(&all).into_iter().enumerate() {
+        if let Err(cause) = st {
+            return Err(match local {
+                Err(err) => err,
+                Ok(_) => Error::CheckpointFailed {
+                    action: "load",
+                    rank: r,
+                    cause,
+                },
+            });
+        }
+    }
+    let p = local?;
+    e.ckpt_restore(p.units, p.scalars)?;
+    Ok(p.loaded)
+}
+
+fn read(store: &dyn Storage, path: &str) -> Result<Vec<u8>> {
+    store
+        .read(path)?
+        .ok_or_else(|| CheckpointError::Missing { file: path.into() }.into())
+}
+
+fn prepare<C: Communicator, M: Segmented>(
+    e: &ZeroEngine<C, M>,
+    store: &dyn Storage,
+) -> Result<Prepared> {
+    let plan = e.plan().clone();
+    let ptr = LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?;
+    let mpath = join(&ptr.tag, "MANIFEST.json");
+    let mbytes = read(store, &mpath)?;
+    if mbytes.len() as u64 != ptr.manifest_bytes {
+        return Err(CheckpointError::Size {
+            file: mpath,
+            expected: ptr.manifest_bytes,
+            found: mbytes.len() as u64,
+        }
+        .into());
+    }
+    let crc = crc32c::crc32c(&mbytes);
+    if crc != ptr.manifest_crc32c {
+        return Err(CheckpointError::Checksum {
+            file: mpath,
+            block: 0,
+            offset: 0,
+            end: mbytes.len() as u64,
+            expected: ptr.manifest_crc32c,
+            found: crc,
+        }
+        .into());
+    }
+    let m = Manifest::from_json(&mbytes, &mpath)?;
+    check_model(e, &m, &mpath)?;
+    let current = CkptLayout::of(&plan);
+    let fp = fingerprint(&plan);
+    let mine = engine_scalars(e);
+    if m.plan_fingerprint != fp
+        || m.scalars.optimizer != mine.optimizer
+        || m.scalars.reduction != mine.reduction
+    {
+        let words = |l: &CkptLayout, opt: &serde_json::Value, red: &str| {
+            format!(
+                "world_size {}, {} ranks per node, stage {}, {:?}, hpZ {}, {} units, optimizer {opt}, reduction {red}",
+                l.world_size,
+                l.ranks_per_node,
+                l.stage,
+                l.precision,
+                l.hpz_partition_size,
+                l.units.len()
+            )
+        };
+        return Err(CheckpointError::PlanMismatch {
+            file: mpath,
+            saved: words(&m.layout, &m.scalars.optimizer, &m.scalars.reduction),
+            saved_fingerprint: m.plan_fingerprint.clone(),
+            current: words(&current, &mine.optimizer, &mine.reduction),
+            current_fingerprint: fp,
+        }
+        .into());
+    }
+
+    // The rank files this rank needs, each read and verified whole.
+    let n = plan.world_size();
+    let needs: Vec<_> = (0..plan.units().len()).map(|u| e.ckpt_needs(u)).collect();
+    let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();
+    for (u, (w, _)) in needs.iter().enumerate() {
+        let c = plan.chunk_len(u);
+        for k in (w.start / c) as usize..w.end.div_ceil(c) as usize {
+            if files.contains_key(&k) {
+                continue;
+            }
+            let rec = &m.files[k];
+            let path = join(&ptr.tag, &Manifest::rank_file(k, n));
+            if rec.path != Manifest::rank_file(k, n) {
+                return Err(CheckpointError::Layout {
+                    file: mpath,
+                    what: format!("rank {k}'s file is recorded as {}", rec.path),
+                }
+                .into());
+            }
+            let size = store
+                .size(&path)?
+                .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
+            if size != rec.bytes {
+                return Err(CheckpointError::Size {
+                    file: path,
+                    expected: rec.bytes,
+                    found: size,
+                }
+                .into());
+            }
+            let bytes = read(store, &path)?;
+            let expect = Expect {
+                save_id: &m.save_id,
+                fingerprint: &fp,
+                rank: k,
+                world_size: n,
+            };
+            files.insert(k, ShardFile::verify(path, bytes, rec, &expect)?);
+        }
+    }
+
+    // Assemble the needed ranges (padding stays zero).
+    let states = m.scalars.optimizer_states;
+    let mut units = Vec::with_capacity(needs.len());
+    for (u, (w, opt)) in needs.into_iter().enumerate() {
+        let c = plan.chunk_len(u);
+        let mut out = [
+            vec![0.0; (w.end - w.start) as usize],
+            Vec::new(),
+            Vec::new(),
+        ];
+        let trainable = opt.is_some();
+        if let Some(o) = &opt {
+            for (s, buf) in out[1..].iter_mut().enumerate() {
+                if states > s {
+                    *buf = vec![0.0; (o.end - o.start) as usize];
+                }
+            }
+        }
+        for k in (w.start / c) as usize..w.end.div_ceil(c) as usize {
+            let f = &files[&k];
+            let real = plan.real_in_chunk(u, k);
+            let at = k as u64 * c;
+            let put = |dst: &mut Vec<f32>, base: u64, state: &str| -> Result<()> {
+                let t = f.tensor(&shard::name(state, u), real)?;
+                let from = (at - base) as usize;
+                dst[from..from + t.len()].copy_from_slice(&t);
+                Ok(())
+            };
+            put(&mut out[0], w.start, "w")?;
+            if let Some(o) = opt.as_ref().filter(|o| o.start <= at && at < o.end) {
+                let expect_states = if trainable { states } else { 0 };
+                if expect_states >= 1 {
+                    put(&mut out[1], o.start, "m")?;
+                }
+                if expect_states >= 2 {
+                    put(&mut out[2], o.start, "v")?;
+                }
+            }
+        }
+        units.push(out);
+    }
+    let s = &m.scalars;
+    let scaler = s.loss_scaler.as_ref().map(|l| {
+        (
+            f64::from_bits(l.scale_bits),
+            l.hysteresis,
+            l.iter,
+            l.last_overflow,
+        )
+    });
+    Ok(Prepared {
+        units,
+        scalars: Scalars {
+            step: s.step,
+            opt_steps: s.opt_steps,
+            skipped: s.skipped,
+            scaler,
+        },
+        loaded: Loaded {
+            tag: ptr.tag,
+            step: s.step,
+            client_state: m.client_state,
+        },
+    })
+}
+
+/// Names, shapes, dtypes and trainable flags equal the current model's, and the frozen
+/// parameters outside the shards hold the saved values.
+fn check_model<C: Communicator, M: Segmented>(
+    e: &ZeroEngine<C, M>,
+    m: &Manifest,
+    file: &str,
+) -> Result<()> {
+    let now = &e.plan().model().params;
+    let then = &m.layout.params;
+    let mut diffs = Vec::new();
+    if now.len() != then.len() {
+        diffs.push(format!(
+            "{} parameters saved, the model has {}",
+            then.len(),
+            now.len()
+        ));
+    }
+    for (i, (a, b)) in then.iter().zip(now).enumerate() {
+        if a.name != b.name {
+            diffs.push(format!(
+                "parameter {i} is {} in the checkpoint, {} in the model",
+                a.name, b.name
+            ));
+        } else if a.shape != b.shape || a.dtype != b.dtype || a.trainable != b.trainable {
+            diffs.push(format!(
+                "{}: saved {:?} {:?} trainable={}, the model has {:?} {:?} trainable={}",
+                a.name, a.shape, a.dtype, a.trainable, b.shape, b.dtype, b.trainable
+            ));
+        }
+    }
+    if diffs.is_empty() {
+        let frozen: BTreeMap<usize, u32> = m.frozen.iter().map(|f| (f.param, f.crc32c)).collect();
+        for (i, v) in e.ckpt_unsharded()? {
+            if frozen.get(&i) != Some(&super::save::crc_f32(&v)) {
+                diffs.push(format!(
+                    "frozen parameter {} holds other values than when saved",
+                    now[i].name
+                ));
+            }
+        }
+    }
+    if diffs.is_empty() {
+        Ok(())
+    } else {
+        Err(CheckpointError::ModelMismatch {
+            file: file.into(),
+            differences: diffs,
+        }
+        .into())
+    }
+}
