@@ -2,11 +2,11 @@
 //! model, the plan and every byte of the rank files this rank reads, agree with every rank, and
 //! only then restore.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use zero_comm::Communicator;
 use zero_core::CheckpointError;
-use zero_core::checkpoint::{CkptLayout, LatestPointer, Manifest, fingerprint};
+use zero_core::checkpoint::{CkptLayout, CopyRun, LatestPointer, Manifest, copies, fingerprint};
 
 use super::shard::{self, Expect, ShardFile};
 use super::storage::{Storage, join};
@@ -25,8 +25,9 @@ struct Prepared {
 pub(crate) fn load<C: Communicator, M: Segmented>(
     e: &mut ZeroEngine<C, M>,
     store: &dyn Storage,
+    reshard: bool,
 ) -> Result<Loaded> {
-    let local = prepare(e, store);
+    let local = prepare(e, store, reshard);
     let msg = status_bytes(local.as_ref().map(|_| Vec::new()));
     let all = all_gather_bytes(e.ckpt_world(), &msg)?;
     for (r, st) in statuses(&all).into_iter().enumerate() {
@@ -55,6 +56,7 @@ fn read(store: &dyn Storage, path: &str) -> Result<Vec<u8>> {
 fn prepare<C: Communicator, M: Segmented>(
     e: &ZeroEngine<C, M>,
     store: &dyn Storage,
+    reshard: bool,
 ) -> Result<Prepared> {
     let plan = e.plan().clone();
     let ptr = LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?;
@@ -85,7 +87,8 @@ fn prepare<C: Communicator, M: Segmented>(
     let current = CkptLayout::of(&plan);
     let fp = fingerprint(&plan);
     let mine = engine_scalars(e);
-    if m.plan_fingerprint != fp
+    let resharding = m.plan_fingerprint != fp;
+    if (resharding && !reshard)
         || m.scalars.optimizer != mine.optimizer
         || m.scalars.reduction != mine.reduction
     {
@@ -110,87 +113,108 @@ fn prepare<C: Communicator, M: Segmented>(
         .into());
     }
 
-    // The rank files this rank needs, each read and verified whole.
-    let n = plan.world_size();
+    // The copy runs (zero_core's reshard map; the identity on the same plan) of every
+    // destination chunk this rank needs: the whole unit where the model holds it, else its own.
+    let src = &m.layout;
     let needs: Vec<_> = (0..plan.units().len()).map(|u| e.ckpt_needs(u)).collect();
-    let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();
+    let mut by_rank: BTreeMap<usize, Vec<CopyRun>> = BTreeMap::new();
     for (u, (w, _)) in needs.iter().enumerate() {
         let c = plan.chunk_len(u);
-        for k in (w.start / c) as usize..w.end.div_ceil(c) as usize {
-            if files.contains_key(&k) {
-                continue;
+        for s in (w.start / c) as usize..w.end.div_ceil(c) as usize {
+            if let std::collections::btree_map::Entry::Vacant(slot) = by_rank.entry(s) {
+                slot.insert(copies(src, &current, s)?);
             }
-            let rec = &m.files[k];
-            let path = join(&ptr.tag, &Manifest::rank_file(k, n));
-            if rec.path != Manifest::rank_file(k, n) {
-                return Err(CheckpointError::Layout {
-                    file: mpath,
-                    what: format!("rank {k}'s file is recorded as {}", rec.path),
-                }
-                .into());
-            }
-            let size = store
-                .size(&path)?
-                .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
-            if size != rec.bytes {
-                return Err(CheckpointError::Size {
-                    file: path,
-                    expected: rec.bytes,
-                    found: size,
-                }
-                .into());
-            }
-            let bytes = read(store, &path)?;
-            let expect = Expect {
-                save_id: &m.save_id,
-                fingerprint: &fp,
-                rank: k,
-                world_size: n,
-            };
-            files.insert(k, ShardFile::verify(path, bytes, rec, &expect)?);
         }
+    }
+    let runs: Vec<(usize, CopyRun)> = by_rank
+        .into_iter()
+        .flat_map(|(s, runs)| runs.into_iter().map(move |r| (s, r)))
+        .filter(|(s, r)| {
+            let c = plan.chunk_len(r.dst_unit);
+            let w = &needs[r.dst_unit].0;
+            w.start <= *s as u64 * c && (*s as u64 + 1) * c <= w.end
+        })
+        .collect();
+
+    // The source files those runs read, each read and verified whole.
+    let sn = src.world_size;
+    let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();
+    for &(_, r) in &runs {
+        let k = r.src_rank;
+        if files.contains_key(&k) {
+            continue;
+        }
+        let rec = m.files.get(k).ok_or_else(|| CheckpointError::Layout {
+            file: mpath.clone(),
+            what: format!("no file record for rank {k}"),
+        })?;
+        let path = join(&ptr.tag, &Manifest::rank_file(k, sn));
+        if rec.path != Manifest::rank_file(k, sn) {
+            return Err(CheckpointError::Layout {
+                file: mpath,
+                what: format!("rank {k}'s file is recorded as {}", rec.path),
+            }
+            .into());
+        }
+        let size = store
+            .size(&path)?
+            .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
+        if size != rec.bytes {
+            return Err(CheckpointError::Size {
+                file: path,
+                expected: rec.bytes,
+                found: size,
+            }
+            .into());
+        }
+        let bytes = read(store, &path)?;
+        let expect = Expect {
+            save_id: &m.save_id,
+            fingerprint: &m.plan_fingerprint,
+            rank: k,
+            world_size: sn,
+        };
+        files.insert(k, ShardFile::verify(path, bytes, rec, &expect)?);
     }
 
     // Assemble the needed ranges (padding stays zero).
     let states = m.scalars.optimizer_states;
-    let mut units = Vec::with_capacity(needs.len());
-    for (u, (w, opt)) in needs.into_iter().enumerate() {
-        let c = plan.chunk_len(u);
-        let mut out = [
-            vec![0.0; (w.end - w.start) as usize],
-            Vec::new(),
-            Vec::new(),
-        ];
-        let trainable = opt.is_some();
-        if let Some(o) = &opt {
-            for (s, buf) in out[1..].iter_mut().enumerate() {
-                if states > s {
-                    *buf = vec![0.0; (o.end - o.start) as usize];
-                }
-            }
-        }
-        for k in (w.start / c) as usize..w.end.div_ceil(c) as usize {
-            let f = &files[&k];
-            let real = plan.real_in_chunk(u, k);
-            let at = k as u64 * c;
-            let put = |dst: &mut Vec<f32>, base: u64, state: &str| -> Result<()> {
-                let t = f.tensor(&shard::name(state, u), real)?;
-                let from = (at - base) as usize;
-                dst[from..from + t.len()].copy_from_slice(&t);
-                Ok(())
+    let mut units: Vec<[Vec<f32>; 3]> = needs
+        .iter()
+        .map(|(w, opt)| {
+            let o = opt.as_ref().map_or(0, |o| (o.end - o.start) as usize);
+            let len = |s: usize| if states > s { o } else { 0 };
+            [
+                vec![0.0; (w.end - w.start) as usize],
+                vec![0.0; len(0)],
+                vec![0.0; len(1)],
+            ]
+        })
+        .collect();
+    let mut cache: HashMap<(usize, usize, usize), Vec<f32>> = HashMap::new();
+    for (s, r) in runs {
+        let v = r.dst_unit;
+        let at = s as u64 * plan.chunk_len(v) + r.dst_off;
+        let (w, opt) = &needs[v];
+        let opt_base = opt
+            .as_ref()
+            .filter(|o| o.start <= at && at < o.end)
+            .map(|o| o.start);
+        for (state, name) in ["w", "m", "v"].into_iter().enumerate() {
+            let base = if state == 0 { Some(w.start) } else { opt_base };
+            let Some(base) = base.filter(|_| state == 0 || states >= state) else {
+                continue;
             };
-            put(&mut out[0], w.start, "w")?;
-            if let Some(o) = opt.as_ref().filter(|o| o.start <= at && at < o.end) {
-                let expect_states = if trainable { states } else { 0 };
-                if expect_states >= 1 {
-                    put(&mut out[1], o.start, "m")?;
-                }
-                if expect_states >= 2 {
-                    put(&mut out[2], o.start, "v")?;
-                }
+            let key = (r.src_rank, r.src_unit, state);
+            if let std::collections::hash_map::Entry::Vacant(slot) = cache.entry(key) {
+                let real = src.real_in_chunk(r.src_unit, r.src_rank);
+                slot.insert(files[&r.src_rank].tensor(&shard::name(name, r.src_unit), real)?);
             }
+            let t = &cache[&key];
+            let from = (at - base) as usize;
+            let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
+            units[v][state][from..from + (b - a)].copy_from_slice(&t[a..b]);
         }
-        units.push(out);
     }
     let s = &m.scalars;
     let scaler = s.loss_scaler.as_ref().map(|l| {

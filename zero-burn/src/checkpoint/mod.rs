@@ -82,7 +82,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Loads the checkpoint `LATEST` names in `store` (saved with the same plan) after verifying
     /// every byte this rank reads, on every rank, before any state changes. Collective.
     pub fn load(&mut self, store: &dyn Storage) -> Result<Loaded> {
-        self.untracked(|e| load::load(e, store))
+        self.untracked(|e| load::load(e, store, false))
+    }
+
+    /// [`Self::load`] of a checkpoint saved with any plan of the same model (another world
+    /// size, ranks per node, stage, bucket sizes, hpZ or precision) and the same optimizer:
+    /// each rank reads the saved files that hold its part ([`zero_core::checkpoint::copies`])
+    /// and verifies them whole. The restored fp32 state equals the saved one element for
+    /// element. A frozen parameter that the saved plan kept outside every unit (stages 0–2)
+    /// cannot be resharded into a stage-3 unit yet ([`zero_core::CheckpointError::NotSharded`]).
+    pub fn load_resharded(&mut self, store: &dyn Storage) -> Result<Loaded> {
+        self.untracked(|e| load::load(e, store, true))
     }
 }
 
