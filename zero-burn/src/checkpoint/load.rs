@@ -59,30 +59,7 @@ fn prepare<C: Communicator, M: Segmented>(
     reshard: bool,
 ) -> Result<Prepared> {
     let plan = e.plan().clone();
-    let ptr = LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?;
-    let mpath = join(&ptr.tag, "MANIFEST.json");
-    let mbytes = read(store, &mpath)?;
-    if mbytes.len() as u64 != ptr.manifest_bytes {
-        return Err(CheckpointError::Size {
-            file: mpath,
-            expected: ptr.manifest_bytes,
-            found: mbytes.len() as u64,
-        }
-        .into());
-    }
-    let crc = crc32c::crc32c(&mbytes);
-    if crc != ptr.manifest_crc32c {
-        return Err(CheckpointError::Checksum {
-            file: mpath,
-            block: 0,
-            offset: 0,
-            end: mbytes.len() as u64,
-            expected: ptr.manifest_crc32c,
-            found: crc,
-        }
-        .into());
-    }
-    let m = Manifest::from_json(&mbytes, &mpath)?;
+    let (tag, m, mpath) = resolve(store)?;
     check_model(e, &m, &mpath)?;
     let current = CkptLayout::of(&plan);
     let fp = fingerprint(&plan);
@@ -137,44 +114,13 @@ fn prepare<C: Communicator, M: Segmented>(
         .collect();
 
     // The source files those runs read, each read and verified whole.
-    let sn = src.world_size;
     let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();
     for &(_, r) in &runs {
         let k = r.src_rank;
         if files.contains_key(&k) {
             continue;
         }
-        let rec = m.files.get(k).ok_or_else(|| CheckpointError::Layout {
-            file: mpath.clone(),
-            what: format!("no file record for rank {k}"),
-        })?;
-        let path = join(&ptr.tag, &Manifest::rank_file(k, sn));
-        if rec.path != Manifest::rank_file(k, sn) {
-            return Err(CheckpointError::Layout {
-                file: mpath,
-                what: format!("rank {k}'s file is recorded as {}", rec.path),
-            }
-            .into());
-        }
-        let size = store
-            .size(&path)?
-            .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
-        if size != rec.bytes {
-            return Err(CheckpointError::Size {
-                file: path,
-                expected: rec.bytes,
-                found: size,
-            }
-            .into());
-        }
-        let bytes = read(store, &path)?;
-        let expect = Expect {
-            save_id: &m.save_id,
-            fingerprint: &m.plan_fingerprint,
-            rank: k,
-            world_size: sn,
-        };
-        files.insert(k, ShardFile::verify(path, bytes, rec, &expect)?);
+        files.insert(k, open_file(store, &tag, &m, &mpath, k)?);
     }
 
     // Assemble the needed ranges (padding stays zero).
@@ -234,7 +180,7 @@ fn prepare<C: Communicator, M: Segmented>(
             scaler,
         },
         loaded: Loaded {
-            tag: ptr.tag,
+            tag,
             step: s.step,
             client_state: m.client_state,
         },
@@ -291,4 +237,77 @@ fn check_model<C: Communicator, M: Segmented>(
         }
         .into())
     }
+}
+
+/// Resolves `LATEST`, checks the manifest's length and crc32c against it and parses it:
+/// `(tag, manifest, manifest path)`.
+pub(super) fn resolve(store: &dyn Storage) -> Result<(String, Manifest, String)> {
+    let ptr = LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?;
+    let mpath = join(&ptr.tag, "MANIFEST.json");
+    let mbytes = read(store, &mpath)?;
+    if mbytes.len() as u64 != ptr.manifest_bytes {
+        return Err(CheckpointError::Size {
+            file: mpath,
+            expected: ptr.manifest_bytes,
+            found: mbytes.len() as u64,
+        }
+        .into());
+    }
+    let crc = crc32c::crc32c(&mbytes);
+    if crc != ptr.manifest_crc32c {
+        return Err(CheckpointError::Checksum {
+            file: mpath,
+            block: 0,
+            offset: 0,
+            end: mbytes.len() as u64,
+            expected: ptr.manifest_crc32c,
+            found: crc,
+        }
+        .into());
+    }
+    let m = Manifest::from_json(&mbytes, &mpath)?;
+    Ok((ptr.tag, m, mpath))
+}
+
+/// Reads saved rank `k`'s file and verifies it whole against the manifest (existence, exact
+/// size, every block's crc32c, its header's save, plan, rank and world).
+pub(super) fn open_file(
+    store: &dyn Storage,
+    tag: &str,
+    m: &Manifest,
+    mpath: &str,
+    k: usize,
+) -> Result<ShardFile> {
+    let sn = m.layout.world_size;
+    let rec = m.files.get(k).ok_or_else(|| CheckpointError::Layout {
+        file: mpath.into(),
+        what: format!("no file record for rank {k}"),
+    })?;
+    let path = join(tag, &Manifest::rank_file(k, sn));
+    if rec.path != Manifest::rank_file(k, sn) {
+        return Err(CheckpointError::Layout {
+            file: mpath.into(),
+            what: format!("rank {k}'s file is recorded as {}", rec.path),
+        }
+        .into());
+    }
+    let size = store
+        .size(&path)?
+        .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
+    if size != rec.bytes {
+        return Err(CheckpointError::Size {
+            file: path,
+            expected: rec.bytes,
+            found: size,
+        }
+        .into());
+    }
+    let bytes = read(store, &path)?;
+    let expect = Expect {
+        save_id: &m.save_id,
+        fingerprint: &m.plan_fingerprint,
+        rank: k,
+        world_size: sn,
+    };
+    ShardFile::verify(path, bytes, rec, &expect)
 }

@@ -31,12 +31,14 @@
 //! continues bit-identically. Loading a checkpoint of another plan (resharding) is not done yet:
 //! it is refused with [`zero_core::CheckpointError::PlanMismatch`].
 
+mod export;
 mod load;
 mod mem;
 mod save;
 mod shard;
 mod storage;
 
+pub use export::{ExportDtype, ExportReport, export_safetensors};
 pub use mem::MemStorage;
 pub use storage::{DirStorage, Storage, join, put};
 pub use zero_core::checkpoint::ClientState;
