@@ -2,7 +2,8 @@
 //! through `DirStorage`, against a plain `std::fs` write (+ fsync) and read of the same number
 //! of bytes by the same two threads, in the same directory. Also the crc32c cost alone.
 //!
-//! `cargo run -p zero-burn --example ckpt_bench --features zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu -- [DIR]`
+//! `cargo run -p zero-burn --example ckpt_bench --features zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu -- [DIR [keep]]`
+//! (`keep` leaves the checkpoint in `DIR/ckpt`, e.g. for `cargo xtask ckpt`)
 
 use std::io::Write;
 use std::sync::Barrier;
@@ -91,6 +92,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             mb(bytes, crc) / 1e3,
         );
     }
-    std::fs::remove_dir_all(&dir)?;
+    if std::env::args().nth(2).as_deref() == Some("keep") {
+        for r in 0..n {
+            std::fs::remove_file(dir.join(format!("plain-{r}")))?;
+        }
+    } else {
+        std::fs::remove_dir_all(&dir)?;
+    }
     Ok(())
 }

@@ -112,3 +112,36 @@ fn bf16_export_equals_the_working_weights() {
     assert!(export_safetensors(&store, &out, "again.safetensors", ExportDtype::F32).is_err());
     assert!(!out.exists("again.safetensors").unwrap());
 }
+
+#[test]
+fn offline_verify_checks_every_file() {
+    let store = MemStorage::new();
+    let (plan, _) = trained(
+        &ZeroConfig {
+            stage: 1,
+            ..Default::default()
+        },
+        &store,
+    );
+    let r = zero_burn::checkpoint::verify(&store).unwrap();
+    assert_eq!(
+        (r.tag.as_str(), r.files),
+        ("step-00000002", plan.world_size())
+    );
+    let (tag, m) = zero_burn::checkpoint::read_manifest(&store).unwrap();
+    assert_eq!((tag.as_str(), m.scalars.step), ("step-00000002", 2));
+    let n = store
+        .size("step-00000002/rank-00001-of-00002.zrs")
+        .unwrap()
+        .unwrap() as usize;
+    store
+        .flip("step-00000002/rank-00001-of-00002.zrs", n - 1, 7)
+        .unwrap();
+    let e = zero_burn::checkpoint::verify(&store)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank-00001-of-00002.zrs") && e.contains("crc32c"),
+        "{e}"
+    );
+}

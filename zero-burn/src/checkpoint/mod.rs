@@ -98,6 +98,38 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 }
 
+/// The manifest of the checkpoint `LATEST` names in `store`, checked against `LATEST`'s length
+/// and crc32c; `(tag, manifest)`.
+pub fn read_manifest(store: &dyn Storage) -> Result<(String, zero_core::checkpoint::Manifest)> {
+    let (tag, m, _) = load::resolve(store)?;
+    Ok((tag, m))
+}
+
+/// What [`verify`] checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VerifyReport {
+    /// The checkpoint's tag.
+    pub tag: String,
+    /// Rank files verified.
+    pub files: usize,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// Verifies every byte of the checkpoint `LATEST` names, offline: the manifest against
+/// `LATEST`, then every rank file (existence, exact size, every block's crc32c, header).
+pub fn verify(store: &dyn Storage) -> Result<VerifyReport> {
+    let (tag, m, mpath) = load::resolve(store)?;
+    for k in 0..m.files.len() {
+        load::open_file(store, &tag, &m, &mpath, k)?;
+    }
+    Ok(VerifyReport {
+        tag,
+        files: m.files.len(),
+        bytes: m.files.iter().map(|f| f.bytes).sum(),
+    })
+}
+
 /// The engine's step counters and fp16 loss-scaler state (scale, hysteresis, iter, last
 /// overflow), as [`ZeroEngine`] hands them out and takes them back.
 #[derive(Clone, Copy, Debug, PartialEq)]
