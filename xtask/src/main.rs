@@ -9,9 +9,11 @@
 //! - `gpu-check`: the short script for a machine with a GPU: the NCCL and CUDA-codec tests, the
 //!   trainer over NCCL, the wgpu programs on the GPU's Vulkan driver, bandwidth figures, a report;
 //!   `--bundle` builds it for a GPU machine without cargo.
+//! - `ckpt`: offline checkpoint tools (`inspect`, `verify`, `export` to safetensors).
 //! - `ptx`: compiles zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
 
 mod bench;
+mod ckpt;
 mod gpu_check;
 mod plan;
 mod plot;
@@ -44,6 +46,8 @@ enum Command {
     Test(test::TestArgs),
     /// On a GPU machine: every GPU test (NCCL, CUDA codecs, the trainer, wgpu on Vulkan), figures.
     GpuCheck(gpu_check::GpuCheckArgs),
+    /// Offline checkpoint tools: inspect, verify, export to safetensors.
+    Ckpt(ckpt::CkptArgs),
     /// Compile zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
     Ptx(ptx::PtxArgs),
 }
@@ -61,6 +65,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::GpuCheck(a) => gpu_check::run(a),
         Command::Ptx(a) => ptx::run(a),
+        Command::Ckpt(a) => ckpt::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

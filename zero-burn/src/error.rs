@@ -6,7 +6,7 @@
 pub enum Error {
     /// The plan or its inputs are invalid.
     #[error(transparent)]
-    Plan(#[from] zero_core::Error),
+    Plan(zero_core::Error),
     /// A collective failed (a peer died, timed out, or disagreed).
     #[error(transparent)]
     Comm(#[from] zero_comm::Error),
@@ -55,6 +55,57 @@ pub enum Error {
     /// A compute backend could not be set up (e.g. no wgpu adapter).
     #[error("backend: {0}")]
     Backend(String),
+    /// A checkpoint is unusable (names the file and what is wrong; boxed: it is large).
+    #[error(transparent)]
+    Checkpoint(Box<zero_core::CheckpointError>),
+    /// A checkpoint storage operation failed.
+    #[error("checkpoint storage: {op} {path}: {source}")]
+    Storage {
+        /// The operation (`write`, `fsync`, `rename`, ...).
+        op: &'static str,
+        /// The path it was applied to.
+        path: String,
+        /// The IO error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another rank failed its part of a collective save or load, so every rank fails it.
+    #[error("checkpoint {action} failed on rank {rank}: {cause}")]
+    CheckpointFailed {
+        /// `save` or `load`.
+        action: &'static str,
+        /// The rank that failed.
+        rank: usize,
+        /// Its error, as it reported it.
+        cause: String,
+    },
+    /// The ranks disagree on what they are saving (a caller bug: not every rank is at the same
+    /// step, or runs the same plan).
+    #[error("checkpoint save: ranks {ranks:?} disagree with rank 0 on {what}")]
+    CheckpointDisagree {
+        /// What differs.
+        what: &'static str,
+        /// The ranks that differ from rank 0.
+        ranks: Vec<usize>,
+    },
+    /// A save between the micro-steps of an optimizer step (the gradient accumulators are not
+    /// saved). [`crate::ZeroEngine::step`] runs all micro-steps, so the public API cannot reach
+    /// it; it guards future micro-step APIs.
+    #[error(
+        "checkpoint save refused: {micro} micro-steps of the current optimizer step have run; save at a step boundary"
+    )]
+    SaveBetweenMicroSteps {
+        /// Micro-steps run since the last optimizer step.
+        micro: u32,
+    },
+    /// The tag's directory exists: a committed checkpoint is never rewritten.
+    #[error(
+        "checkpoint save refused: {tag} already exists (committed checkpoints are never rewritten)"
+    )]
+    TagExists {
+        /// The tag.
+        tag: String,
+    },
     /// A rank's thread panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {
@@ -63,6 +114,23 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+}
+
+impl From<zero_core::Error> for Error {
+    /// A checkpoint error from zero-core becomes [`Error::Checkpoint`], so callers match one
+    /// variant whichever crate found the fault.
+    fn from(e: zero_core::Error) -> Self {
+        match e {
+            zero_core::Error::Checkpoint(c) => Error::Checkpoint(c),
+            e => Error::Plan(e),
+        }
+    }
+}
+
+impl From<zero_core::CheckpointError> for Error {
+    fn from(e: zero_core::CheckpointError) -> Self {
+        Error::Checkpoint(Box::new(e))
+    }
 }
 
 /// `Result` with this crate's [`Error`].

@@ -63,6 +63,7 @@
 
 #[cfg(feature = "wgpu")]
 pub mod bridge;
+pub mod checkpoint;
 mod comms;
 pub mod demo;
 mod engine;

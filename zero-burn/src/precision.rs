@@ -207,6 +207,22 @@ impl LossScaler {
         self.scale
     }
 
+    /// The mutable state (scale, hysteresis, iter, last overflow), for checkpoints.
+    pub(crate) fn state(&self) -> (f64, u32, i64, i64) {
+        (self.scale, self.hysteresis, self.iter, self.last_overflow)
+    }
+
+    /// Restores what [`Self::state`] returned.
+    pub(crate) fn set_state(
+        &mut self,
+        (scale, hysteresis, iter, last_overflow): (f64, u32, i64, i64),
+    ) {
+        self.scale = scale;
+        self.hysteresis = hysteresis;
+        self.iter = iter;
+        self.last_overflow = last_overflow;
+    }
+
     /// Records one step's outcome (DeepSpeed's `update_scale`). An overflow at the minimum
     /// scale is an error: the run cannot make progress, and a silent skip forever would hide it.
     pub fn update(&mut self, overflow: bool) -> Result<()> {

@@ -28,6 +28,129 @@ pub enum Error {
         /// The parser's message.
         message: String,
     },
+    /// A checkpoint is unusable: what is wrong and in which file (boxed: it is large).
+    #[error(transparent)]
+    Checkpoint(Box<CheckpointError>),
+}
+
+/// What is wrong with a checkpoint. Every variant names the file (or the parameter) at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file does not parse.
+    #[error("checkpoint file {file} is malformed: {message}")]
+    Parse {
+        /// The file.
+        file: String,
+        /// What the parser found.
+        message: String,
+    },
+    /// An unsupported format or version.
+    #[error("checkpoint file {file} has format {found}, expected {expected}")]
+    Version {
+        /// The file.
+        file: String,
+        /// What it declares.
+        found: String,
+        /// What this build reads.
+        expected: String,
+    },
+    /// A listed file is absent.
+    #[error("checkpoint file {file} is missing")]
+    Missing {
+        /// The file.
+        file: String,
+    },
+    /// A file's size differs from the recorded one (truncated or extended).
+    #[error(
+        "checkpoint file {file} has {found} bytes, expected {expected} (truncated or extended)"
+    )]
+    Size {
+        /// The file.
+        file: String,
+        /// Recorded size.
+        expected: u64,
+        /// Size found.
+        found: u64,
+    },
+    /// A block's checksum differs: the bytes changed after they were written.
+    #[error(
+        "checkpoint file {file} is corrupt: block {block} (bytes {offset}..{end}) has crc32c {found:08x}, expected {expected:08x}"
+    )]
+    Checksum {
+        /// The file.
+        file: String,
+        /// Block index.
+        block: u64,
+        /// First byte of the block.
+        offset: u64,
+        /// One past its last byte.
+        end: u64,
+        /// Recorded crc32c.
+        expected: u32,
+        /// Computed crc32c.
+        found: u32,
+    },
+    /// A file belongs to another save, rank, world or plan.
+    #[error("checkpoint file {file} is foreign: its {field} is {found}, expected {expected}")]
+    Foreign {
+        /// The file.
+        file: String,
+        /// The header field that differs (`save_id`, `rank`, ...).
+        field: String,
+        /// Expected value.
+        expected: String,
+        /// Value found.
+        found: String,
+    },
+    /// The model being loaded into differs from the saved one.
+    #[error("the checkpoint in {file} was saved from a different model: {}", .differences.join("; "))]
+    ModelMismatch {
+        /// The manifest.
+        file: String,
+        /// Every difference found (names, shapes, dtypes, trainable flags, frozen values).
+        differences: Vec<String>,
+    },
+    /// The checkpoint was saved with another plan and the load did not ask to reshard.
+    #[error(
+        "the checkpoint in {file} was saved with {saved} (plan {saved_fingerprint}); this run has {current} (plan {current_fingerprint}): resharding is needed"
+    )]
+    PlanMismatch {
+        /// The manifest.
+        file: String,
+        /// The saved plan in words.
+        saved: String,
+        /// Its fingerprint.
+        saved_fingerprint: String,
+        /// The current plan in words.
+        current: String,
+        /// Its fingerprint.
+        current_fingerprint: String,
+    },
+    /// A file's content disagrees with its header or the manifest (a missing tensor, a tensor of
+    /// the wrong length or out of bounds).
+    #[error("checkpoint file {file}: {what}")]
+    Layout {
+        /// The file.
+        file: String,
+        /// What disagrees.
+        what: String,
+    },
+    /// A parameter the new plan shards is in no unit of the saved one (frozen and replicated
+    /// there), so no shard holds it.
+    #[error("parameter {param} ({name}) is in no unit of the saved plan, so no shard holds it")]
+    NotSharded {
+        /// Index of the parameter.
+        param: usize,
+        /// Its name.
+        name: String,
+    },
+}
+
+impl From<CheckpointError> for Error {
+    fn from(e: CheckpointError) -> Self {
+        Error::Checkpoint(Box::new(e))
+    }
 }
 
 impl Error {

@@ -15,6 +15,7 @@
 //!
 //! Sibling crates: `zero-quant` (codecs), `zero-comm` (communicators), `zero-burn` (the trainer).
 
+pub mod checkpoint;
 pub mod comm_model;
 pub mod config;
 pub mod error;
@@ -32,7 +33,7 @@ pub use config::{
     AdamWValues, AutoResolution, DeepSpeedImport, LossScaleConfig, OptimizerKind, Precision,
     RunBatch, RunValues, ZeroConfig,
 };
-pub use error::{Error, Result};
+pub use error::{CheckpointError, Error, Result};
 pub use memory::MemoryModel;
 pub use model::{DType, ModelDesc, ParamDesc};
 pub use plan::{Entry, Fragment, HpzLayout, Plan, Unit, UnitKind};

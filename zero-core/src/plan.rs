@@ -32,7 +32,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{Precision, ZeroConfig};
 use crate::error::{Error, Result};
@@ -40,7 +40,7 @@ use crate::model::ModelDesc;
 use crate::topology::{Topology, divisors};
 
 /// What a unit is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UnitKind {
     /// Stages 0–2: a gradient bucket (backward order).

@@ -1,0 +1,131 @@
+//! `cargo xtask ckpt`: offline tools for zero-rs checkpoints (`zero_burn::checkpoint`).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand, ValueEnum};
+use zero_burn::checkpoint::{DirStorage, ExportDtype, export_safetensors, read_manifest, verify};
+
+#[derive(Args, Debug)]
+pub(crate) struct CkptArgs {
+    #[command(subcommand)]
+    command: CkptCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum CkptCommand {
+    /// Print what `LATEST` names: tag, step, plan, files (the manifest is checked against LATEST).
+    Inspect {
+        /// The checkpoint root (holding LATEST).
+        dir: PathBuf,
+        /// Print the whole manifest as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-read and check every byte of the checkpoint LATEST names (sizes, block crc32c, headers).
+    Verify {
+        /// The checkpoint root.
+        dir: PathBuf,
+    },
+    /// Write the parameters as one safetensors file (burn's parameter paths as names).
+    Export {
+        /// The checkpoint root.
+        dir: PathBuf,
+        /// The output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Element type: the fp32 weights (master), or rounded to bf16/f16 (the working weights).
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: Dtype,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+fn open(dir: &std::path::Path) -> anyhow::Result<DirStorage> {
+    anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
+    Ok(DirStorage::new(dir)?)
+}
+
+pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
+    match args.command {
+        CkptCommand::Inspect { dir, json } => {
+            let (tag, m) = read_manifest(&open(&dir)?)?;
+            if json {
+                println!("{}", String::from_utf8_lossy(&m.to_json()));
+                return Ok(());
+            }
+            let l = &m.layout;
+            println!("{}: {tag}", dir.display());
+            println!(
+                "  step {} (optimizer updates {}, skipped {}), save id {}",
+                m.scalars.step, m.scalars.opt_steps, m.scalars.skipped, m.save_id
+            );
+            println!(
+                "  plan {}: world size {}, {} ranks per node, stage {}, {:?}, hpZ {}, {} parameters in {} units",
+                m.plan_fingerprint,
+                l.world_size,
+                l.ranks_per_node,
+                l.stage,
+                l.precision,
+                l.hpz_partition_size,
+                l.params.len(),
+                l.units.len()
+            );
+            println!(
+                "  optimizer {}, reduction {}",
+                m.scalars.optimizer, m.scalars.reduction
+            );
+            for f in &m.files {
+                println!(
+                    "  {} {} bytes, {} blocks",
+                    f.path,
+                    f.bytes,
+                    f.block_crc32c.len()
+                );
+            }
+            Ok(())
+        }
+        CkptCommand::Verify { dir } => {
+            let r = verify(&open(&dir)?).with_context(|| format!("verifying {}", dir.display()))?;
+            println!(
+                "{}: {} ok ({} files, {} bytes)",
+                dir.display(),
+                r.tag,
+                r.files,
+                r.bytes
+            );
+            Ok(())
+        }
+        CkptCommand::Export { dir, out, dtype } => {
+            let parent = out
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(".".as_ref());
+            let name = out
+                .file_name()
+                .and_then(|n| n.to_str())
+                .context("--out needs a file name")?;
+            let dtype = match dtype {
+                Dtype::F32 => ExportDtype::F32,
+                Dtype::Bf16 => ExportDtype::Bf16,
+                Dtype::F16 => ExportDtype::F16,
+            };
+            let r = export_safetensors(&open(&dir)?, &DirStorage::new(parent)?, name, dtype)?;
+            println!(
+                "{}: {} tensors of {} into {} ({} bytes)",
+                dir.display(),
+                r.tensors,
+                r.tag,
+                out.display(),
+                r.bytes
+            );
+            Ok(())
+        }
+    }
+}

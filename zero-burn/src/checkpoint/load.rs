@@ -1,0 +1,313 @@
+//! The verified load on the same plan: resolve `LATEST`, check the manifest's checksum, the
+//! model, the plan and every byte of the rank files this rank reads, agree with every rank, and
+//! only then restore.
+
+use std::collections::{BTreeMap, HashMap};
+
+use zero_comm::Communicator;
+use zero_core::CheckpointError;
+use zero_core::checkpoint::{CkptLayout, CopyRun, LatestPointer, Manifest, copies, fingerprint};
+
+use super::shard::{self, Expect, ShardFile};
+use super::storage::{Storage, join};
+use super::{Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses};
+use crate::error::{Error, Result};
+use crate::segmented::Segmented;
+use crate::trainer::ZeroEngine;
+
+/// Everything read and verified, ready to restore.
+struct Prepared {
+    units: Vec<[Vec<f32>; 3]>,
+    scalars: Scalars,
+    loaded: Loaded,
+}
+
+pub(crate) fn load<C: Communicator, M: Segmented>(
+    e: &mut ZeroEngine<C, M>,
+    store: &dyn Storage,
+    reshard: bool,
+) -> Result<Loaded> {
+    let local = prepare(e, store, reshard);
+    let msg = status_bytes(local.as_ref().map(|_| Vec::new()));
+    let all = all_gather_bytes(e.ckpt_world(), &msg)?;
+    for (r, st) in statuses(&all).into_iter().enumerate() {
+        if let Err(cause) = st {
+            return Err(match local {
+                Err(err) => err,
+                Ok(_) => Error::CheckpointFailed {
+                    action: "load",
+                    rank: r,
+                    cause,
+                },
+            });
+        }
+    }
+    let p = local?;
+    e.ckpt_restore(p.units, p.scalars)?;
+    Ok(p.loaded)
+}
+
+fn read(store: &dyn Storage, path: &str) -> Result<Vec<u8>> {
+    store
+        .read(path)?
+        .ok_or_else(|| CheckpointError::Missing { file: path.into() }.into())
+}
+
+fn prepare<C: Communicator, M: Segmented>(
+    e: &ZeroEngine<C, M>,
+    store: &dyn Storage,
+    reshard: bool,
+) -> Result<Prepared> {
+    let plan = e.plan().clone();
+    let (tag, m, mpath) = resolve(store)?;
+    check_model(e, &m, &mpath)?;
+    let current = CkptLayout::of(&plan);
+    let fp = fingerprint(&plan);
+    let mine = engine_scalars(e);
+    let resharding = m.plan_fingerprint != fp;
+    if (resharding && !reshard)
+        || m.scalars.optimizer != mine.optimizer
+        || m.scalars.reduction != mine.reduction
+    {
+        let words = |l: &CkptLayout, opt: &serde_json::Value, red: &str| {
+            format!(
+                "world_size {}, {} ranks per node, stage {}, {:?}, hpZ {}, {} units, optimizer {opt}, reduction {red}",
+                l.world_size,
+                l.ranks_per_node,
+                l.stage,
+                l.precision,
+                l.hpz_partition_size,
+                l.units.len()
+            )
+        };
+        return Err(CheckpointError::PlanMismatch {
+            file: mpath,
+            saved: words(&m.layout, &m.scalars.optimizer, &m.scalars.reduction),
+            saved_fingerprint: m.plan_fingerprint.clone(),
+            current: words(&current, &mine.optimizer, &mine.reduction),
+            current_fingerprint: fp,
+        }
+        .into());
+    }
+
+    // The copy runs (zero_core's reshard map; the identity on the same plan) of every
+    // destination chunk this rank needs: the whole unit where the model holds it, else its own.
+    let src = &m.layout;
+    let needs: Vec<_> = (0..plan.units().len()).map(|u| e.ckpt_needs(u)).collect();
+    let mut by_rank: BTreeMap<usize, Vec<CopyRun>> = BTreeMap::new();
+    for (u, (w, _)) in needs.iter().enumerate() {
+        let c = plan.chunk_len(u);
+        for s in (w.start / c) as usize..w.end.div_ceil(c) as usize {
+            if let std::collections::btree_map::Entry::Vacant(slot) = by_rank.entry(s) {
+                slot.insert(copies(src, &current, s)?);
+            }
+        }
+    }
+    let runs: Vec<(usize, CopyRun)> = by_rank
+        .into_iter()
+        .flat_map(|(s, runs)| runs.into_iter().map(move |r| (s, r)))
+        .filter(|(s, r)| {
+            let c = plan.chunk_len(r.dst_unit);
+            let w = &needs[r.dst_unit].0;
+            w.start <= *s as u64 * c && (*s as u64 + 1) * c <= w.end
+        })
+        .collect();
+
+    // The source files those runs read, each read and verified whole.
+    let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();
+    for &(_, r) in &runs {
+        let k = r.src_rank;
+        if files.contains_key(&k) {
+            continue;
+        }
+        files.insert(k, open_file(store, &tag, &m, &mpath, k)?);
+    }
+
+    // Assemble the needed ranges (padding stays zero).
+    let states = m.scalars.optimizer_states;
+    let mut units: Vec<[Vec<f32>; 3]> = needs
+        .iter()
+        .map(|(w, opt)| {
+            let o = opt.as_ref().map_or(0, |o| (o.end - o.start) as usize);
+            let len = |s: usize| if states > s { o } else { 0 };
+            [
+                vec![0.0; (w.end - w.start) as usize],
+                vec![0.0; len(0)],
+                vec![0.0; len(1)],
+            ]
+        })
+        .collect();
+    let mut cache: HashMap<(usize, usize, usize), Vec<f32>> = HashMap::new();
+    for (s, r) in runs {
+        let v = r.dst_unit;
+        let at = s as u64 * plan.chunk_len(v) + r.dst_off;
+        let (w, opt) = &needs[v];
+        let opt_base = opt
+            .as_ref()
+            .filter(|o| o.start <= at && at < o.end)
+            .map(|o| o.start);
+        for (state, name) in ["w", "m", "v"].into_iter().enumerate() {
+            let base = if state == 0 { Some(w.start) } else { opt_base };
+            let Some(base) = base.filter(|_| state == 0 || states >= state) else {
+                continue;
+            };
+            let key = (r.src_rank, r.src_unit, state);
+            if let std::collections::hash_map::Entry::Vacant(slot) = cache.entry(key) {
+                let real = src.real_in_chunk(r.src_unit, r.src_rank);
+                slot.insert(files[&r.src_rank].tensor(&shard::name(name, r.src_unit), real)?);
+            }
+            let t = &cache[&key];
+            let from = (at - base) as usize;
+            let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
+            units[v][state][from..from + (b - a)].copy_from_slice(&t[a..b]);
+        }
+    }
+    let s = &m.scalars;
+    let scaler = s.loss_scaler.as_ref().map(|l| {
+        (
+            f64::from_bits(l.scale_bits),
+            l.hysteresis,
+            l.iter,
+            l.last_overflow,
+        )
+    });
+    Ok(Prepared {
+        units,
+        scalars: Scalars {
+            step: s.step,
+            opt_steps: s.opt_steps,
+            skipped: s.skipped,
+            scaler,
+        },
+        loaded: Loaded {
+            tag,
+            step: s.step,
+            client_state: m.client_state,
+        },
+    })
+}
+
+/// Names, shapes, dtypes and trainable flags equal the current model's, and the frozen
+/// parameters outside the shards hold the saved values.
+fn check_model<C: Communicator, M: Segmented>(
+    e: &ZeroEngine<C, M>,
+    m: &Manifest,
+    file: &str,
+) -> Result<()> {
+    let now = &e.plan().model().params;
+    let then = &m.layout.params;
+    let mut diffs = Vec::new();
+    if now.len() != then.len() {
+        diffs.push(format!(
+            "{} parameters saved, the model has {}",
+            then.len(),
+            now.len()
+        ));
+    }
+    for (i, (a, b)) in then.iter().zip(now).enumerate() {
+        if a.name != b.name {
+            diffs.push(format!(
+                "parameter {i} is {} in the checkpoint, {} in the model",
+                a.name, b.name
+            ));
+        } else if a.shape != b.shape || a.dtype != b.dtype || a.trainable != b.trainable {
+            diffs.push(format!(
+                "{}: saved {:?} {:?} trainable={}, the model has {:?} {:?} trainable={}",
+                a.name, a.shape, a.dtype, a.trainable, b.shape, b.dtype, b.trainable
+            ));
+        }
+    }
+    if diffs.is_empty() {
+        let frozen: BTreeMap<usize, u32> = m.frozen.iter().map(|f| (f.param, f.crc32c)).collect();
+        for (i, v) in e.ckpt_unsharded()? {
+            if frozen.get(&i) != Some(&super::save::crc_f32(&v)) {
+                diffs.push(format!(
+                    "frozen parameter {} holds other values than when saved",
+                    now[i].name
+                ));
+            }
+        }
+    }
+    if diffs.is_empty() {
+        Ok(())
+    } else {
+        Err(CheckpointError::ModelMismatch {
+            file: file.into(),
+            differences: diffs,
+        }
+        .into())
+    }
+}
+
+/// Resolves `LATEST`, checks the manifest's length and crc32c against it and parses it:
+/// `(tag, manifest, manifest path)`.
+pub(super) fn resolve(store: &dyn Storage) -> Result<(String, Manifest, String)> {
+    let ptr = LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?;
+    let mpath = join(&ptr.tag, "MANIFEST.json");
+    let mbytes = read(store, &mpath)?;
+    if mbytes.len() as u64 != ptr.manifest_bytes {
+        return Err(CheckpointError::Size {
+            file: mpath,
+            expected: ptr.manifest_bytes,
+            found: mbytes.len() as u64,
+        }
+        .into());
+    }
+    let crc = crc32c::crc32c(&mbytes);
+    if crc != ptr.manifest_crc32c {
+        return Err(CheckpointError::Checksum {
+            file: mpath,
+            block: 0,
+            offset: 0,
+            end: mbytes.len() as u64,
+            expected: ptr.manifest_crc32c,
+            found: crc,
+        }
+        .into());
+    }
+    let m = Manifest::from_json(&mbytes, &mpath)?;
+    Ok((ptr.tag, m, mpath))
+}
+
+/// Reads saved rank `k`'s file and verifies it whole against the manifest (existence, exact
+/// size, every block's crc32c, its header's save, plan, rank and world).
+pub(super) fn open_file(
+    store: &dyn Storage,
+    tag: &str,
+    m: &Manifest,
+    mpath: &str,
+    k: usize,
+) -> Result<ShardFile> {
+    let sn = m.layout.world_size;
+    let rec = m.files.get(k).ok_or_else(|| CheckpointError::Layout {
+        file: mpath.into(),
+        what: format!("no file record for rank {k}"),
+    })?;
+    let path = join(tag, &Manifest::rank_file(k, sn));
+    if rec.path != Manifest::rank_file(k, sn) {
+        return Err(CheckpointError::Layout {
+            file: mpath.into(),
+            what: format!("rank {k}'s file is recorded as {}", rec.path),
+        }
+        .into());
+    }
+    let size = store
+        .size(&path)?
+        .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
+    if size != rec.bytes {
+        return Err(CheckpointError::Size {
+            file: path,
+            expected: rec.bytes,
+            found: size,
+        }
+        .into());
+    }
+    let bytes = read(store, &path)?;
+    let expect = Expect {
+        save_id: &m.save_id,
+        fingerprint: &m.plan_fingerprint,
+        rank: k,
+        world_size: sn,
+    };
+    ShardFile::verify(path, bytes, rec, &expect)
+}

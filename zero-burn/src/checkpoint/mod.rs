@@ -1,0 +1,212 @@
+//! Sharded, crash-safe, verified checkpoints of a [`ZeroEngine`].
+//!
+//! **Layout.** `<root>/LATEST` names the newest committed tag and the crc32c and length of its
+//! manifest. `<root>/step-NNNNNNNN/` holds one file per rank (`rank-RRRRR-of-NNNNN.zrs`: a JSON
+//! header naming the save, rank, world and plan, then f32 tensors `w/uUUUUU`, `m/…`, `v/…`: the
+//! real elements of the rank's chunk of every unit, never padding) and `MANIFEST.json`
+//! ([`zero_core::checkpoint::Manifest`]: the explicit parameter → unit → offset table, the plan
+//! fingerprint, the engine's scalars, the caller's state, and every file's size and per-MiB
+//! crc32c). What is derived is never written: 16-bit working weights (the master rounded), hpZ
+//! secondaries, gathered copies, and the gradient accumulators, which are empty at a step
+//! boundary. Frozen parameters outside every unit (stages 0–2) are not written either; their
+//! checksums are, so a load into a model whose frozen values differ fails.
+//!
+//! **Save** ([`ZeroEngine::save`], collective). (1) The ranks all-gather a digest (step, counts,
+//! plan) and rank 0's save id; any disagreement fails every rank. (2) Each rank writes its file
+//! into `.staging-<tag>-<id>/` with the crash-safe recipe (temp name, fsync, rename, fsync of
+//! the directory) and (3) the ranks all-gather their file records or errors: any error fails the
+//! save on every rank, leaving the previous `LATEST` in place. (4) Rank 0 writes the manifest
+//! last into the staging directory, renames it to the tag, fsyncs the root, writes `LATEST` by
+//! the same recipe, and every rank learns the outcome. Collectives have the communicator's
+//! timeouts and a dead rank fails its peers fast, so no rank hangs. A committed tag is never
+//! rewritten. Saving between micro-steps is refused, though `ZeroEngine::step` runs all of a
+//! step's micro-steps, so the public API cannot get there.
+//!
+//! **Load** ([`ZeroEngine::load`], collective). `LATEST` is parsed and the manifest's length and
+//! crc32c checked against it; the manifest's parameters (names, shapes, dtypes, trainable
+//! flags), frozen values, plan fingerprint, optimizer and reduction must equal the engine's;
+//! every rank file this rank reads is checked for its exact size, every block's crc32c and its
+//! header (save id, rank, world, plan). Only when every rank has verified everything does any
+//! state change; then the fp32 state is restored and the derived state recomputed, so the run
+//! continues bit-identically. Loading a checkpoint of another plan (resharding) is not done yet:
+//! it is refused with [`zero_core::CheckpointError::PlanMismatch`].
+
+mod export;
+mod load;
+mod mem;
+mod save;
+mod shard;
+mod storage;
+
+pub use export::{ExportDtype, ExportReport, export_safetensors};
+pub use mem::MemStorage;
+pub use storage::{DirStorage, Storage, join, put};
+pub use zero_core::checkpoint::ClientState;
+
+use zero_comm::Communicator;
+use zero_core::checkpoint::{EngineScalars, LossScalerState};
+
+use crate::error::Result;
+use crate::segmented::Segmented;
+use crate::trainer::ZeroEngine;
+
+/// What a save did on this rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SaveReport {
+    /// The committed tag (`step-NNNNNNNN`).
+    pub tag: String,
+    /// Bytes this rank wrote (its rank file).
+    pub bytes: u64,
+    /// Wall time of the whole collective save on this rank.
+    pub seconds: f64,
+}
+
+/// What a load restored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Loaded {
+    /// The tag loaded.
+    pub tag: String,
+    /// The optimizer step the engine continues from.
+    pub step: u64,
+    /// The caller's state, as handed to the save.
+    pub client_state: ClientState,
+}
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// Saves a checkpoint of this rank's shard into `store` and, on rank 0, commits it; every
+    /// rank must call it at the same step. `client_state` (data position, epoch, ...) comes back
+    /// from [`Self::load`]. An error on any rank fails the save on every rank and leaves the
+    /// previous `LATEST` in place. Its collectives are booked as [`Self::other_traffic`].
+    pub fn save(&mut self, store: &dyn Storage, client_state: ClientState) -> Result<SaveReport> {
+        self.untracked(|e| save::save(e, store, client_state))
+    }
+
+    /// Loads the checkpoint `LATEST` names in `store` (saved with the same plan) after verifying
+    /// every byte this rank reads, on every rank, before any state changes. Collective.
+    pub fn load(&mut self, store: &dyn Storage) -> Result<Loaded> {
+        self.untracked(|e| load::load(e, store, false))
+    }
+
+    /// [`Self::load`] of a checkpoint saved with any plan of the same model (another world
+    /// size, ranks per node, stage, bucket sizes, hpZ or precision) and the same optimizer:
+    /// each rank reads the saved files that hold its part ([`zero_core::checkpoint::copies`])
+    /// and verifies them whole. The restored fp32 state equals the saved one element for
+    /// element. A frozen parameter that the saved plan kept outside every unit (stages 0–2)
+    /// cannot be resharded into a stage-3 unit yet ([`zero_core::CheckpointError::NotSharded`]).
+    pub fn load_resharded(&mut self, store: &dyn Storage) -> Result<Loaded> {
+        self.untracked(|e| load::load(e, store, true))
+    }
+}
+
+/// The manifest of the checkpoint `LATEST` names in `store`, checked against `LATEST`'s length
+/// and crc32c; `(tag, manifest)`.
+pub fn read_manifest(store: &dyn Storage) -> Result<(String, zero_core::checkpoint::Manifest)> {
+    let (tag, m, _) = load::resolve(store)?;
+    Ok((tag, m))
+}
+
+/// What [`verify`] checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VerifyReport {
+    /// The checkpoint's tag.
+    pub tag: String,
+    /// Rank files verified.
+    pub files: usize,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// Verifies every byte of the checkpoint `LATEST` names, offline: the manifest against
+/// `LATEST`, then every rank file (existence, exact size, every block's crc32c, header).
+pub fn verify(store: &dyn Storage) -> Result<VerifyReport> {
+    let (tag, m, mpath) = load::resolve(store)?;
+    for k in 0..m.files.len() {
+        load::open_file(store, &tag, &m, &mpath, k)?;
+    }
+    Ok(VerifyReport {
+        tag,
+        files: m.files.len(),
+        bytes: m.files.iter().map(|f| f.bytes).sum(),
+    })
+}
+
+/// The engine's step counters and fp16 loss-scaler state (scale, hysteresis, iter, last
+/// overflow), as [`ZeroEngine`] hands them out and takes them back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Scalars {
+    pub(crate) step: u64,
+    pub(crate) opt_steps: u64,
+    pub(crate) skipped: u64,
+    pub(crate) scaler: Option<(f64, u32, i64, i64)>,
+}
+
+/// The engine's scalars as the manifest records them.
+fn engine_scalars<C: Communicator, M: Segmented>(e: &ZeroEngine<C, M>) -> EngineScalars {
+    let Scalars {
+        step,
+        opt_steps,
+        skipped,
+        scaler,
+    } = e.ckpt_scalars();
+    let (opt, reduction) = e.ckpt_options();
+    EngineScalars {
+        step,
+        opt_steps,
+        skipped,
+        // Debug prints f32 hyper-parameters exactly (shortest round-trip form).
+        optimizer: serde_json::Value::String(format!("{opt:?}")),
+        optimizer_states: opt.state_buffers(),
+        reduction: format!("{reduction:?}"),
+        loss_scaler: scaler.map(|(scale, hysteresis, iter, last_overflow)| LossScalerState {
+            scale_bits: scale.to_bits(),
+            scale: Some(scale.to_string()),
+            hysteresis,
+            iter,
+            last_overflow,
+        }),
+    }
+}
+
+/// Every rank's bytes (of any length): lengths first, then the bytes padded to the longest.
+fn all_gather_bytes<C: Communicator>(comm: &mut C, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let lens = comm.all_gather_host(&(mine.len() as u64).to_le_bytes())?;
+    let lens: Vec<usize> = lens
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
+        .collect();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let mut padded = mine.to_vec();
+    padded.resize(max, 0);
+    let all = comm.all_gather_host(&padded)?;
+    Ok(lens
+        .iter()
+        .enumerate()
+        .map(|(r, &l)| all[r * max..r * max + l].to_vec())
+        .collect())
+}
+
+/// A rank's status for the others: `0` and a body, or `1` and its error's message.
+fn status_bytes(r: std::result::Result<Vec<u8>, &crate::Error>) -> Vec<u8> {
+    match r {
+        Ok(mut body) => {
+            body.insert(0, 0);
+            body
+        }
+        Err(e) => {
+            let mut out = vec![1];
+            out.extend_from_slice(e.to_string().as_bytes());
+            out
+        }
+    }
+}
+
+/// Parses what [`status_bytes`] made, per rank.
+fn statuses(all: &[Vec<u8>]) -> Vec<std::result::Result<&[u8], String>> {
+    all.iter()
+        .map(|b| match b.split_first() {
+            Some((0, body)) => Ok(body),
+            Some((_, msg)) => Err(String::from_utf8_lossy(msg).into_owned()),
+            None => Err("sent no status".into()),
+        })
+        .collect()
+}

@@ -1,0 +1,214 @@
+//! The collective save protocol (see the module docs of [`super`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use zero_comm::Communicator;
+use zero_core::checkpoint::{
+    ClientState, FORMAT, FORMAT_VERSION, FileRecord, FrozenRecord, LatestPointer, Manifest,
+    ShardHeader, fingerprint,
+};
+
+use super::storage::{Storage, put};
+use super::{SaveReport, all_gather_bytes, engine_scalars, shard, status_bytes, statuses};
+use crate::error::{Error, Result};
+use crate::segmented::Segmented;
+use crate::trainer::ZeroEngine;
+
+/// A save id unique enough to tell two saves apart (time, process, a counter).
+fn nonce() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let c = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut h = t ^ (u64::from(std::process::id()) << 32) ^ c.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    // splitmix64 finaliser: spread the bits.
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+pub(crate) fn save<C: Communicator, M: Segmented>(
+    e: &mut ZeroEngine<C, M>,
+    store: &dyn Storage,
+    client_state: ClientState,
+) -> Result<SaveReport> {
+    let t0 = Instant::now();
+    let micro = e.ckpt_micro();
+    if micro != 0 {
+        return Err(Error::SaveBetweenMicroSteps { micro });
+    }
+    let plan = e.plan().clone();
+    let rank = e.rank();
+    let n = plan.world_size();
+    let fp = fingerprint(&plan);
+    let scalars = engine_scalars(e);
+    let tag = Manifest::tag_of(scalars.step);
+
+    // 1. Agree on what is saved; rank 0's nonce becomes the save id.
+    let mut digest = Vec::with_capacity(40);
+    for x in [
+        scalars.step,
+        scalars.opt_steps,
+        scalars.skipped,
+        u64::from_str_radix(&fp, 16).unwrap_or(0),
+        if rank == 0 { nonce() } else { 0 },
+    ] {
+        digest.extend_from_slice(&x.to_le_bytes());
+    }
+    let all = e.ckpt_world().all_gather_host(&digest)?;
+    let word = |r: usize, k: usize| {
+        let at = r * 40 + k * 8;
+        u64::from_le_bytes(all[at..at + 8].try_into().unwrap_or([0; 8]))
+    };
+    for (k, what) in [
+        (0, "the step"),
+        (1, "the optimizer step count"),
+        (2, "skipped steps"),
+        (3, "the plan"),
+    ] {
+        let ranks: Vec<usize> = (1..n).filter(|&r| word(r, k) != word(0, k)).collect();
+        if !ranks.is_empty() {
+            return Err(Error::CheckpointDisagree { what, ranks });
+        }
+    }
+    let save_id = format!("{:016x}", word(0, 4));
+    let staging = format!(".staging-{tag}-{save_id}");
+
+    // 2. Each rank writes its own file into the staging directory.
+    let local = write_rank_file(e, store, &tag, &staging, &save_id, &fp);
+    let bytes = local.as_ref().map_or(0, |r| r.bytes);
+    let msg = status_bytes(
+        local
+            .as_ref()
+            .map(|r| serde_json::to_vec(r).unwrap_or_default()),
+    );
+    let all = all_gather_bytes(e.ckpt_world(), &msg)?;
+    let mut files: Vec<FileRecord> = Vec::with_capacity(n);
+    for (r, st) in statuses(&all).into_iter().enumerate() {
+        match st {
+            Ok(body) => match serde_json::from_slice(body) {
+                Ok(rec) => files.push(rec),
+                Err(err) => return Err(failed("save", r, err.to_string(), local)),
+            },
+            Err(cause) => return Err(failed("save", r, cause, local)),
+        }
+    }
+    local?;
+
+    // 3. Rank 0 commits: the manifest, the directory rename, then LATEST; every rank learns the
+    // outcome.
+    let commit = if rank == 0 {
+        let frozen = e
+            .ckpt_unsharded()?
+            .into_iter()
+            .map(|(param, v)| FrozenRecord {
+                param,
+                crc32c: crc_f32(&v),
+            })
+            .collect();
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            format_version: FORMAT_VERSION,
+            tag: tag.clone(),
+            save_id: save_id.clone(),
+            plan_fingerprint: fp.clone(),
+            layout: zero_core::checkpoint::CkptLayout::of(&plan),
+            scalars,
+            frozen,
+            client_state,
+            files,
+        };
+        commit(store, &staging, &tag, &manifest.to_json())
+    } else {
+        Ok(())
+    };
+    let msg = status_bytes(commit.as_ref().map(|()| Vec::new()));
+    let all = all_gather_bytes(e.ckpt_world(), &msg)?;
+    if let Err(cause) = &statuses(&all)[0] {
+        return Err(failed("save", 0, cause.clone(), commit));
+    }
+    Ok(SaveReport {
+        tag,
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// This rank's error if it failed itself, else the peer's failure.
+fn failed<T>(action: &'static str, rank: usize, cause: String, local: Result<T>) -> Error {
+    match local {
+        Err(e) => e,
+        Ok(_) => Error::CheckpointFailed {
+            action,
+            rank,
+            cause,
+        },
+    }
+}
+
+pub(crate) fn crc_f32(v: &[f32]) -> u32 {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    crc32c::crc32c(&bytes)
+}
+
+fn write_rank_file<C: Communicator, M: Segmented>(
+    e: &ZeroEngine<C, M>,
+    store: &dyn Storage,
+    tag: &str,
+    staging: &str,
+    save_id: &str,
+    fp: &str,
+) -> Result<FileRecord> {
+    if store.exists(tag)? {
+        return Err(Error::TagExists { tag: tag.into() });
+    }
+    let plan = e.plan();
+    let (rank, n) = (e.rank(), plan.world_size());
+    store.create_dir(staging)?;
+    let mut tensors = Vec::new();
+    for u in 0..plan.units().len() {
+        let [w, m, v] = e.ckpt_unit_state(u)?;
+        for (s, t) in [("w", w), ("m", m), ("v", v)] {
+            if !t.is_empty() {
+                tensors.push((shard::name(s, u), t));
+            }
+        }
+    }
+    let header = ShardHeader {
+        format_version: FORMAT_VERSION,
+        save_id: save_id.into(),
+        plan_fingerprint: fp.into(),
+        rank,
+        world_size: n,
+        tensors: Vec::new(),
+    };
+    let bytes = shard::encode(header, tensors);
+    let name = Manifest::rank_file(rank, n);
+    put(store, staging, &name, &bytes)?;
+    Ok(FileRecord {
+        path: name,
+        rank,
+        bytes: bytes.len() as u64,
+        block_size: shard::BLOCK,
+        block_crc32c: shard::block_crcs(&bytes, shard::BLOCK),
+    })
+}
+
+/// Rank 0's commit: `MANIFEST.json` into the staging directory (durably), the rename of the
+/// staging directory to the tag, the root's fsync, then `LATEST` by the same recipe.
+fn commit(store: &dyn Storage, staging: &str, tag: &str, manifest: &[u8]) -> Result<()> {
+    put(store, staging, "MANIFEST.json", manifest)?;
+    store.rename(staging, tag)?;
+    store.sync_dir("")?;
+    let latest = LatestPointer {
+        tag: tag.into(),
+        manifest_crc32c: crc32c::crc32c(manifest),
+        manifest_bytes: manifest.len() as u64,
+    };
+    put(store, "", "LATEST", latest.encode().as_bytes())?;
+    Ok(())
+}

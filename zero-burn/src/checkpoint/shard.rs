@@ -1,0 +1,201 @@
+//! One rank file: encoding (header, f32 tensors, block checksums) and verified decoding.
+
+use std::collections::HashMap;
+
+use zero_core::CheckpointError;
+use zero_core::checkpoint::{FORMAT_VERSION, FileRecord, ShardHeader, TensorRecord};
+
+use crate::error::Result;
+
+/// Bytes per checksum block.
+pub(crate) const BLOCK: u64 = 1 << 20;
+
+/// crc32c of every `block`-byte block of `bytes` (the last may be shorter).
+pub(crate) fn block_crcs(bytes: &[u8], block: u64) -> Vec<u32> {
+    bytes.chunks(block as usize).map(crc32c::crc32c).collect()
+}
+
+/// Encodes the named f32 tensors behind `header` (whose `tensors` this fills in).
+pub(crate) fn encode(mut header: ShardHeader, tensors: Vec<(String, Vec<f32>)>) -> Vec<u8> {
+    let mut offset = 0u64;
+    header.tensors = tensors
+        .iter()
+        .map(|(name, t)| {
+            let r = TensorRecord {
+                name: name.clone(),
+                offset,
+                len: t.len() as u64,
+            };
+            offset += 4 * t.len() as u64;
+            r
+        })
+        .collect();
+    let mut out = header.encode();
+    out.reserve(offset as usize);
+    for (_, t) in &tensors {
+        for x in t {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// What a verified rank file must carry.
+pub(crate) struct Expect<'a> {
+    pub(crate) save_id: &'a str,
+    pub(crate) fingerprint: &'a str,
+    pub(crate) rank: usize,
+    pub(crate) world_size: usize,
+}
+
+/// A rank file whose every byte has been checked against its record.
+pub(crate) struct ShardFile {
+    file: String,
+    bytes: Vec<u8>,
+    data: usize,
+    tensors: HashMap<String, (u64, u64)>,
+}
+
+impl ShardFile {
+    /// Checks `bytes` (read from `file`) against its manifest record (exact size, every block's
+    /// crc32c) and its header against `expect`, before anything is used.
+    pub(crate) fn verify(
+        file: String,
+        bytes: Vec<u8>,
+        rec: &FileRecord,
+        expect: &Expect<'_>,
+    ) -> Result<ShardFile> {
+        if bytes.len() as u64 != rec.bytes {
+            return Err(CheckpointError::Size {
+                file,
+                expected: rec.bytes,
+                found: bytes.len() as u64,
+            }
+            .into());
+        }
+        let block = rec.block_size.max(1);
+        if rec.block_crc32c.len() as u64 != rec.bytes.div_ceil(block) {
+            return Err(CheckpointError::Layout {
+                file,
+                what: format!(
+                    "the manifest lists {} block checksums for {} bytes in blocks of {block}",
+                    rec.block_crc32c.len(),
+                    rec.bytes
+                ),
+            }
+            .into());
+        }
+        let identity = |h: &ShardHeader| -> Option<(&'static str, String, String)> {
+            let checks = [
+                (
+                    "format_version",
+                    FORMAT_VERSION.to_string(),
+                    h.format_version.to_string(),
+                ),
+                ("save_id", expect.save_id.to_string(), h.save_id.clone()),
+                (
+                    "plan_fingerprint",
+                    expect.fingerprint.to_string(),
+                    h.plan_fingerprint.clone(),
+                ),
+                ("rank", expect.rank.to_string(), h.rank.to_string()),
+                (
+                    "world_size",
+                    expect.world_size.to_string(),
+                    h.world_size.to_string(),
+                ),
+            ];
+            checks.into_iter().find(|(_, a, b)| a != b)
+        };
+        let foreign = |file: String, (field, expected, found): (&str, String, String)| {
+            CheckpointError::Foreign {
+                file,
+                field: field.into(),
+                expected,
+                found,
+            }
+        };
+        for (i, (chunk, &want)) in bytes
+            .chunks(block as usize)
+            .zip(&rec.block_crc32c)
+            .enumerate()
+        {
+            let got = crc32c::crc32c(chunk);
+            if got != want {
+                // A readable header of another save or rank says more than a bad checksum.
+                if let Ok((h, _)) = ShardHeader::decode(&bytes, &file)
+                    && let Some(d) = identity(&h)
+                {
+                    return Err(foreign(file, d).into());
+                }
+                let offset = i as u64 * block;
+                return Err(CheckpointError::Checksum {
+                    file,
+                    block: i as u64,
+                    offset,
+                    end: offset + chunk.len() as u64,
+                    expected: want,
+                    found: got,
+                }
+                .into());
+            }
+        }
+        let (h, data) = ShardHeader::decode(&bytes, &file)?;
+        if let Some(d) = identity(&h) {
+            return Err(foreign(file, d).into());
+        }
+        let room = (bytes.len() - data) as u64;
+        let mut tensors = HashMap::new();
+        for t in &h.tensors {
+            let end = t.len.checked_mul(4).and_then(|b| b.checked_add(t.offset));
+            if end.is_none_or(|e| e > room) {
+                return Err(CheckpointError::Layout {
+                    file,
+                    what: format!(
+                        "tensor {} ({} elements at {}) exceeds the file",
+                        t.name, t.len, t.offset
+                    ),
+                }
+                .into());
+            }
+            tensors.insert(t.name.clone(), (t.offset, t.len));
+        }
+        Ok(ShardFile {
+            file,
+            bytes,
+            data,
+            tensors,
+        })
+    }
+
+    /// Tensor `name`, which must hold exactly `len` elements.
+    pub(crate) fn tensor(&self, name: &str, len: u64) -> Result<Vec<f32>> {
+        let Some(&(offset, n)) = self.tensors.get(name) else {
+            if len == 0 {
+                return Ok(Vec::new());
+            }
+            return Err(CheckpointError::Layout {
+                file: self.file.clone(),
+                what: format!("tensor {name} is missing"),
+            }
+            .into());
+        };
+        if n != len {
+            return Err(CheckpointError::Layout {
+                file: self.file.clone(),
+                what: format!("tensor {name} has {n} elements, expected {len}"),
+            }
+            .into());
+        }
+        let at = self.data + offset as usize;
+        Ok(self.bytes[at..at + 4 * n as usize]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+/// The tensor name of `state` of unit `u`.
+pub(crate) fn name(state: &str, u: usize) -> String {
+    format!("{state}/u{u:05}")
+}

@@ -1,0 +1,138 @@
+//! A rank that panics or fails in the middle of a save fails the save on every rank fast (no
+//! hang), and the previous checkpoint stays `LATEST` and loads.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use zero_burn::checkpoint::{MemStorage, Storage};
+use zero_burn::demo::run::{corpus_step, engine_builder};
+use zero_burn::{Error, Launch, Result, plan_for};
+use zero_core::{Topology, ZeroConfig};
+
+/// Delegates to a [`MemStorage`], but panics (or fails) when writing a path containing `needle`.
+#[derive(Debug)]
+struct Sabotaged {
+    inner: MemStorage,
+    needle: &'static str,
+    panic: bool,
+}
+
+impl Storage for Sabotaged {
+    fn write(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        if path.contains(self.needle) {
+            if self.panic {
+                panic!("sabotaged write of {path}");
+            }
+            return Err(Error::Storage {
+                op: "write",
+                path: path.into(),
+                source: std::io::Error::other("disk full"),
+            });
+        }
+        self.inner.write(path, bytes)
+    }
+    fn sync_file(&self, path: &str) -> Result<()> {
+        self.inner.sync_file(path)
+    }
+    fn rename(&self, from: &str, to: &str) -> Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &str) -> Result<()> {
+        self.inner.sync_dir(dir)
+    }
+    fn create_dir(&self, dir: &str) -> Result<()> {
+        self.inner.create_dir(dir)
+    }
+    fn read(&self, path: &str) -> Result<Option<Vec<u8>>> {
+        self.inner.read(path)
+    }
+    fn size(&self, path: &str) -> Result<Option<u64>> {
+        self.inner.size(path)
+    }
+    fn exists(&self, path: &str) -> Result<bool> {
+        self.inner.exists(path)
+    }
+    fn list(&self, dir: &str) -> Result<Vec<String>> {
+        self.inner.list(dir)
+    }
+}
+
+#[test]
+fn a_failing_or_panicking_rank_fails_the_save_everywhere_fast() {
+    let (model, corpus) = tiny();
+    let cfg = ZeroConfig {
+        stage: 2,
+        ..Default::default()
+    };
+    let plan = Arc::new(plan_for(&model, Topology::new(3, 3).unwrap(), &cfg).unwrap());
+    // (needle, panic): rank 1's file, rank 0's manifest, LATEST; by error and by panic.
+    for (needle, panic) in [
+        ("rank-00001", false),
+        ("rank-00001", true),
+        ("MANIFEST", false),
+        ("MANIFEST", true),
+        ("LATEST", true),
+    ] {
+        let store = MemStorage::new();
+        let errs = Launch::new(*plan.topology())
+            .timeout(Duration::from_secs(5))
+            .run_with(&model, |comm, model| {
+                let mut e = engine_builder(&plan, comm, model, options()).build()?;
+                while e.steps() < 1 {
+                    corpus_step(&mut e, &corpus, &options())?;
+                }
+                e.save(&store, json!(1))?;
+                Ok(())
+            });
+        assert!(errs.is_ok(), "the first save succeeds: {errs:?}");
+        // The second save, at step 2, is sabotaged.
+        let bad = Sabotaged {
+            inner: store.clone(),
+            needle,
+            panic,
+        };
+        let before = bad.read("LATEST").unwrap();
+        let t0 = Instant::now();
+        let r = Launch::new(*plan.topology())
+            .timeout(Duration::from_secs(5))
+            .run_with(&model, |comm, model| {
+                let mut e = engine_builder(&plan, comm, model, options()).build()?;
+                while e.steps() < 2 {
+                    corpus_step(&mut e, &corpus, &options())?;
+                }
+                Ok(e.save(&bad, json!(2)).is_err())
+            });
+        let elapsed = t0.elapsed();
+        match r {
+            Ok(failed) => {
+                assert!(!panic, "{needle}: a panicking rank is reported");
+                assert!(
+                    failed.iter().all(|&f| f),
+                    "{needle}: every rank's save fails: {failed:?}"
+                );
+            }
+            Err(e) => assert!(panic, "{needle}: {e}"),
+        }
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "{needle} panic={panic}: took {elapsed:?}"
+        );
+        assert_eq!(
+            bad.read("LATEST").unwrap(),
+            before,
+            "{needle}: LATEST unchanged"
+        );
+        // What LATEST names still loads.
+        let loaded = Launch::new(*plan.topology())
+            .run_with(&model, |comm, model| {
+                let mut e = engine_builder(&plan, comm, model, options()).build()?;
+                Ok(e.load(&store)?.step)
+            })
+            .unwrap();
+        assert_eq!(loaded, vec![1; 3], "{needle}");
+    }
+}

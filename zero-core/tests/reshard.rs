@@ -1,0 +1,339 @@
+//! Property tests of the checkpoint reshard map (`zero_core::checkpoint::copies`) and the
+//! manifest's serde round trip.
+
+use proptest::prelude::*;
+use zero_core::checkpoint::{
+    CkptLayout, CopyRun, EngineScalars, FileRecord, LatestPointer, LossScalerState, Manifest,
+    ShardHeader, TensorRecord, copies, fingerprint,
+};
+use zero_core::{CheckpointError, Error, ModelDesc, ParamDesc, Plan, Topology, ZeroConfig};
+
+fn arb_model() -> impl Strategy<Value = ModelDesc> {
+    prop::collection::vec(
+        (
+            1usize..300,
+            1usize..4,
+            0usize..5,
+            prop::bool::weighted(0.85),
+        ),
+        1..20,
+    )
+    .prop_map(|ps| {
+        let params = ps
+            .into_iter()
+            .enumerate()
+            .map(|(i, (a, b, module, trainable))| {
+                let p = ParamDesc::new(format!("p{i}"), &[a, b], format!("m{}", module.min(i)));
+                if trainable || i == 0 { p } else { p.frozen() }
+            })
+            .collect();
+        ModelDesc::new(params)
+    })
+}
+
+/// A topology and configuration: world sizes 1–16, ranks per node, stages 0–3, bucket sizes,
+/// persistence thresholds and hpZ (stage 3).
+fn arb_plan_inputs() -> impl Strategy<Value = (Topology, ZeroConfig)> {
+    (
+        1usize..=8,
+        1usize..=2,
+        0u8..=3,
+        1u64..2000,
+        0u64..300,
+        0usize..3,
+    )
+        .prop_map(|(nodes, l, stage, bucket, persist, h)| {
+            let topo = Topology::new(nodes * l, l).unwrap();
+            let hpz = if stage == 3 && l > 1 && h > 0 { l } else { 1 };
+            let cfg = ZeroConfig {
+                stage,
+                reduce_bucket_size: bucket,
+                allgather_bucket_size: bucket,
+                param_persistence_threshold: persist,
+                hpz_partition_size: hpz,
+                ..Default::default()
+            };
+            (topo, cfg)
+        })
+}
+
+/// The identity of element `e` of parameter `p`: unique over the model.
+fn ident(starts: &[u64], p: usize, e: u64) -> u64 {
+    starts[p] + e
+}
+
+/// Every rank's real chunk elements under `layout`, as element identities.
+fn shards(layout: &CkptLayout, starts: &[u64]) -> Vec<Vec<Vec<u64>>> {
+    (0..layout.world_size)
+        .map(|r| {
+            (0..layout.units.len())
+                .map(|u| {
+                    let c = layout.chunk_len(u);
+                    let real = layout.real_in_chunk(u, r);
+                    let mut out = vec![u64::MAX; real as usize];
+                    for e in &layout.units[u].entries {
+                        for k in 0..e.numel {
+                            let o = e.offset + k;
+                            if o >= r as u64 * c && o < r as u64 * c + real {
+                                out[(o - r as u64 * c) as usize] = ident(starts, e.param, k);
+                            }
+                        }
+                    }
+                    out
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn starts(model: &ModelDesc) -> Vec<u64> {
+    let mut acc = 0;
+    model
+        .params
+        .iter()
+        .map(|p| {
+            let s = acc;
+            acc += p.numel();
+            s
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Applying the map for every destination rank writes each real destination element exactly
+    /// once, with the element the destination plan puts there; sources are real (never padding)
+    /// and in bounds; A = A is one copy per non-empty chunk, from the rank's own file.
+    #[test]
+    fn every_element_is_copied_exactly_once_to_its_place(
+        model in arb_model(),
+        (ta, ca) in arb_plan_inputs(),
+        (tb, cb) in arb_plan_inputs(),
+    ) {
+        let a = CkptLayout::of(&Plan::new(&model, ta, &ca).unwrap());
+        let b = CkptLayout::of(&Plan::new(&model, tb, &cb).unwrap());
+        let st = starts(&model);
+        let src = shards(&a, &st);
+        let want = shards(&b, &st);
+        let frozen_unsharded = a.stage <= 2 && b.stage == 3 && model.params.iter().any(|p| !p.trainable);
+        let mut refused = false;
+        for (s, want_s) in want.iter().enumerate() {
+            let runs = match copies(&a, &b, s) {
+                Ok(r) => r,
+                Err(Error::Checkpoint(c)) if matches!(*c, CheckpointError::NotSharded { .. }) => {
+                    let CheckpointError::NotSharded { param, .. } = *c else { unreachable!() };
+                    // Only a frozen parameter replicated in the saved plan has no shard.
+                    prop_assert!(frozen_unsharded);
+                    prop_assert!(!model.params[param].trainable);
+                    refused = true;
+                    continue;
+                }
+                Err(e) => return Err(TestCaseError::fail(e.to_string())),
+            };
+            let mut got: Vec<Vec<Option<u64>>> =
+                want_s.iter().map(|u| vec![None; u.len()]).collect();
+            for c in &runs {
+                prop_assert!(c.len > 0);
+                let from = &src[c.src_rank][c.src_unit];
+                prop_assert!(c.src_off + c.len <= from.len() as u64, "source out of bounds: {c:?}");
+                for k in 0..c.len {
+                    let slot = got[c.dst_unit]
+                        .get_mut((c.dst_off + k) as usize)
+                        .ok_or_else(|| TestCaseError::fail(format!("destination out of bounds: {c:?}")))?;
+                    prop_assert!(slot.is_none(), "element written twice: {c:?}");
+                    *slot = Some(from[(c.src_off + k) as usize]);
+                }
+            }
+            for (u, (g, w)) in got.iter().zip(want_s).enumerate() {
+                for (k, (x, y)) in g.iter().zip(w).enumerate() {
+                    prop_assert_eq!(*x, Some(*y), "unit {} element {} of rank {}", u, k, s);
+                }
+            }
+            if a == b {
+                let nonempty = (0..b.units.len()).filter(|&u| b.real_in_chunk(u, s) > 0).count();
+                prop_assert_eq!(runs.len(), nonempty);
+                prop_assert!(runs.iter().all(|c| c.src_rank == s && c.src_unit == c.dst_unit && c.src_off == 0 && c.dst_off == 0));
+            }
+        }
+        // Some rank holds each frozen parameter, so that rank is refused.
+        prop_assert_eq!(refused, frozen_unsharded);
+    }
+
+    /// A → B → A is the identity: composing the two maps sends every element home.
+    #[test]
+    fn resharding_there_and_back_is_the_identity(
+        model in arb_model(),
+        (ta, ca) in arb_plan_inputs(),
+        (tb, cb) in arb_plan_inputs(),
+    ) {
+        let a = CkptLayout::of(&Plan::new(&model, ta, &ca).unwrap());
+        let b = CkptLayout::of(&Plan::new(&model, tb, &cb).unwrap());
+        let st = starts(&model);
+        let apply = |from: &CkptLayout, to: &CkptLayout, src: &Vec<Vec<Vec<u64>>>| -> Option<Vec<Vec<Vec<u64>>>> {
+            let mut out = shards(to, &st);
+            for (s, shard) in out.iter_mut().enumerate() {
+                shard.iter_mut().for_each(|u| u.iter_mut().for_each(|x| *x = u64::MAX));
+                for c in copies(from, to, s).ok()? {
+                    for k in 0..c.len {
+                        shard[c.dst_unit][(c.dst_off + k) as usize] = src[c.src_rank][c.src_unit][(c.src_off + k) as usize];
+                    }
+                }
+            }
+            Some(out)
+        };
+        let orig = shards(&a, &st);
+        if let Some(mid) = apply(&a, &b, &orig)
+            && let Some(back) = apply(&b, &a, &mid)
+        {
+            prop_assert_eq!(back, orig);
+        }
+    }
+}
+
+#[test]
+fn manifest_round_trips_through_json() {
+    let model = ModelDesc::new(vec![
+        ParamDesc::new("a.weight", &[3, 5], "a"),
+        ParamDesc::new("b.bias", &[7], "b").frozen(),
+    ]);
+    let plan = Plan::new(&model, Topology::new(4, 2).unwrap(), &ZeroConfig::default()).unwrap();
+    let m = Manifest {
+        format: zero_core::checkpoint::FORMAT.into(),
+        format_version: zero_core::checkpoint::FORMAT_VERSION,
+        tag: Manifest::tag_of(12),
+        save_id: "abc".into(),
+        plan_fingerprint: fingerprint(&plan),
+        layout: CkptLayout::of(&plan),
+        scalars: EngineScalars {
+            step: 12,
+            opt_steps: 11,
+            skipped: 1,
+            optimizer: serde_json::json!({"adamw": {"beta1": 0.9}}),
+            optimizer_states: 2,
+            reduction: "rank_ordered".into(),
+            loss_scaler: Some(LossScalerState {
+                scale_bits: 65536f64.to_bits(),
+                scale: Some("65536".into()),
+                hysteresis: 2,
+                iter: 12,
+                last_overflow: 7,
+            }),
+        },
+        frozen: vec![],
+        client_state: serde_json::json!({"epoch": 3, "next_sample": [1, 2]}),
+        files: (0..4)
+            .map(|r| FileRecord {
+                path: Manifest::rank_file(r, 4),
+                rank: r,
+                bytes: 100 + r as u64,
+                block_size: 64,
+                block_crc32c: vec![1, 2, u32::MAX],
+            })
+            .collect(),
+    };
+    let back = Manifest::from_json(&m.to_json(), "MANIFEST.json").unwrap();
+    assert_eq!(back, m);
+    // A wrong version and a file list that does not match the world are refused, by name.
+    let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+    v["format_version"] = 99.into();
+    let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "X/MANIFEST.json").unwrap_err();
+    assert!(
+        matches!(&e, Error::Checkpoint(c) if matches!(&**c, CheckpointError::Version { file, .. } if file == "X/MANIFEST.json")),
+        "{e}"
+    );
+    let mut short = m.clone();
+    short.files.pop();
+    assert!(Manifest::from_json(&short.to_json(), "M").is_err());
+    assert!(Manifest::from_json(b"{not json", "M").is_err());
+
+    let h = ShardHeader {
+        format_version: 1,
+        save_id: "abc".into(),
+        plan_fingerprint: "f".into(),
+        rank: 3,
+        world_size: 4,
+        tensors: vec![TensorRecord {
+            name: "w/u00000".into(),
+            offset: 0,
+            len: 9,
+        }],
+    };
+    let mut bytes = h.encode();
+    assert_eq!(bytes.len() % 8, 0);
+    let data = bytes.len();
+    bytes.extend_from_slice(&[0; 36]);
+    assert_eq!(ShardHeader::decode(&bytes, "f").unwrap(), (h, data));
+    assert!(ShardHeader::decode(&bytes[..10], "f").is_err());
+    bytes[9] = 0xff; // header length beyond the file
+    assert!(ShardHeader::decode(&bytes, "f").is_err());
+
+    let p = LatestPointer {
+        tag: "step-00000012".into(),
+        manifest_crc32c: 0xdead_beef,
+        manifest_bytes: 77,
+    };
+    assert_eq!(
+        LatestPointer::parse(p.encode().as_bytes(), "LATEST").unwrap(),
+        p
+    );
+    for bad in [
+        "",
+        "step-1 deadbeef 7",
+        "step-1 deadbee 7\n",
+        "../x deadbeef 7\n",
+        "a b c d\n",
+    ] {
+        assert!(
+            LatestPointer::parse(bad.as_bytes(), "LATEST").is_err(),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
+fn the_map_splits_a_straddling_parameter_at_both_plans_boundaries() {
+    // One parameter of 10 elements: 2 ranks (chunks of 6: 6 + 4) to 3 ranks (chunks of 4).
+    let model = ModelDesc::new(vec![ParamDesc::new("w", &[10], "m")]);
+    let cfg = ZeroConfig {
+        stage: 1,
+        ..Default::default()
+    };
+    let a = CkptLayout::of(&Plan::new(&model, Topology::single_node(2).unwrap(), &cfg).unwrap());
+    let b = CkptLayout::of(&Plan::new(&model, Topology::single_node(3).unwrap(), &cfg).unwrap());
+    assert_eq!((a.chunk_len(0), b.chunk_len(0)), (6, 4));
+    let r1 = copies(&a, &b, 1).unwrap();
+    assert_eq!(
+        r1,
+        vec![
+            CopyRun {
+                src_rank: 0,
+                src_unit: 0,
+                src_off: 4,
+                dst_unit: 0,
+                dst_off: 0,
+                len: 2
+            },
+            CopyRun {
+                src_rank: 1,
+                src_unit: 0,
+                src_off: 0,
+                dst_unit: 0,
+                dst_off: 2,
+                len: 2
+            },
+        ]
+    );
+    let r2 = copies(&a, &b, 2).unwrap();
+    assert_eq!(
+        r2,
+        vec![CopyRun {
+            src_rank: 1,
+            src_unit: 0,
+            src_off: 2,
+            dst_unit: 0,
+            dst_off: 0,
+            len: 2
+        }]
+    );
+}
