@@ -21,6 +21,9 @@ fn cfg(stage: u8, bucket: u64) -> ZeroConfig {
         stage,
         reduce_bucket_size: bucket,
         param_persistence_threshold: 64,
+        // Stage 3's default at every stage: a run that changes stage on resume compares like
+        // with like.
+        checkpoint_activations: Some(true),
         ..Default::default()
     }
 }

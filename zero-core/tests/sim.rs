@@ -235,7 +235,9 @@ proptest! {
         let slow = simulate(&plan, &c.with_nic_gbps_per_node(gbps).unwrap(), &opts(tokens as u64, None)).unwrap();
         let fast = simulate(&plan, &c.with_nic_gbps_per_node(gbps * k).unwrap(), &opts(tokens as u64, None)).unwrap();
         prop_assert!(fast.step_seconds <= slow.step_seconds);
-        prop_assert!(fast.comm.inter_node_seconds <= slow.comm.inter_node_seconds);
+        // The total, not the inter-node share: each collective takes its fastest algorithm, and
+        // more bandwidth can make one with more (but faster) inter-node time the fastest.
+        prop_assert!(fast.comm.seconds <= slow.comm.seconds);
     }
 
     #[test]
