@@ -1,29 +1,12 @@
 //! Property tests of the partition invariants I2 and I3 (zero-spec.md §8).
 
+mod common;
+
 use proptest::prelude::*;
-use zero_core::{ModelDesc, ParamDesc, Plan, Topology, UnitKind, ZeroConfig};
+use zero_core::{ModelDesc, Plan, Topology, UnitKind, ZeroConfig};
 
 fn arb_model() -> impl Strategy<Value = ModelDesc> {
-    prop::collection::vec(
-        (
-            1usize..400,
-            1usize..4,
-            0usize..5,
-            prop::bool::weighted(0.85),
-        ),
-        1..24,
-    )
-    .prop_map(|ps| {
-        let params = ps
-            .into_iter()
-            .enumerate()
-            .map(|(i, (a, b, module, trainable))| {
-                let p = ParamDesc::new(format!("p{i}"), &[a, b], format!("m{}", module.min(i)));
-                if trainable || i == 0 { p } else { p.frozen() }
-            })
-            .collect();
-        ModelDesc::new(params)
-    })
+    common::arb_model(400, 24)
 }
 
 fn arb_setup() -> impl Strategy<Value = (ModelDesc, Topology, ZeroConfig)> {

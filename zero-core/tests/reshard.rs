@@ -1,6 +1,8 @@
 //! Property tests of the checkpoint reshard map (`zero_core::checkpoint::copies`) and the
 //! manifest's serde round trip.
 
+mod common;
+
 use proptest::prelude::*;
 use zero_core::checkpoint::{
     CkptLayout, CopyRun, EngineScalars, FileRecord, LatestPointer, LossScalerState, Manifest,
@@ -9,26 +11,7 @@ use zero_core::checkpoint::{
 use zero_core::{CheckpointError, Error, ModelDesc, ParamDesc, Plan, Topology, ZeroConfig};
 
 fn arb_model() -> impl Strategy<Value = ModelDesc> {
-    prop::collection::vec(
-        (
-            1usize..300,
-            1usize..4,
-            0usize..5,
-            prop::bool::weighted(0.85),
-        ),
-        1..20,
-    )
-    .prop_map(|ps| {
-        let params = ps
-            .into_iter()
-            .enumerate()
-            .map(|(i, (a, b, module, trainable))| {
-                let p = ParamDesc::new(format!("p{i}"), &[a, b], format!("m{}", module.min(i)));
-                if trainable || i == 0 { p } else { p.frozen() }
-            })
-            .collect();
-        ModelDesc::new(params)
-    })
+    common::arb_model(300, 20)
 }
 
 /// A topology and configuration: world sizes 1–16, ranks per node, stages 0–3, bucket sizes,
