@@ -8,7 +8,7 @@ use clap::Args;
 
 #[derive(Args, Debug)]
 pub(crate) struct TestArgs {
-    /// Skip `cargo fmt --check` and clippy.
+    /// Skip `cargo fmt --check`, clippy and the doc build.
     #[arg(long)]
     no_lint: bool,
     /// Let insta rewrite snapshots that changed (`INSTA_UPDATE=always`) instead of failing, for a
@@ -171,6 +171,17 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             "warnings",
         ]);
         run_step("clippy", clippy)?;
+        // The API docs: broken links and bad markup fail like lints.
+        let mut doc = cargo();
+        doc.args([
+            "doc",
+            "--no-deps",
+            "--workspace",
+            "--features",
+            LINT_FEATURES,
+        ])
+        .env("RUSTDOCFLAGS", "-D warnings");
+        run_step("docs", doc)?;
     }
     let work = std::env::temp_dir().join(format!("zero-rs-xtask-test-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;

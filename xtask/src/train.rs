@@ -80,7 +80,7 @@ pub(crate) struct TrainArgs {
     /// Train a byte-level model on this text file instead of the synthetic language.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Run directory (default: runs/<time>-stage<N>).
+    /// Run directory (default: `runs/<time>-stage<N>`).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Collective timeout in seconds.
