@@ -106,11 +106,14 @@ fn hpz_on_and_off_are_bit_identical() {
     }
 }
 
+/// Clipping happened (the reported norm is above the threshold, and the weights differ from an
+/// unclipped run) and gives the same bits at every stage.
 #[test]
 fn clipping_is_identical_across_stages() {
+    const CLIP: f64 = 0.05;
     let topo = Topology::new(2, 2).unwrap();
     let base = ZeroConfig {
-        gradient_clipping: 0.05,
+        gradient_clipping: CLIP,
         // Stage 3's default at every stage: compare like with like.
         checkpoint_activations: Some(true),
         ..Default::default()
@@ -122,6 +125,26 @@ fn clipping_is_identical_across_stages() {
             ..base.clone()
         },
     );
+    for info in &reference[0].step_info {
+        let norm = info.grad_norm.expect("clipping reports the norm");
+        assert!(
+            f64::from(norm) > CLIP,
+            "norm {norm} above the threshold: it clipped"
+        );
+    }
+    let unclipped = run(
+        topo,
+        ZeroConfig {
+            stage: 0,
+            gradient_clipping: 0.0,
+            ..base.clone()
+        },
+    );
+    assert!(unclipped[0].step_info.iter().all(|i| i.grad_norm.is_none()));
+    assert!(
+        bits(&unclipped[0].final_params) != bits(&reference[0].final_params),
+        "clipping changed the update"
+    );
     for stage in 1..=3u8 {
         let got = run(
             topo,
@@ -130,35 +153,52 @@ fn clipping_is_identical_across_stages() {
                 ..base.clone()
             },
         );
-        assert!(
-            bits(&got[0].final_params) == bits(&reference[0].final_params),
-            "stage {stage}"
-        );
+        for (a, b) in got.iter().zip(&reference) {
+            assert_eq!(a.losses, b.losses, "stage {stage}: losses");
+            assert_eq!(a.step_info, b.step_info, "stage {stage}: norms");
+            assert!(
+                bits(&a.final_params) == bits(&b.final_params),
+                "stage {stage}: rank {}",
+                a.rank
+            );
+        }
     }
 }
 
+/// qwZ alone, qgZ alone, hpZ with qwZ, and all three: measured traffic equals the plan on every
+/// rank (`run` asserts it), and 3 steps stay close to ZeRO-3.
 #[test]
 fn zeropp_traffic_matches_the_plan_and_stays_close_to_zero3() {
     let topo = Topology::new(4, 2).unwrap();
     let base = ZeroConfig {
         stage: 3,
         param_persistence_threshold: 64,
-        ..Default::default()
-    };
-    let zpp = ZeroConfig {
-        quantized_weights: true,
-        hpz_partition_size: 2,
-        quantized_gradients: true,
         qwz_block_size: 64,
         qgz_block_size: 64,
-        ..base.clone()
+        ..Default::default()
     };
-    // `run` asserts measured traffic == planned for every rank.
-    let z3 = run(topo, base);
-    let zp = run(topo, zpp);
-    for (a, b) in zp.iter().zip(&z3) {
-        for (x, y) in a.losses.iter().zip(&b.losses) {
-            assert!((x - y).abs() < 0.05, "ZeRO++ loss {x} vs ZeRO-3 {y}");
+    let z3 = run(topo, base.clone());
+    let switches = [
+        (true, 1, false, "qwZ"),
+        (false, 1, true, "qgZ"),
+        (true, 2, false, "qwZ + hpZ"),
+        (true, 2, true, "qwZ + hpZ + qgZ"),
+    ];
+    for (qwz, hpz, qgz, name) in switches {
+        let zp = run(
+            topo,
+            ZeroConfig {
+                quantized_weights: qwz,
+                hpz_partition_size: hpz,
+                quantized_gradients: qgz,
+                ..base.clone()
+            },
+        );
+        for (a, b) in zp.iter().zip(&z3) {
+            assert_ne!(a.losses, b.losses, "{name}: quantization changes the bits");
+            for (x, y) in a.losses.iter().zip(&b.losses) {
+                assert!((x - y).abs() < 0.05, "{name}: loss {x} vs ZeRO-3 {y}");
+            }
         }
     }
 }
@@ -167,7 +207,8 @@ fn zeropp_traffic_matches_the_plan_and_stays_close_to_zero3() {
 fn zeropp_converges_like_zero3_over_hundreds_of_steps() {
     // Several hundred steps: the quantized run's final loss stays within a stated tolerance.
     const LONG: u64 = 300;
-    const TOLERANCE: f32 = 0.05;
+    // The run is deterministic; its gap is 0.0019 (ZeRO-3 1.3569, ZeRO++ 1.3550).
+    const TOLERANCE: f32 = 0.005;
     let (model, corpus) = tiny();
     let topo = Topology::new(4, 2).unwrap();
     let mk = |c: &ZeroConfig| Arc::new(plan_for(&model, topo, c).unwrap());
