@@ -1,12 +1,13 @@
 //! The model contract: a burn module the engine runs segment by segment, any batch type, any
 //! activation between segments, and [`Whole`], which makes any module plus a loss closure one.
 //!
-//! The engine runs the forward pass segment by segment, keeping only the activation between
-//! segments, and the backward pass in reverse, recomputing each segment under autodiff from its
-//! saved input (activation checkpointing at segment granularity). Segment boundaries are where
-//! stage 3 gathers and releases weights and where a unit's gradients are complete and can be
-//! reduced: burn 0.22.1 has no forward pre-hook and no public gradient-ready hook, so a model
-//! names its segments itself.
+//! The engine runs the forward pass segment by segment. With activation checkpointing
+//! (`ZeroConfig::checkpoint_activations`, by default at stage 3 only) it keeps only the
+//! activation between segments and runs the backward in reverse, recomputing each segment under
+//! autodiff from its saved input; without, one autodiff graph spans the segments and one backward
+//! runs. Segment boundaries are where stage 3 gathers (and, with checkpointing, releases)
+//! weights and where a unit's gradients are complete and can be reduced: burn 0.22.1 has no
+//! forward pre-hook and no public gradient-ready hook, so a model names its segments itself.
 
 use std::convert::Infallible;
 use std::fmt;
