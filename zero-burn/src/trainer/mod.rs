@@ -35,11 +35,10 @@ use std::sync::Arc;
 
 use burn::module::ParamId;
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use serde::Serialize;
 use zero_comm::quantized::{QuantGroups, QuantScratch};
 use zero_comm::{Communicator, ReduceOp};
-use zero_core::{MemoryModel, Plan, TrafficTable, UnitKind};
+use zero_core::{Plan, TrafficTable, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
 use crate::comms::{self, Comms, Exec, Job, Out, Words};
@@ -49,6 +48,13 @@ use crate::params::{self, ParamInfo};
 use crate::precision::{Half, LossScaler, StepInfo};
 use crate::reduction::{Reduction, TreeAccumulator};
 use crate::segmented::{Activation, SegmentOut, Segmented};
+
+mod ckpt;
+mod device;
+mod memory;
+
+pub use device::{DeviceQuant, DeviceTensors};
+pub use memory::MeasuredMemory;
 
 /// The engine's options that are not part of the ZeRO plan (set through
 /// [`crate::EngineBuilder`]).
@@ -70,92 +76,6 @@ pub struct StepOutput {
     pub micro_losses: Vec<f32>,
     /// Skipped or not (fp16 overflow), the loss scale, and the global gradient norm.
     pub info: StepInfo,
-}
-
-/// Measured bytes per rank, in the plan's categories.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct MeasuredMemory {
-    /// Parameter storage held by the model plus the stage-3 shard.
-    pub parameters: u64,
-    /// Gradient accumulator.
-    pub gradients: u64,
-    /// Optimizer state.
-    pub optimizer_states: u64,
-    /// fp32 master weights (zero in fp32, where the shard is the master).
-    pub master_weights: u64,
-    /// Peak hpZ secondary shard.
-    pub hpz_secondary: u64,
-    /// Peak gathered parameters (stage 3).
-    pub gathered_working_set: u64,
-    /// Peak gradient buffers in reduction (with `overlap_comm`, those in flight together), plus
-    /// the high-water marks of the qwZ and qgZ wire buffers.
-    pub communication_buffers: u64,
-    /// bf16/fp16 on the CPU backend: the bytes by which burn's f32 copies of the working weights
-    /// exceed the 16-bit working weights counted in `parameters` and `gathered_working_set`
-    /// (2 B per resident element; see [`crate::precision`]). Zero in fp32. Not in the plan.
-    pub f32_compute_copies: u64,
-    /// parameters + gradients + optimizer states + master weights.
-    pub model_states_bytes: u64,
-}
-
-impl MeasuredMemory {
-    /// The model-state categories of a plan's memory model, for comparison.
-    pub fn planned_model_states(m: &MemoryModel) -> [u64; 4] {
-        [
-            m.parameters,
-            m.gradients,
-            m.optimizer_states,
-            m.master_weights,
-        ]
-    }
-
-    /// This measurement's model-state categories.
-    pub fn model_states(&self) -> [u64; 4] {
-        [
-            self.parameters,
-            self.gradients,
-            self.optimizer_states,
-            self.master_weights,
-        ]
-    }
-}
-
-/// Moves burn tensors to and from the communicator's own memory without a host round trip (the
-/// wgpu path's hook is `bridge::BridgeTensors`, over the zero-copy bridge). Gradients: packed
-/// into their unit's buffer, for fp32 units reduced every micro-step (through qgZ only with
-/// [`DeviceQuant`] codecs; the other paths round or quantize on the host). Weights: units
-/// all-gathered into the communicator's memory (stage 3's gathers, through qwZ only with
-/// [`DeviceQuant`] codecs, and the post-step gathers) become the model's tensors there, in fp32.
-pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
-    /// A zeroed buffer of `len` f32 elements.
-    fn zeros(&self, len: usize) -> Result<C::Buffer<f32>>;
-    /// Copies the flat gradient `grad` into `dst` at element `offset`, in the device's order
-    /// after the work that computed it.
-    fn copy_in(&self, dst: &mut C::Buffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()>;
-    /// A new flat tensor on the model's device holding `len` elements of `src` from `offset`.
-    fn tensor_at(&self, src: &C::Buffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>>;
-}
-
-/// ZeRO++'s codecs on the communicator's memory (the wgpu path's is `bridge::BridgeQuant`, over
-/// zero-comm's device qwZ and qgZ): with them, qwZ gathers and qgZ reductions of fp32 units stay
-/// on the device too. They must give the host codecs' bits, as zero-comm's device versions do.
-pub trait DeviceQuant<C: Communicator>: Send + std::fmt::Debug {
-    /// qwZ: all-gathers every rank's `chunk` through `codec` into `out` (`n · chunk` elements).
-    fn qwz_all_gather(
-        &self,
-        comm: &mut C,
-        codec: Int8Block,
-        chunk: &C::Buffer<f32>,
-        out: &mut C::Buffer<f32>,
-    ) -> Result<()>;
-    /// qgZ: the hierarchical int4 reduce-scatter (mean) of `input` into the rank's `out`.
-    fn qgz_reduce_scatter(
-        &self,
-        groups: &mut QuantGroups<C>,
-        codec: Int4Block,
-        input: &C::Buffer<f32>,
-        out: &mut C::Buffer<f32>,
-    ) -> Result<()>;
 }
 
 /// A unit's gradients collected during the backward: in host memory, or packed in the
@@ -1813,162 +1733,5 @@ fn check_canonical_tree<C: Communicator>(plan: &Plan, world: &C) -> Result<()> {
 fn add_into(dst: &mut [f32], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d += s;
-    }
-}
-
-/// Checkpoint access (see [`crate::checkpoint`]): what a rank saves, what it needs back, and the
-/// restore. Kept in one block so the checkpoint code needs nothing else of the engine's internals.
-impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
-    /// Micro-steps run since the last optimizer step (0 at a step boundary).
-    pub(crate) fn ckpt_micro(&self) -> u32 {
-        self.micro
-    }
-
-    /// The step counters and the loss scaler's state.
-    pub(crate) fn ckpt_scalars(&self) -> crate::checkpoint::Scalars {
-        crate::checkpoint::Scalars {
-            step: self.step,
-            opt_steps: self.opt_steps,
-            skipped: self.skipped,
-            scaler: self.scaler.as_ref().map(LossScaler::state),
-        }
-    }
-
-    /// The engine's options: the optimizer and the reduction order.
-    pub(crate) fn ckpt_options(&self) -> (Optimizer, Reduction) {
-        (self.options.optimizer, self.options.reduction)
-    }
-
-    /// The world communicator (at a step boundary the communicators are home).
-    pub(crate) fn ckpt_world(&mut self) -> &mut C {
-        &mut self.comms().world
-    }
-
-    /// This rank's saved state of unit `u`: the real elements of its chunk of the fp32 weights
-    /// (the master in bf16/fp16; the widened 16-bit shard for a frozen stage-3 unit in
-    /// bf16/fp16), and of the optimizer's `m` and `v` (empty when absent or frozen).
-    pub(crate) fn ckpt_unit_state(&self, u: usize) -> Result<[Vec<f32>; 3]> {
-        let plan = &self.plan;
-        let unit = &plan.units()[u];
-        let c = plan.chunk_len(u) as usize;
-        let real = plan.real_in_chunk(u, self.rank) as usize;
-        let stage = plan.stage();
-        // Start of this rank's chunk in the optimizer layout of the unit.
-        let opt_at = |oo: usize| if stage == 0 { oo + self.rank * c } else { oo };
-        let w = match (self.opt_offset[u], self.half) {
-            (Some(oo), Some(_)) => self.master[opt_at(oo)..opt_at(oo) + real].to_vec(),
-            _ if stage == 3 => {
-                let so = unit.shard_offset as usize;
-                match self.half {
-                    None => self.shard[so..so + real].to_vec(),
-                    Some(h) => h.widen_all(&self.shard16[so..so + real]),
-                }
-            }
-            _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
-        };
-        let state = |buf: &[f32]| match self.opt_offset[u] {
-            Some(oo) if !buf.is_empty() => buf[opt_at(oo)..opt_at(oo) + real].to_vec(),
-            _ => Vec::new(),
-        };
-        Ok([w, state(&self.opt.m), state(&self.opt.v)])
-    }
-
-    /// The parts of unit `u` (as element ranges of the unit) this rank needs back: the weights
-    /// (the whole unit where the model holds it, else the rank's chunk) and the optimizer state
-    /// (the whole unit at stage 0, else the chunk; `None` when frozen).
-    pub(crate) fn ckpt_needs(
-        &self,
-        u: usize,
-    ) -> (std::ops::Range<u64>, Option<std::ops::Range<u64>>) {
-        let plan = &self.plan;
-        let unit = &plan.units()[u];
-        let c = plan.chunk_len(u);
-        let chunk = self.rank as u64 * c..(self.rank as u64 + 1) * c;
-        let in_model = plan.stage() < 3 || unit.kind == UnitKind::Persistent;
-        let w = if in_model { 0..unit.len } else { chunk.clone() };
-        let opt = self.opt_offset[u].map(|_| {
-            if plan.stage() == 0 {
-                0..unit.len
-            } else {
-                chunk
-            }
-        });
-        (w, opt)
-    }
-
-    /// Values of the parameters in no unit (frozen, stages 0–2), as the model holds them.
-    pub(crate) fn ckpt_unsharded(&self) -> Result<Vec<(usize, Vec<f32>)>> {
-        let idx: Vec<usize> = (0..self.params.len())
-            .filter(|&i| self.plan.locate(i).is_none())
-            .collect();
-        let want: HashMap<ParamId, usize> = idx
-            .iter()
-            .enumerate()
-            .map(|(k, &i)| (self.params[i].id, k))
-            .collect();
-        Ok(idx
-            .into_iter()
-            .zip(params::read_values(&self.model, &want)?)
-            .collect())
-    }
-
-    /// Restores the state [`Self::ckpt_needs`] asked for: per unit the weights and the `m`, `v`
-    /// ranges (padding zero, `m`/`v` empty when the optimizer has none), and the scalars. Only
-    /// called after everything was read and verified. Derived state (16-bit working weights,
-    /// the model's resident tensors, stage-3 shards) is recomputed from the fp32 values.
-    pub(crate) fn ckpt_restore(
-        &mut self,
-        units: Vec<[Vec<f32>; 3]>,
-        scalars: crate::checkpoint::Scalars,
-    ) -> Result<()> {
-        let plan = self.plan.clone();
-        let stage = plan.stage();
-        for (u, [w, m, v]) in units.into_iter().enumerate() {
-            let unit = &plan.units()[u];
-            let (wr, or) = self.ckpt_needs(u);
-            if let (Some(or), Some(oo)) = (or, self.opt_offset[u]) {
-                let (a, b) = ((or.start - wr.start) as usize, (or.end - wr.start) as usize);
-                let len = b - a;
-                if !self.opt.m.is_empty() {
-                    self.opt.m[oo..oo + len].copy_from_slice(&m);
-                }
-                if !self.opt.v.is_empty() {
-                    self.opt.v[oo..oo + len].copy_from_slice(&v);
-                }
-                if self.half.is_some() {
-                    self.master[oo..oo + len].copy_from_slice(&w[a..b]);
-                }
-            }
-            if stage == 3 {
-                let c = plan.chunk_len(u) as usize;
-                let so = unit.shard_offset as usize;
-                let at = (self.rank as u64 * c as u64 - wr.start) as usize;
-                let mine = &w[at..at + c];
-                match self.half {
-                    None => self.shard[so..so + c].copy_from_slice(mine),
-                    Some(h) => {
-                        for (d, &x) in self.shard16[so..so + c].iter_mut().zip(mine) {
-                            *d = h.round(x);
-                        }
-                    }
-                }
-            }
-            if wr.end - wr.start == unit.len && (stage < 3 || unit.kind == UnitKind::Persistent) {
-                let full: Vec<f32> = match self.half {
-                    Some(h) => w.iter().map(|&x| h.quantize(x)).collect(),
-                    None => w,
-                };
-                self.write_unit(u, &full);
-            }
-        }
-        self.step = scalars.step;
-        self.opt_steps = scalars.opt_steps;
-        self.skipped = scalars.skipped;
-        if let (Some(s), Some(state)) = (self.scaler.as_mut(), scalars.scaler) {
-            s.set_state(state);
-        }
-        self.secondary.iter_mut().for_each(|s| *s = None);
-        self.secondary16.iter_mut().for_each(|s| *s = None);
-        Ok(())
     }
 }

@@ -1,0 +1,161 @@
+//! The engine's checkpoint access: the only internals [`crate::checkpoint`] reaches.
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Checkpoint access (see [`crate::checkpoint`]): what a rank saves, what it needs back, and the
+/// restore. Kept in one block so the checkpoint code needs nothing else of the engine's internals.
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// Micro-steps run since the last optimizer step (0 at a step boundary).
+    pub(crate) fn ckpt_micro(&self) -> u32 {
+        self.micro
+    }
+
+    /// The step counters and the loss scaler's state.
+    pub(crate) fn ckpt_scalars(&self) -> crate::checkpoint::Scalars {
+        crate::checkpoint::Scalars {
+            step: self.step,
+            opt_steps: self.opt_steps,
+            skipped: self.skipped,
+            scaler: self.scaler.as_ref().map(LossScaler::state),
+        }
+    }
+
+    /// The engine's options: the optimizer and the reduction order.
+    pub(crate) fn ckpt_options(&self) -> (Optimizer, Reduction) {
+        (self.options.optimizer, self.options.reduction)
+    }
+
+    /// The world communicator (at a step boundary the communicators are home).
+    pub(crate) fn ckpt_world(&mut self) -> &mut C {
+        &mut self.comms().world
+    }
+
+    /// This rank's saved state of unit `u`: the real elements of its chunk of the fp32 weights
+    /// (the master in bf16/fp16; the widened 16-bit shard for a frozen stage-3 unit in
+    /// bf16/fp16), and of the optimizer's `m` and `v` (empty when absent or frozen).
+    pub(crate) fn ckpt_unit_state(&self, u: usize) -> Result<[Vec<f32>; 3]> {
+        let plan = &self.plan;
+        let unit = &plan.units()[u];
+        let c = plan.chunk_len(u) as usize;
+        let real = plan.real_in_chunk(u, self.rank) as usize;
+        let stage = plan.stage();
+        // Start of this rank's chunk in the optimizer layout of the unit.
+        let opt_at = |oo: usize| if stage == 0 { oo + self.rank * c } else { oo };
+        let w = match (self.opt_offset[u], self.half) {
+            (Some(oo), Some(_)) => self.master[opt_at(oo)..opt_at(oo) + real].to_vec(),
+            _ if stage == 3 => {
+                let so = unit.shard_offset as usize;
+                match self.half {
+                    None => self.shard[so..so + real].to_vec(),
+                    Some(h) => h.widen_all(&self.shard16[so..so + real]),
+                }
+            }
+            _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
+        };
+        let state = |buf: &[f32]| match self.opt_offset[u] {
+            Some(oo) if !buf.is_empty() => buf[opt_at(oo)..opt_at(oo) + real].to_vec(),
+            _ => Vec::new(),
+        };
+        Ok([w, state(&self.opt.m), state(&self.opt.v)])
+    }
+
+    /// The parts of unit `u` (as element ranges of the unit) this rank needs back: the weights
+    /// (the whole unit where the model holds it, else the rank's chunk) and the optimizer state
+    /// (the whole unit at stage 0, else the chunk; `None` when frozen).
+    pub(crate) fn ckpt_needs(
+        &self,
+        u: usize,
+    ) -> (std::ops::Range<u64>, Option<std::ops::Range<u64>>) {
+        let plan = &self.plan;
+        let unit = &plan.units()[u];
+        let c = plan.chunk_len(u);
+        let chunk = self.rank as u64 * c..(self.rank as u64 + 1) * c;
+        let in_model = plan.stage() < 3 || unit.kind == UnitKind::Persistent;
+        let w = if in_model { 0..unit.len } else { chunk.clone() };
+        let opt = self.opt_offset[u].map(|_| {
+            if plan.stage() == 0 {
+                0..unit.len
+            } else {
+                chunk
+            }
+        });
+        (w, opt)
+    }
+
+    /// Values of the parameters in no unit (frozen, stages 0–2), as the model holds them.
+    pub(crate) fn ckpt_unsharded(&self) -> Result<Vec<(usize, Vec<f32>)>> {
+        let idx: Vec<usize> = (0..self.params.len())
+            .filter(|&i| self.plan.locate(i).is_none())
+            .collect();
+        let want: HashMap<ParamId, usize> = idx
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (self.params[i].id, k))
+            .collect();
+        Ok(idx
+            .into_iter()
+            .zip(params::read_values(&self.model, &want)?)
+            .collect())
+    }
+
+    /// Restores the state [`Self::ckpt_needs`] asked for: per unit the weights and the `m`, `v`
+    /// ranges (padding zero, `m`/`v` empty when the optimizer has none), and the scalars. Only
+    /// called after everything was read and verified. Derived state (16-bit working weights,
+    /// the model's resident tensors, stage-3 shards) is recomputed from the fp32 values.
+    pub(crate) fn ckpt_restore(
+        &mut self,
+        units: Vec<[Vec<f32>; 3]>,
+        scalars: crate::checkpoint::Scalars,
+    ) -> Result<()> {
+        let plan = self.plan.clone();
+        let stage = plan.stage();
+        for (u, [w, m, v]) in units.into_iter().enumerate() {
+            let unit = &plan.units()[u];
+            let (wr, or) = self.ckpt_needs(u);
+            if let (Some(or), Some(oo)) = (or, self.opt_offset[u]) {
+                let (a, b) = ((or.start - wr.start) as usize, (or.end - wr.start) as usize);
+                let len = b - a;
+                if !self.opt.m.is_empty() {
+                    self.opt.m[oo..oo + len].copy_from_slice(&m);
+                }
+                if !self.opt.v.is_empty() {
+                    self.opt.v[oo..oo + len].copy_from_slice(&v);
+                }
+                if self.half.is_some() {
+                    self.master[oo..oo + len].copy_from_slice(&w[a..b]);
+                }
+            }
+            if stage == 3 {
+                let c = plan.chunk_len(u) as usize;
+                let so = unit.shard_offset as usize;
+                let at = (self.rank as u64 * c as u64 - wr.start) as usize;
+                let mine = &w[at..at + c];
+                match self.half {
+                    None => self.shard[so..so + c].copy_from_slice(mine),
+                    Some(h) => {
+                        for (d, &x) in self.shard16[so..so + c].iter_mut().zip(mine) {
+                            *d = h.round(x);
+                        }
+                    }
+                }
+            }
+            if wr.end - wr.start == unit.len && (stage < 3 || unit.kind == UnitKind::Persistent) {
+                let full: Vec<f32> = match self.half {
+                    Some(h) => w.iter().map(|&x| h.quantize(x)).collect(),
+                    None => w,
+                };
+                self.write_unit(u, &full);
+            }
+        }
+        self.step = scalars.step;
+        self.opt_steps = scalars.opt_steps;
+        self.skipped = scalars.skipped;
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), scalars.scaler) {
+            s.set_state(state);
+        }
+        self.secondary.iter_mut().for_each(|s| *s = None);
+        self.secondary16.iter_mut().for_each(|s| *s = None);
+        Ok(())
+    }
+}
