@@ -15,8 +15,10 @@
 mod bench;
 mod ckpt;
 mod gpu_check;
+mod launch;
 mod plan;
 mod plot;
+mod procs;
 mod ptx;
 mod release;
 mod simulate;
@@ -38,8 +40,11 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Predict step time, throughput and memory of a plan on a GPU cluster (one point or a sweep).
     Simulate(Box<simulate::SimulateArgs>),
-    /// Train a GPT-style model with ZeRO on in-process ranks; prints and writes a report.
+    /// Train a GPT-style model with ZeRO (ranks as threads, or one per process); prints and writes a report.
     Train(Box<train::TrainArgs>),
+    /// Start N processes with torchrun's variables (e.g. `-- train ...` over NCCL), prefix their
+    /// output, stop them all when one fails.
+    Launch(launch::LaunchArgs),
     /// Trainer benchmarks: step time per stage and switch, loss gap, peak memory.
     Bench(bench::BenchArgs),
     /// Run what CI runs: fmt check, clippy (all features that compile here), all tests.
@@ -56,11 +61,17 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
-        Command::Simulate(a) if a.validate_host && release::wanted() => release::rerun(),
+        Command::Simulate(a) if a.validate_host && release::wanted() => release::rerun(&[]),
         Command::Simulate(a) => simulate::run(*a),
         // The jobs that time real work run optimised (see `release`).
-        Command::Train(_) | Command::Bench(_) if release::wanted() => release::rerun(),
+        Command::Train(a) if a.needs_mpi_build() => release::rerun(&["mpi"]),
+        Command::Train(_) | Command::Bench(_) if release::wanted() => release::rerun(&[]),
         Command::Train(a) => train::run(*a),
+        // Every process runs this binary as it is: build the release one with NCCL first.
+        Command::Launch(a) if a.is_train() && (release::wanted() || !cfg!(feature = "nccl")) => {
+            release::rerun(&["nccl"])
+        }
+        Command::Launch(a) => launch::run(a),
         Command::Test(a) => test::run(a),
         Command::Bench(a) => bench::run(a),
         Command::GpuCheck(a) => gpu_check::run(a),

@@ -16,8 +16,9 @@ pub(crate) fn wanted() -> bool {
     cfg!(debug_assertions) && !cfg!(feature = "wgpu") && std::env::var_os(STAY).is_none()
 }
 
-/// Runs this command line again from a release build and exits with its status.
-pub(crate) fn rerun() -> anyhow::Result<()> {
+/// Runs this command line again from a release build with xtask's `features` (none: the default
+/// build) and exits with its status.
+pub(crate) fn rerun(features: &[&str]) -> anyhow::Result<()> {
     eprintln!(
         "running an optimised (release) xtask for this job; the first build takes a few minutes \
          (set {STAY}=1 to run the dev build instead)"
@@ -33,8 +34,14 @@ pub(crate) fn rerun() -> anyhow::Result<()> {
             "xtask",
             "--bin",
             "xtask",
-            "--",
         ])
+        .args(
+            (!features.is_empty())
+                .then(|| ["--features".to_string(), features.join(",")])
+                .into_iter()
+                .flatten(),
+        )
+        .arg("--")
         .args(std::env::args_os().skip(1))
         .env(STAY, "1")
         .status()

@@ -15,23 +15,24 @@ pub(crate) struct TestArgs {
     /// deliberate update; review the result with `git diff -- '*.snap'` and commit it.
     #[arg(long)]
     accept_snapshots: bool,
-    /// Let the tests that need a wgpu adapter (a Vulkan driver) return early when there is none
-    /// instead of failing. They still count as passed in cargo's output, so the run ends with a
+    /// Let the tests that need a wgpu adapter (a Vulkan driver) or `mpirun` (OpenMPI) return
+    /// early when there is none instead of failing. They still count as passed in cargo's output, so the run ends with a
     /// list of every test that did not run and why. Without this flag a missing adapter fails the
     /// run, as in CI.
     #[arg(long)]
     allow_device_skips: bool,
 }
 
-/// The test features: the wgpu loopback, the WGSL codecs and the trainer on burn's wgpu backend
-/// (on Mesa's lavapipe without a GPU). zero-burn/wgpu is for these debug builds only: burn-wgpu
+/// The test features: the MPI communicator (OpenMPI), the wgpu loopback, the WGSL codecs and the
+/// trainer on burn's wgpu backend (on Mesa's lavapipe without a GPU). zero-burn/wgpu is for these debug builds only: burn-wgpu
 /// takes more than 20 minutes to build in release, so `cargo xtask train` never enables it.
-const TEST_FEATURES: &str = "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu";
+const TEST_FEATURES: &str =
+    "zero-comm/mpi,zero-comm/wgpu,zero-quant/wgpu,zero-burn/mpi,zero-burn/wgpu";
 
 /// Clippy's features: the test features, NCCL and CUDA, and the GPU tests (compiled here, run
 /// only by `cargo xtask gpu-check`), so GPU-only code is linted without a GPU.
-const LINT_FEATURES: &str = "zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
-                             zero-quant/cuda,zero-quant/gpu-tests,zero-burn/wgpu,zero-burn/nccl";
+const LINT_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
+                             zero-quant/cuda,zero-quant/gpu-tests,zero-burn/mpi,zero-burn/wgpu,zero-burn/nccl,xtask/mpi,xtask/nccl";
 
 /// Where the test gates record a test that did not run: one line `<crate>/<binary>::<test>\t<why>`
 /// (`record_skip` in zero-comm/tests/comm/common.rs, zero-quant/tests/common/mod.rs and
@@ -41,6 +42,8 @@ const SKIP_LOG: &str = "ZERO_SKIP_LOG";
 const SIMULATE_NO_ADAPTER: &str = "ZERO_SIMULATE_NO_ADAPTER";
 /// Makes a missing adapter fail the wgpu tests instead of skipping them.
 const REQUIRE_WGPU: &str = "ZERO_REQUIRE_WGPU";
+/// Makes a missing `mpirun` fail the MPI tests instead of skipping them.
+const REQUIRE_MPI: &str = "ZERO_REQUIRE_MPI";
 
 /// The test binaries whose tests need a wgpu adapter, as the gates name them in the skip log.
 const WGPU_BINARIES: &[(&str, &str)] = &[
@@ -202,7 +205,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     if !skips.is_empty() && !a.allow_device_skips {
         bail!(
             "{} tests did not run; every test must run here (pass --allow-device-skips to accept \
-             a missing wgpu adapter)",
+             a missing wgpu adapter or mpirun)",
             skips.len()
         );
     }
@@ -241,7 +244,9 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
 /// unless `allow_skips`; an inherited simulation switch is removed; `XDG_RUNTIME_DIR` (which
 /// Mesa's Vulkan drivers want) is made, private, when the environment has none.
 fn device_env(cmd: &mut Command, work: &Path, allow_skips: bool) -> anyhow::Result<()> {
-    cmd.env(REQUIRE_WGPU, if allow_skips { "0" } else { "1" })
+    let require = if allow_skips { "0" } else { "1" };
+    cmd.env(REQUIRE_WGPU, require)
+        .env(REQUIRE_MPI, require)
         .env_remove(SIMULATE_NO_ADAPTER);
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         let xdg = work.join("xdg-runtime");

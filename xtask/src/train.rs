@@ -86,6 +86,19 @@ pub(crate) struct TrainArgs {
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// How ranks run: `threads` (one process, the host loopback); `mpi` (one process per rank
+    /// under OpenMPI's `mpirun`, started by this command; builds xtask with its `mpi` feature;
+    /// run under `mpirun` yourself, on a cluster, each process is one rank); `nccl` (this process
+    /// is one rank of a torchrun-style launch, `cargo xtask launch`, on the GPU `LOCAL_RANK`).
+    #[arg(long, default_value = "threads")]
+    launcher: String,
+}
+
+impl TrainArgs {
+    /// `--launcher mpi` in a build without MPI: the command reruns itself from one that has it.
+    pub(crate) fn needs_mpi_build(&self) -> bool {
+        self.launcher == "mpi" && !cfg!(feature = "mpi")
+    }
 }
 
 /// What this run uses, for a DeepSpeed config's `"auto"` values (HF Trainer style): the model's
@@ -246,6 +259,13 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| default_run_dir(job.zero.stage));
+    match a.launcher.as_str() {
+        "threads" => {}
+        "mpi" if zero_comm::mpi::launched_by_mpi() => return crate::procs::mpi_rank(&job, &out),
+        "mpi" => return crate::procs::launch_mpi(&job, &out, a.out.is_none()),
+        "nccl" => return crate::procs::nccl_rank(&job, &out),
+        o => bail!("--launcher {o:?}: expected threads, mpi or nccl"),
+    }
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create run directory {}", out.display()))?;
 
@@ -278,11 +298,16 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     };
     let report = run_job(&job, &on_step);
     bar.finish_and_clear();
-    let report = report?;
-    print_report(&report);
+    finish(&report?, &out, peak_rss_bytes())
+}
+
+/// Prints the report, writes `report.json` (with the process's peak RSS when known) and
+/// `loss.svg` into `out`, and fails when measured bytes differ from the plan.
+pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> anyhow::Result<()> {
+    print_report(report);
     let json = out.join("report.json");
-    let mut value = serde_json::to_value(&report)?;
-    if let (Some(obj), Some(rss)) = (value.as_object_mut(), peak_rss_bytes()) {
+    let mut value = serde_json::to_value(report)?;
+    if let (Some(obj), Some(rss)) = (value.as_object_mut(), peak_rss) {
         // The whole process (every rank): what `cargo xtask bench` compares across stages.
         obj.insert("peak_rss_bytes".into(), rss.into());
     }
@@ -496,13 +521,7 @@ fn loss_svg(loss: &[f32], floor: Option<f64>) -> String {
     s + "</svg>\n"
 }
 
-/// The process's peak resident set (VmHWM), where /proc is available.
-pub(crate) fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
+pub(crate) use zero_burn::demo::run::peak_rss_bytes;
 
 #[cfg(test)]
 mod tests {

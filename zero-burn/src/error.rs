@@ -106,6 +106,22 @@ pub enum Error {
         /// The tag.
         tag: String,
     },
+    /// Ranks were started with different plans, options or models: found before any data moved,
+    /// by every rank alike.
+    #[error(
+        "rank {rank} was started with a different {what} than rank 0 (fingerprint {theirs:016x}, \
+         rank 0's {ours:016x}); every rank must build the same model, plan and options"
+    )]
+    RanksDisagree {
+        /// The first rank that differs from rank 0.
+        rank: usize,
+        /// `"plan or options"` or `"model (parameter values)"`.
+        what: &'static str,
+        /// Rank 0's fingerprint.
+        ours: u64,
+        /// That rank's.
+        theirs: u64,
+    },
     /// A rank's thread panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

@@ -84,6 +84,23 @@ pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(usize) -> String) -> R
     Ok(m)
 }
 
+struct ValuesCrc(u32);
+
+impl ModuleVisitor for ValuesCrc {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        let data = p.val().into_data();
+        self.0 = crc32c::crc32c_append(self.0, data.as_bytes());
+    }
+}
+
+/// A crc32c of every float parameter's bytes in visit order (a host read of each, once): equal
+/// models, equal values.
+pub fn values_crc<M: Module>(model: &M) -> u64 {
+    let mut v = ValuesCrc(0);
+    model.visit(&mut v);
+    u64::from(v.0)
+}
+
 struct ReadValues<'a> {
     want: &'a HashMap<ParamId, usize>,
     out: Vec<Option<Vec<f32>>>,

@@ -26,7 +26,7 @@
 //! as in DeepSpeed.
 
 use burn::tensor::{bf16, f16};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::{LossScaleConfig, Precision};
 
@@ -169,7 +169,7 @@ impl Half {
 }
 
 /// What happened at one optimizer step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepInfo {
     /// The step was skipped (fp16 overflow): weights and optimizer state are unchanged.
     pub skipped: bool,

@@ -7,7 +7,9 @@
 //! reduce-scatter input, the all-reduce buffer); `busbw = algbw · (n−1)/n` for all-gather and
 //! reduce-scatter and `algbw · 2(n−1)/n` for all-reduce, as nccl-tests define them.
 //!
-//! With `--features wgpu`, the wgpu loopback follows at n = 2 and 4 (`support/wgpu.rs`).
+//! With `--features wgpu`, the wgpu loopback follows at n = 2 and 4 (`support/wgpu.rs`); with
+//! `--features mpi`, the MPI communicator at n = 2 and 4, one process per rank under `mpirun`
+//! (`support/mpi.rs`), timed by the same code in the same run.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -16,6 +18,9 @@ use zero_comm::host::HostWorld;
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::Topology;
 
+#[cfg(feature = "mpi")]
+#[path = "support/mpi.rs"]
+mod mpi;
 #[cfg(feature = "wgpu")]
 #[path = "support/wgpu.rs"]
 mod wgpu_loopback;
@@ -70,55 +75,86 @@ enum Op {
     AllReduce,
 }
 
-fn bench_op(op: Op, n: usize, bytes: usize, iters: usize) -> Duration {
-    let len = bytes / 4;
-    let c = len / n;
-    let topo = Topology::single_node(n).unwrap();
-    let times = HostWorld::new(topo, Duration::from_secs(600)).launch(|mut comm| {
-        let me = comm.rank() as f32;
-        let mut best = Duration::MAX;
-        match op {
-            Op::AllGather => {
-                let send = comm.upload(&vec![me; c]).unwrap();
-                let mut recv = comm.upload(&vec![0.0f32; c * n]).unwrap();
-                for _ in 0..iters + 1 {
-                    comm.barrier().unwrap();
-                    let t = Instant::now();
-                    comm.all_gather(&send, &mut recv).unwrap();
-                    best = best.min(t.elapsed());
-                }
-            }
-            Op::ReduceScatter => {
-                let send = comm.upload(&vec![me; c * n]).unwrap();
-                let mut recv = comm.upload(&vec![0.0f32; c]).unwrap();
-                for _ in 0..iters + 1 {
-                    comm.barrier().unwrap();
-                    let t = Instant::now();
-                    comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum)
-                        .unwrap();
-                    best = best.min(t.elapsed());
-                }
-            }
-            Op::AllReduce => {
-                let mut buf = comm.upload(&vec![me; c * n]).unwrap();
-                for _ in 0..iters + 1 {
-                    comm.barrier().unwrap();
-                    let t = Instant::now();
-                    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
-                    best = best.min(t.elapsed());
-                }
-            }
+const OPS: [Op; 3] = [Op::AllGather, Op::ReduceScatter, Op::AllReduce];
+
+/// The best of `iters` (after one warm-up) of `op` over `bytes` of f32 on this rank, each timed
+/// from a barrier to the op's return.
+fn time_op<C: Communicator>(comm: &mut C, op: Op, bytes: usize, iters: usize) -> Duration {
+    let n = comm.world_size();
+    let c = bytes / 4 / n;
+    let me = comm.rank() as f32;
+    let mut best = Duration::MAX;
+    let mut timed = |comm: &mut C, f: &mut dyn FnMut(&mut C)| {
+        for _ in 0..iters + 1 {
+            comm.barrier().unwrap();
+            let t = Instant::now();
+            f(comm);
+            best = best.min(t.elapsed());
         }
-        best
-    });
+    };
+    match op {
+        Op::AllGather => {
+            let send = comm.upload(&vec![me; c]).unwrap();
+            let mut recv = comm.upload(&vec![0.0f32; c * n]).unwrap();
+            timed(comm, &mut |comm| comm.all_gather(&send, &mut recv).unwrap());
+        }
+        Op::ReduceScatter => {
+            let send = comm.upload(&vec![me; c * n]).unwrap();
+            let mut recv = comm.upload(&vec![0.0f32; c]).unwrap();
+            timed(comm, &mut |comm| {
+                comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum)
+                    .unwrap()
+            });
+        }
+        Op::AllReduce => {
+            let mut buf = comm.upload(&vec![me; c * n]).unwrap();
+            timed(comm, &mut |comm| {
+                comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap()
+            });
+        }
+    }
+    best
+}
+
+fn bench_op(op: Op, n: usize, bytes: usize, iters: usize) -> Duration {
+    let topo = Topology::single_node(n).unwrap();
+    let times = HostWorld::new(topo, Duration::from_secs(600))
+        .launch(|mut comm| time_op(&mut comm, op, bytes, iters));
     times.into_iter().map(|t| t.unwrap()).next().unwrap()
 }
+
+/// One row of the table: `op` at world size `n` took `t` for `bytes`.
+fn row(op: Op, n: usize, bytes: usize, t: Duration, copy_bw: f64) -> String {
+    let alg = gib_s(bytes, t);
+    let f = (n - 1) as f64 / n as f64;
+    let bus = match op {
+        Op::AllReduce => alg * 2.0 * f,
+        _ => alg * f,
+    };
+    let name = match op {
+        Op::AllGather => "all_gather",
+        Op::ReduceScatter => "reduce_scatter",
+        Op::AllReduce => "all_reduce",
+    };
+    format!(
+        "| {name} | {n} | {:.2} | {alg:.2} | {bus:.2} | {:.2} |",
+        t.as_secs_f64() * 1e3,
+        bus / copy_bw
+    )
+}
+
+const HEADER: &str = "| op | n | time (ms) | algbw (GiB/s) | busbw (GiB/s) | busbw / memcpy |\n\
+                      |---|---|---|---|---|---|";
 
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument, if any, is ignored.
     let mib = env("ZERO_COMM_BENCH_MIB", 64);
     let iters = env("ZERO_COMM_BENCH_ITERS", 5);
     let bytes = mib << 20;
+    #[cfg(feature = "mpi")]
+    if mpi::is_rank() {
+        return mpi::rank(bytes, iters);
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let copy = memcpy_best(bytes, iters);
     let copy_bw = gib_s(bytes, copy);
@@ -135,29 +171,17 @@ fn main() {
         gib_s(bytes, par)
     );
     println!();
-    println!("| op | n | time (ms) | algbw (GiB/s) | busbw (GiB/s) | busbw / memcpy |");
-    println!("|---|---|---|---|---|---|");
-    for op in [Op::AllGather, Op::ReduceScatter, Op::AllReduce] {
+    println!("{HEADER}");
+    for op in OPS {
         for n in [2usize, 4, 8] {
-            let t = bench_op(op, n, bytes, iters);
-            let alg = gib_s(bytes, t);
-            let f = (n - 1) as f64 / n as f64;
-            let bus = match op {
-                Op::AllReduce => alg * 2.0 * f,
-                _ => alg * f,
-            };
-            let name = match op {
-                Op::AllGather => "all_gather",
-                Op::ReduceScatter => "reduce_scatter",
-                Op::AllReduce => "all_reduce",
-            };
             println!(
-                "| {name} | {n} | {:.2} | {alg:.2} | {bus:.2} | {:.2} |",
-                t.as_secs_f64() * 1e3,
-                bus / copy_bw
+                "{}",
+                row(op, n, bytes, bench_op(op, n, bytes, iters), copy_bw)
             );
         }
     }
+    #[cfg(feature = "mpi")]
+    mpi::run(mib, iters, copy_bw);
     #[cfg(feature = "wgpu")]
     wgpu_loopback::run(mib, iters);
 }

@@ -80,11 +80,14 @@ mod communicator;
 mod element;
 mod error;
 pub mod host;
+pub mod mpi;
 pub mod nccl;
 pub mod quantized;
+mod uninhabited;
 mod validate;
 #[cfg(feature = "wgpu")]
 pub mod wgpu_loopback;
+mod wire;
 
 pub use communicator::{Communicator, Group, ReduceOrder, pairwise_split};
 pub use element::{DType, Element, ReduceOp};

@@ -168,7 +168,7 @@ fn engine_scalars<C: Communicator, M: Segmented>(e: &ZeroEngine<C, M>) -> Engine
 }
 
 /// Every rank's bytes (of any length): lengths first, then the bytes padded to the longest.
-fn all_gather_bytes<C: Communicator>(comm: &mut C, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+pub(crate) fn all_gather_bytes<C: Communicator>(comm: &mut C, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
     let lens = comm.all_gather_host(&(mine.len() as u64).to_le_bytes())?;
     let lens: Vec<usize> = lens
         .chunks_exact(8)

@@ -5,11 +5,12 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use serde::Serialize;
+use zero_comm::Communicator;
 use zero_core::{MemoryModel, Plan, Topology, TrafficTable, ZeroConfig};
 
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::GptConfig;
-use crate::demo::run::{HostRun, TrainOptions, train_host};
+use crate::demo::run::{HostRun, RankSummary, TrainOptions, train_host, train_rank};
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
@@ -153,6 +154,10 @@ pub struct RunReport {
     pub comm_matches_plan: bool,
     /// Whether measured model-state bytes equal the plan on every rank.
     pub memory_matches_plan: bool,
+    /// Each rank's process peak resident set, when every rank is a process of its own
+    /// ([`run_job_rank`]); empty (and not written) when ranks are threads of one process.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peak_rss_per_rank: Vec<u64>,
 }
 
 /// The shared wgpu device of the wgpu backend (`None`: the host backend).
@@ -305,6 +310,95 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         Some(never) => match *never {},
     };
     let wall = start.elapsed().as_secs_f64();
+    let summaries: Vec<RankSummary> = results.iter().map(RankSummary::of).collect();
+    report(
+        job,
+        &plan,
+        corpus.as_ref(),
+        model_cfg,
+        zero,
+        &summaries,
+        wall,
+    )
+}
+
+/// One rank of `job` in this process, on `comm`, for jobs whose ranks are processes (MPI, NCCL):
+/// `comm`'s world must be the job's (`world_size`, `ranks_per_node`). Every rank trains from the
+/// same seed-determined model and returns the whole job's report, merged from every rank's
+/// numbers; `on_step` is called on rank 0. Only the host backend runs this way.
+pub fn run_job_rank<C: Communicator>(
+    job: &JobConfig,
+    comm: C,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<RunReport> {
+    if job.backend != Backend::Host {
+        return Err(invalid(
+            "backend",
+            format!("{:?}", job.backend),
+            "host: one rank per process runs burn on the CPU",
+        ));
+    }
+    let Prepared {
+        corpus,
+        model_cfg,
+        model,
+        zero,
+        plan,
+        options,
+        ..
+    } = prepare(job)?;
+    if comm.topology() != plan.topology() {
+        let t = comm.topology();
+        return Err(invalid(
+            "world_size",
+            format!(
+                "{} processes, {} per node",
+                t.world_size(),
+                t.ranks_per_node()
+            ),
+            format!(
+                "{} ranks, {} per node, as the job says",
+                job.world_size, job.ranks_per_node
+            ),
+        ));
+    }
+    let start = Instant::now();
+    let run = HostRun {
+        steps: job.steps,
+        timeout: job.timeout,
+        keep_final_params: false,
+    };
+    let (_, summaries) = train_rank(
+        comm,
+        plan.clone(),
+        model,
+        corpus.as_ref(),
+        options,
+        run,
+        on_step,
+    )?;
+    let wall = start.elapsed().as_secs_f64();
+    report(
+        job,
+        &plan,
+        corpus.as_ref(),
+        model_cfg,
+        zero,
+        &summaries,
+        wall,
+    )
+}
+
+/// The run report of `job` from every rank's summary.
+fn report(
+    job: &JobConfig,
+    plan: &Plan,
+    corpus: &dyn Corpus,
+    model_cfg: GptConfig,
+    zero: ZeroConfig,
+    results: &[RankSummary],
+    wall: f64,
+) -> Result<RunReport> {
     let steps = job.steps as usize;
     let loss = (0..steps)
         .map(|s| results.iter().map(|r| r.losses[s]).sum::<f32>() / results.len() as f32)
@@ -359,6 +453,11 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         },
         comm_matches_plan,
         memory_matches_plan,
+        peak_rss_per_rank: results
+            .iter()
+            .map(|r| r.peak_rss_bytes)
+            .collect::<Option<Vec<u64>>>()
+            .unwrap_or_default(),
         job: JobConfig {
             model: model_cfg,
             zero,

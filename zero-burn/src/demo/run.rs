@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use zero_comm::Communicator;
 use zero_core::{Plan, TrafficTable};
 
@@ -133,6 +133,96 @@ pub fn corpus_step<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     engine.step(options.lr, &batches)
 }
 
+/// What every rank of a job whose ranks are processes learns of every other rank after training
+/// ([`train_rank`]): the numbers of [`RankResult`] that the run report needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankSummary {
+    /// The rank.
+    pub rank: usize,
+    /// Its mean loss per step.
+    pub losses: Vec<f32>,
+    /// Per step: skipped or not, and the loss scale.
+    pub step_info: Vec<crate::StepInfo>,
+    /// Traffic measured over all steps.
+    pub traffic: TrafficTable,
+    /// Peak measured memory.
+    pub memory: MeasuredMemory,
+    /// The process's peak resident set (Linux `VmHWM`) when its ranks are processes; `None` for
+    /// ranks that are threads (they share one process) or where `/proc` is missing.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl RankSummary {
+    /// The summary of a rank that ran in this process.
+    pub fn of<M>(r: &RankResult<M>) -> RankSummary {
+        RankSummary {
+            rank: r.rank,
+            losses: r.losses.clone(),
+            step_info: r.step_info.clone(),
+            traffic: r.traffic.clone(),
+            memory: r.memory,
+            peak_rss_bytes: None,
+        }
+    }
+}
+
+/// The process's peak resident set (`VmHWM`), where `/proc` has it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// One rank of a job whose ranks are processes (MPI, NCCL): trains `run.steps` steps on `comm`
+/// from `model` (every rank must pass the same) and returns this rank's result and every rank's
+/// [`RankSummary`] in rank order, gathered over `comm` (so every rank can write the report).
+pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
+    comm: C,
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<(RankResult<M>, Vec<RankSummary>)> {
+    let builder = engine_builder(&plan, comm, model, options);
+    let mut t = builder.build()?;
+    let result = run_engine(&mut t, corpus, options, run, on_step)?;
+    let mine = RankSummary {
+        peak_rss_bytes: peak_rss_bytes(),
+        ..RankSummary::of(&result)
+    };
+    // Losses travel as bits: JSON has no NaN.
+    #[derive(Serialize, Deserialize)]
+    struct Wire {
+        summary: RankSummary,
+        loss_bits: Vec<u32>,
+    }
+    let wire = Wire {
+        loss_bits: mine.losses.iter().map(|l| l.to_bits()).collect(),
+        summary: RankSummary {
+            losses: Vec::new(),
+            ..mine
+        },
+    };
+    let json = serde_json::to_vec(&wire).map_err(|e| crate::Error::Model(e.to_string()))?;
+    let all = crate::checkpoint::all_gather_bytes(t.ckpt_world(), &json)?
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let w: Wire = serde_json::from_slice(b).map_err(|e| {
+                crate::Error::Model(format!("the run summary from rank {r} is unreadable: {e}"))
+            })?;
+            Ok(RankSummary {
+                losses: w.loss_bits.into_iter().map(f32::from_bits).collect(),
+                ..w.summary
+            })
+        })
+        .collect::<Result<Vec<RankSummary>>>()?;
+    Ok((result, all))
+}
+
 /// One rank's whole run: `run.steps` steps, then its report.
 fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     builder: EngineBuilder<C, M>,
@@ -142,11 +232,22 @@ fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<RankResult<M>> {
     let mut t = builder.build()?;
+    run_engine(&mut t, corpus, options, run, on_step)
+}
+
+/// `run.steps` steps of a built engine, then its report.
+fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
+    t: &mut ZeroEngine<C, M>,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<RankResult<M>> {
     let mut losses = Vec::with_capacity(run.steps as usize);
     let mut micro_losses = Vec::with_capacity(run.steps as usize);
     let mut step_info = Vec::with_capacity(run.steps as usize);
     for s in 0..run.steps {
-        let out = corpus_step(&mut t, corpus, &options)?;
+        let out = corpus_step(t, corpus, &options)?;
         if t.rank() == 0 {
             on_step(s, out.loss);
         }

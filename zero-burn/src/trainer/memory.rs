@@ -1,10 +1,10 @@
 //! What a rank measured, in the plan's memory categories.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use zero_core::MemoryModel;
 
 /// Measured bytes per rank, in the plan's categories.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MeasuredMemory {
     /// Parameter storage held by the model plus the stage-3 shard.
     pub parameters: u64,

@@ -282,6 +282,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         let segments = model.num_segments();
         let param_segment = crate::segmented::param_segments(&model, &params)?;
+        // Every local check is done: now every rank must agree before anything moves.
+        crate::engine::check_ranks_agree(&mut world, &plan, &options, &model)?;
         let units = plan.units();
         let mut completes_at = vec![Vec::new(); segments];
         let mut seg_units = vec![Vec::new(); segments];

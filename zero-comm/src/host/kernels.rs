@@ -15,7 +15,7 @@ const BLOCK: usize = 2048;
 ///
 /// `src` must be valid for reads and `dst` for writes of `len` elements, the two ranges must not
 /// overlap, and no other thread may write `src` or access `dst` during the call.
-pub(super) unsafe fn copy<E: Element>(src: *const E, dst: *mut E, len: usize) {
+pub(crate) unsafe fn copy<E: Element>(src: *const E, dst: *mut E, len: usize) {
     if len == 0 {
         return;
     }
@@ -37,7 +37,7 @@ pub(super) unsafe fn copy<E: Element>(src: *const E, dst: *mut E, len: usize) {
 /// Every `inputs[k]` must be valid for reads and `out` for writes of `len` elements, and no other
 /// thread may write any of them or read `out` during the call. `out` may be exactly one of the
 /// inputs (same start), but must not partially overlap any input.
-pub(super) unsafe fn reduce<E: Element>(
+pub(crate) unsafe fn reduce<E: Element>(
     inputs: &[*const E],
     out: *mut E,
     len: usize,

@@ -36,7 +36,7 @@
 //!   [`Error::Timeout`] listing the missing ranks; the world is then aborted and every later call
 //!   fails fast with [`Error::Aborted`].
 
-mod kernels;
+pub(crate) mod kernels;
 pub(crate) mod loopback;
 pub(crate) mod rendezvous;
 
@@ -94,6 +94,34 @@ impl<E: Element> HostBuffer<E> {
     /// Whether the buffer is empty.
     pub fn is_empty(&self) -> bool {
         self.data.is_empty()
+    }
+}
+
+impl<E: Element> HostBuffer<E> {
+    /// `download`: copies the buffer into `dst`, which must have its length.
+    pub(crate) fn copy_to(&self, dst: &mut [E]) -> Result<()> {
+        if dst.len() != self.len() {
+            return Err(Error::BufferLength {
+                what: "download",
+                buffer: self.len(),
+                host: dst.len(),
+            });
+        }
+        dst.copy_from_slice(&self.data);
+        Ok(())
+    }
+
+    /// `upload_into`: overwrites the buffer with `src`, which must have its length.
+    pub(crate) fn copy_from(&mut self, src: &[E]) -> Result<()> {
+        if src.len() != self.len() {
+            return Err(Error::BufferLength {
+                what: "upload_into",
+                buffer: self.len(),
+                host: src.len(),
+            });
+        }
+        self.data.copy_from_slice(src);
+        Ok(())
     }
 }
 
@@ -340,27 +368,11 @@ impl Communicator for HostComm {
     }
 
     fn download<E: Element>(&self, buf: &HostBuffer<E>, dst: &mut [E]) -> Result<()> {
-        if dst.len() != buf.len() {
-            return Err(Error::BufferLength {
-                what: "download",
-                buffer: buf.len(),
-                host: dst.len(),
-            });
-        }
-        dst.copy_from_slice(&buf.data);
-        Ok(())
+        buf.copy_to(dst)
     }
 
     fn upload_into<E: Element>(&self, src: &[E], dst: &mut HostBuffer<E>) -> Result<()> {
-        if src.len() != dst.len() {
-            return Err(Error::BufferLength {
-                what: "upload_into",
-                buffer: dst.len(),
-                host: src.len(),
-            });
-        }
-        dst.data.copy_from_slice(src);
-        Ok(())
+        dst.copy_from(src)
     }
 
     fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {

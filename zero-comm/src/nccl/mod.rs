@@ -139,7 +139,6 @@
 
 pub mod bootstrap;
 mod options;
-mod validate;
 
 #[cfg(feature = "nccl")]
 mod backend;

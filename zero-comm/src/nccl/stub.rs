@@ -7,13 +7,12 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use zero_core::{Topology, TrafficTable};
+use zero_core::Topology;
 
 use super::Runtime;
 use super::bootstrap::{LaunchEnv, UniqueId};
 use super::options::{NcclOptions, WaitMode};
-use crate::communicator::Communicator;
-use crate::element::{Element, ReduceOp};
+use crate::element::Element;
 use crate::error::{Error, Result};
 
 fn not_compiled<T>() -> Result<T> {
@@ -133,99 +132,4 @@ impl NcclComm {
     }
 }
 
-impl Communicator for NcclComm {
-    type Buffer<E: Element> = NcclBuffer<E>;
-
-    fn rank(&self) -> usize {
-        match self.never {}
-    }
-
-    fn world_size(&self) -> usize {
-        match self.never {}
-    }
-
-    fn global_rank(&self) -> usize {
-        match self.never {}
-    }
-
-    fn members(&self) -> &[usize] {
-        match self.never {}
-    }
-
-    fn topology(&self) -> &Topology {
-        match self.never {}
-    }
-
-    fn alloc<E: Element>(&self, _len: usize) -> Result<NcclBuffer<E>> {
-        match self.never {}
-    }
-
-    fn upload<E: Element>(&self, _src: &[E]) -> Result<NcclBuffer<E>> {
-        match self.never {}
-    }
-
-    fn download<E: Element>(&self, _buf: &NcclBuffer<E>, _dst: &mut [E]) -> Result<()> {
-        match self.never {}
-    }
-
-    fn upload_into<E: Element>(&self, _src: &[E], _dst: &mut NcclBuffer<E>) -> Result<()> {
-        match self.never {}
-    }
-
-    fn buffer_len<E: Element>(&self, _buf: &NcclBuffer<E>) -> usize {
-        match self.never {}
-    }
-
-    fn all_gather<E: Element>(
-        &mut self,
-        _send: &NcclBuffer<E>,
-        _recv: &mut NcclBuffer<E>,
-    ) -> Result<()> {
-        match self.never {}
-    }
-
-    fn all_gather_in_place<E: Element>(&mut self, _buf: &mut NcclBuffer<E>) -> Result<()> {
-        match self.never {}
-    }
-
-    fn reduce_scatter<E: Element>(
-        &mut self,
-        _send: &NcclBuffer<E>,
-        _recv: &mut NcclBuffer<E>,
-        _op: ReduceOp,
-    ) -> Result<()> {
-        match self.never {}
-    }
-
-    fn all_reduce<E: Element>(&mut self, _buf: &mut NcclBuffer<E>, _op: ReduceOp) -> Result<()> {
-        match self.never {}
-    }
-
-    fn broadcast<E: Element>(&mut self, _buf: &mut NcclBuffer<E>, _root: usize) -> Result<()> {
-        match self.never {}
-    }
-
-    fn all_to_all<E: Element>(
-        &mut self,
-        _send: &NcclBuffer<E>,
-        _recv: &mut NcclBuffer<E>,
-    ) -> Result<()> {
-        match self.never {}
-    }
-
-    fn barrier(&mut self) -> Result<()> {
-        match self.never {}
-    }
-
-    fn split(&mut self, _color: usize, _key: usize) -> Result<NcclComm> {
-        match self.never {}
-    }
-
-    fn traffic(&self) -> &TrafficTable {
-        match self.never {}
-    }
-
-    fn abort(&mut self, _cause: String) {
-        match self.never {}
-    }
-}
+crate::uninhabited::uninhabited_communicator!(NcclComm, NcclBuffer);

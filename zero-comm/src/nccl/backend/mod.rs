@@ -22,11 +22,11 @@ use zero_core::{Collective, Topology, TrafficTable};
 use super::Runtime;
 use super::bootstrap::{self, LaunchEnv, UniqueId};
 use super::options::{NcclOptions, WaitMode};
-use super::validate::DESC_BYTES;
 use crate::communicator::Communicator;
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::{Error, Op, Result};
 use crate::validate::{Desc, measure, validate};
+use crate::wire::DESC_BYTES;
 use ffi::{Backoff, Fail, RawComm};
 
 /// Most collectives a [`WaitMode::Lazy`] communicator keeps in flight before waiting for the

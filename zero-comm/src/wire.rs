@@ -1,9 +1,11 @@
-//! The NCCL backend's wire encoding of call descriptors; the descriptors themselves, their checks
-//! and the logical traffic of a call live in [`crate::validate`], shared with the loopbacks.
+//! The wire encoding of call descriptors, for the backends whose ranks live in other processes
+//! (NCCL, MPI): each op first all-gathers every rank's encoded descriptor, then runs the checks of
+//! [`crate::validate`] on all of them. The descriptors themselves, their checks and the logical
+//! traffic of a call live there, shared with the loopbacks.
 //!
-//! Pure Rust, built with or without the `nccl` feature so that plain `cargo test` checks it.
+//! Pure Rust, built with or without those backends' features so that plain `cargo test` checks it.
 
-#![cfg_attr(not(feature = "nccl"), allow(dead_code))]
+#![cfg_attr(not(any(feature = "nccl", feature = "mpi")), allow(dead_code))]
 
 use zero_core::Collective;
 
@@ -107,7 +109,7 @@ impl Desc {
     pub(crate) fn from_bytes(bytes: &[u8], from: usize) -> Result<Desc> {
         let corrupt = |what: &str| {
             Error::Backend(format!(
-                "nccl: the call descriptor received from rank {from} is corrupt ({what}); \
+                "the call descriptor received from rank {from} is corrupt ({what}); \
                  did it call another op?"
             ))
         };

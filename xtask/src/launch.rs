@@ -1,0 +1,292 @@
+//! `cargo xtask launch`: torchrun for this project. Starts `--nproc-per-node` processes on this
+//! machine, each with torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), forwards their output line by
+//! line behind a `[rank k]` prefix, and stops all of them as soon as one fails.
+//!
+//! `-- train ARGS…` runs this xtask's `train` with `--launcher nccl` (one GPU per process, the
+//! NCCL communicator from the TCP bootstrap) and the world filled in when the arguments leave it
+//! out; any other command runs as given, with the same environment.
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+
+#[derive(Args, Debug)]
+pub(crate) struct LaunchArgs {
+    /// Processes on this machine (one per GPU).
+    #[arg(long)]
+    nproc_per_node: usize,
+    /// Machines in the job; run this command once on each, with its `--node-rank`.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This machine's index, `0..nnodes`.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of the machine with rank 0 (NCCL's bootstrap listens there).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the bootstrap on the machine with rank 0.
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// What each process runs: `train ARGS…` (this xtask's), or any program and its arguments.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+impl LaunchArgs {
+    /// Whether the processes run this xtask's `train`.
+    pub(crate) fn is_train(&self) -> bool {
+        self.command.first().is_some_and(|c| c == "train")
+    }
+}
+
+/// The arguments of each process: `train` gets the launcher and the world when they are missing.
+fn process_args(a: &LaunchArgs) -> Vec<String> {
+    let mut args = a.command.clone();
+    if a.is_train() {
+        let has = |flag: &str| {
+            args.iter()
+                .any(|x| x == flag || x.starts_with(&format!("{flag}=")))
+        };
+        let mut extra = Vec::new();
+        if !has("--launcher") {
+            extra.extend(["--launcher".to_string(), "nccl".to_string()]);
+        }
+        if !has("--world-size") {
+            extra.extend([
+                "--world-size".to_string(),
+                (a.nproc_per_node * a.nnodes).to_string(),
+            ]);
+        }
+        if !has("--ranks-per-node") {
+            extra.extend(["--ranks-per-node".to_string(), a.nproc_per_node.to_string()]);
+        }
+        args.extend(extra);
+    }
+    args
+}
+
+/// Where the processes' lines go: `(rank, from stderr, line)`.
+type Sink = Arc<dyn Fn(usize, bool, &str) + Send + Sync>;
+
+pub(crate) fn run(a: LaunchArgs) -> anyhow::Result<()> {
+    run_with(
+        a,
+        Arc::new(|rank, stderr, line| {
+            if stderr {
+                eprintln!("[rank {rank}] {line}");
+            } else {
+                println!("[rank {rank}] {line}");
+            }
+        }),
+    )
+}
+
+fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
+    if a.nproc_per_node == 0 || a.nnodes == 0 {
+        bail!("--nproc-per-node and --nnodes must be at least 1");
+    }
+    if a.node_rank >= a.nnodes {
+        bail!(
+            "--node-rank {} is not a node of --nnodes {}",
+            a.node_rank,
+            a.nnodes
+        );
+    }
+    let world = a.nproc_per_node * a.nnodes;
+    let args = process_args(&a);
+    let (program, rest) = if a.is_train() {
+        (
+            std::env::current_exe().context("cannot find this xtask's executable")?,
+            &args[..],
+        )
+    } else {
+        (args[0].clone().into(), &args[1..])
+    };
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut pumps = Vec::new();
+    for local in 0..a.nproc_per_node {
+        let rank = a.node_rank * a.nproc_per_node + local;
+        let mut cmd = Command::new(&program);
+        cmd.args(rest)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", a.nproc_per_node.to_string())
+            .env("GROUP_RANK", a.node_rank.to_string())
+            .env("MASTER_ADDR", &a.master_addr)
+            .env("MASTER_PORT", a.master_port.to_string())
+            // A release build runs as it is: no process rebuilds or re-executes itself.
+            .env("ZERO_XTASK_NO_RELEASE", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group, so that stopping it stops whatever it started too.
+            .process_group(0);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                stop(&mut children);
+                return Err(e).with_context(|| format!("cannot start rank {rank}: {program:?}"));
+            }
+        };
+        pumps.push(pump(rank, child.stdout.take(), false, sink.clone()));
+        pumps.push(pump(rank, child.stderr.take(), true, sink.clone()));
+        children.push((rank, child));
+    }
+    // Wait for all; the first failure stops the rest.
+    let mut failed = None;
+    while !children.is_empty() {
+        let mut i = 0;
+        while i < children.len() {
+            match children[i].1.try_wait()? {
+                Some(status) => {
+                    let (rank, _) = children.remove(i);
+                    if !status.success() && failed.is_none() {
+                        failed = Some((rank, status));
+                        stop(&mut children);
+                    }
+                }
+                None => i += 1,
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    match failed {
+        Some((rank, status)) => {
+            bail!("rank {rank} failed ({status}); the other ranks of this machine were stopped")
+        }
+        None => Ok(()),
+    }
+}
+
+/// Kills every child still running, with its process group, and reaps it.
+fn stop(children: &mut Vec<(usize, Child)>) {
+    for (_, c) in children.iter_mut() {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", c.id())])
+            .stderr(Stdio::null())
+            .status();
+        let _ = c.kill();
+    }
+    for (_, c) in children.iter_mut() {
+        let _ = c.wait();
+    }
+    children.clear();
+}
+
+/// Hands `from` line by line to `sink`.
+fn pump(
+    rank: usize,
+    from: Option<impl Read + Send + 'static>,
+    stderr: bool,
+    sink: Sink,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let Some(from) = from else { return };
+        for line in BufReader::new(from).lines() {
+            let Ok(line) = line else { break };
+            sink(rank, stderr, &line);
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(cmd: &[&str]) -> LaunchArgs {
+        LaunchArgs {
+            nproc_per_node: 2,
+            nnodes: 2,
+            node_rank: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            command: cmd.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn train_gets_the_launcher_and_the_world_unless_given() {
+        assert_eq!(
+            process_args(&args(&["train", "--steps", "5"])),
+            [
+                "train",
+                "--steps",
+                "5",
+                "--launcher",
+                "nccl",
+                "--world-size",
+                "4",
+                "--ranks-per-node",
+                "2"
+            ]
+        );
+        assert_eq!(
+            process_args(&args(&[
+                "train",
+                "--launcher=nccl",
+                "--world-size",
+                "4",
+                "--ranks-per-node",
+                "2"
+            ])),
+            [
+                "train",
+                "--launcher=nccl",
+                "--world-size",
+                "4",
+                "--ranks-per-node",
+                "2"
+            ]
+        );
+        assert_eq!(
+            process_args(&args(&["sh", "-c", "true"])),
+            ["sh", "-c", "true"]
+        );
+    }
+
+    #[test]
+    fn every_process_gets_torchrun_s_environment_and_a_failure_stops_the_rest() {
+        // Rank 3 (node 1, local 1) fails at once; rank 2 would sleep for a minute.
+        let a = args(&[
+            "sh",
+            "-c",
+            "echo \"env $RANK/$WORLD_SIZE local $LOCAL_RANK/$LOCAL_WORLD_SIZE node $GROUP_RANK \
+             $MASTER_ADDR:$MASTER_PORT\"; [ \"$RANK\" = 3 ] && exit 7; sleep 60",
+        ]);
+        let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = lines.clone();
+        let sink: Sink = Arc::new(move |rank, stderr, line| {
+            log.lock().unwrap().push(format!("{rank} {stderr} {line}"))
+        });
+        let start = std::time::Instant::now();
+        let e = run_with(a, sink.clone()).unwrap_err().to_string();
+        assert!(e.contains("rank 3 failed") && e.contains("7"), "{e}");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the sleeping rank was not stopped: {:?}",
+            start.elapsed()
+        );
+        let mut got = lines.lock().unwrap().clone();
+        got.sort();
+        assert_eq!(
+            got,
+            [
+                "2 false env 2/4 local 0/2 node 1 127.0.0.1:29500",
+                "3 false env 3/4 local 1/2 node 1 127.0.0.1:29500"
+            ]
+        );
+        let ok = run_with(args(&["sh", "-c", "echo oops >&2"]), sink);
+        assert!(ok.is_ok(), "{ok:?}");
+        assert!(lines.lock().unwrap().iter().any(|l| l == "2 true oops"));
+    }
+}

@@ -1,0 +1,624 @@
+//! [`MpiComm`] over rsmpi: non-blocking MPI collectives polled against a timeout, the host
+//! loopback's checks and reduction kernels, and the logical traffic of every call.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use mpi::collective::{CommunicatorCollectives as _, Root as _};
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::{Threading, Universe};
+use mpi::request::{Request, Scope, scope};
+use mpi::topology::Communicator as _;
+use mpi::topology::{Color, SimpleCommunicator};
+use zero_core::{Collective, Topology, TrafficTable};
+
+use super::MpiOptions;
+use crate::communicator::{Communicator, ReduceOrder};
+use crate::element::{Element, ReduceOp};
+use crate::error::{Error, Op, Result};
+use crate::host::HostBuffer;
+use crate::host::kernels;
+use crate::validate::{Desc, ar_chunk, measure, validate};
+use crate::wire::DESC_BYTES;
+
+/// The exit status of a job this backend aborts.
+const ABORT_CODE: i32 = 70;
+
+/// The MPI library's state in this process: initialised once, finalised when the last
+/// communicator drops.
+struct Process {
+    /// `None` when someone else initialised MPI (and will finalise it).
+    _universe: Option<Universe>,
+    /// The first failure of any communicator of this process, which poisons all of them.
+    failed: Mutex<Option<String>>,
+}
+
+enum State {
+    Uninit,
+    Live(Weak<Process>),
+    Finalized,
+}
+
+static STATE: Mutex<State> = Mutex::new(State::Uninit);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        // Runs before `_universe` finalises MPI.
+        *STATE.lock().unwrap_or_else(PoisonError::into_inner) = State::Finalized;
+    }
+}
+
+impl Process {
+    fn get() -> Result<Arc<Process>> {
+        let mut state = STATE.lock().unwrap_or_else(PoisonError::into_inner);
+        if let State::Live(w) = &*state
+            && let Some(p) = w.upgrade()
+        {
+            return Ok(p);
+        }
+        if matches!(*state, State::Finalized) || mpi::is_finalized() {
+            return Err(Error::Backend(
+                "mpi: MPI was finalised in this process (its last communicator dropped) and \
+                 cannot be initialised again"
+                    .into(),
+            ));
+        }
+        let universe = match mpi::initialize_with_threading(Threading::Serialized) {
+            Some((u, provided)) => {
+                if matches!(provided, Threading::Single | Threading::Funneled) {
+                    return Err(Error::Backend(format!(
+                        "mpi: the library provides thread level {provided:?}; zero-comm needs \
+                         MPI_THREAD_SERIALIZED"
+                    )));
+                }
+                Some(u)
+            }
+            None => None,
+        };
+        let p = Arc::new(Process {
+            _universe: universe,
+            failed: Mutex::new(None),
+        });
+        *state = State::Live(Arc::downgrade(&p));
+        Ok(p)
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// Ends every process of the MPI job with status `code` (`MPI_Abort` on `MPI_COMM_WORLD`), or
+/// just this process when MPI is not running. For a rank that stops with an error while its
+/// peers may be waiting for it in a collective.
+pub fn abort_job(code: i32) -> ! {
+    if mpi::is_initialized() && !mpi::is_finalized() {
+        SimpleCommunicator::world().abort(code)
+    }
+    std::process::exit(code)
+}
+
+/// Prints `e` and aborts the job: the end of a wait that MPI cannot cancel.
+fn fatal(e: &Error) -> ! {
+    eprintln!("zero-comm mpi: {e}; aborting the MPI job");
+    abort_job(ABORT_CODE)
+}
+
+/// One rank of an MPI communicator: a duplicate of `MPI_COMM_WORLD`, or a communicator split
+/// from one. Host buffers; see the [module docs](super).
+pub struct MpiComm {
+    // Declared first so that it is freed before `process` may finalise MPI.
+    comm: SimpleCommunicator,
+    process: Arc<Process>,
+    topology: Arc<Topology>,
+    rank: usize,
+    members: Arc<[usize]>,
+    timeout: Duration,
+    check_peers: bool,
+    order: ReduceOrder,
+    traffic: TrafficTable,
+    aborted: Option<String>,
+}
+
+// SAFETY: MPI is initialised at `MPI_THREAD_SERIALIZED`, so MPI may be called from any thread as
+// long as calls do not overlap; `MpiComm` is not `Sync` and every call takes `&self` or `&mut self`
+// of one communicator, and the module docs require one thread at a time per process.
+unsafe impl Send for MpiComm {}
+
+impl fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.members.len())
+            .field("global_rank", &self.global_rank())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            eprintln!(
+                "zero-comm mpi: rank {} panicked; aborting the MPI job so its peers do not wait",
+                self.global_rank()
+            );
+            abort_job(ABORT_CODE);
+        }
+    }
+}
+
+/// `slice` as bytes, checked against MPI's `int` count.
+fn bytes<E: Element>(op: Op, slice: &[E]) -> Result<&[u8]> {
+    fits(op, size_of_val(slice))?;
+    Ok(bytemuck::cast_slice(slice))
+}
+
+fn bytes_mut<E: Element>(op: Op, slice: &mut [E]) -> Result<&mut [u8]> {
+    fits(op, size_of_val(slice))?;
+    Ok(bytemuck::cast_slice_mut(slice))
+}
+
+fn fits(op: Op, n: usize) -> Result<()> {
+    if i32::try_from(n).is_err() {
+        return Err(Error::Backend(format!(
+            "mpi: {op} passes a buffer of {n} bytes, over MPI's limit of {} bytes per buffer; \
+             use smaller buckets",
+            i32::MAX
+        )));
+    }
+    Ok(())
+}
+
+/// Counts and displacements, in bytes, of the chunks `(offset, len)` (elements of `eb` bytes).
+fn partition(chunks: impl Iterator<Item = (usize, usize)>, eb: usize) -> (Vec<i32>, Vec<i32>) {
+    // Every chunk lies within a buffer already checked by `fits`, so the casts cannot overflow.
+    chunks
+        .map(|(off, len)| ((len * eb) as i32, (off * eb) as i32))
+        .unzip()
+}
+
+impl MpiComm {
+    /// This rank of a duplicate of `MPI_COMM_WORLD`, initialising MPI if needed. The topology's
+    /// nodes come from MPI (shared-memory neighbours) unless
+    /// [`ranks_per_node`](MpiOptions::ranks_per_node) says otherwise. Collective over the world.
+    pub fn world(opts: MpiOptions) -> Result<MpiComm> {
+        let process = Process::get()?;
+        let comm = SimpleCommunicator::world().duplicate();
+        let n = comm.size() as usize;
+        let me = comm.rank() as usize;
+        let mut c = MpiComm {
+            comm,
+            process,
+            topology: Arc::new(Topology::single_node(n)?),
+            rank: me,
+            members: (0..n).collect(),
+            timeout: opts.timeout,
+            check_peers: opts.check_peers,
+            order: opts.reduce_order,
+            traffic: TrafficTable::new(),
+            aborted: None,
+        };
+        let per_node = match opts.ranks_per_node {
+            Some(l) => l,
+            None => c.ranks_per_node()?,
+        };
+        c.topology = Arc::new(Topology::new(n, per_node)?);
+        Ok(c)
+    }
+
+    /// The timeout every wait of this communicator uses.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Ranks per node as MPI places them: equal contiguous blocks, or an error saying how not.
+    fn ranks_per_node(&self) -> Result<usize> {
+        let shared = self.comm.split_shared(0);
+        let mine = [shared.size(), shared.rank()];
+        let n = self.members.len();
+        let mut all = vec![0i32; 2 * n];
+        let start = Instant::now();
+        scope(|sc| {
+            let req = self
+                .comm
+                .immediate_all_gather_into(sc, &mine[..], &mut all[..]);
+            self.wait(Op::Split, start, req);
+        });
+        let l = all[0];
+        for (j, p) in all.chunks_exact(2).enumerate() {
+            if p[0] != l || p[1] as usize != j % l.max(1) as usize {
+                return Err(Error::Backend(format!(
+                    "mpi: ranks are not placed in equal contiguous blocks per node (rank {j} is \
+                     local rank {} of {} on its node, rank 0 has {l} on its node); launch with \
+                     `--map-by slot` or set {}",
+                    p[1],
+                    p[0],
+                    super::ENV_RANKS_PER_NODE
+                )));
+            }
+        }
+        Ok(l as usize)
+    }
+
+    /// Polls `req` until it completes; past the timeout, aborts the job (see the module docs).
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(
+        &self,
+        op: Op,
+        start: Instant,
+        mut req: Request<'a, D, S>,
+    ) {
+        let mut polls = 0u32;
+        loop {
+            req = match req.test() {
+                Ok(_) => return,
+                Err(r) => r,
+            };
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let me = self.global_rank();
+                fatal(&Error::Timeout {
+                    op,
+                    rank: me,
+                    waited,
+                    missing: self.members.iter().copied().filter(|&g| g != me).collect(),
+                });
+            }
+            // Progress happens inside `MPI_Test`: poll often while the op is young, then back
+            // off so that oversubscribed ranks leave their cores to the peers they wait for.
+            polls += 1;
+            if polls < 32 {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(5) {
+                thread::yield_now();
+            } else {
+                thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+
+    /// The prologue of every op: fails if aborted, then checks `desc` against every rank's (with
+    /// `check_peers`, or when `all` is set) or against this rank's own lengths, and returns the
+    /// descriptors it saw.
+    fn open(&self, desc: Desc, all: bool) -> Result<Vec<Desc>> {
+        let me = self.global_rank();
+        if let Some(cause) = self.aborted.clone().or_else(|| self.process.failure()) {
+            return Err(Error::Aborted {
+                op: desc.op,
+                rank: me,
+                cause,
+            });
+        }
+        let n = self.members.len();
+        if !(self.check_peers || all) {
+            validate(&[desc], &[me], n)?;
+            return Ok(vec![desc]);
+        }
+        let mine = desc.to_bytes();
+        let mut wire = vec![0u8; DESC_BYTES * n];
+        let start = Instant::now();
+        scope(|sc| {
+            let req = self
+                .comm
+                .immediate_all_gather_into(sc, &mine[..], &mut wire[..]);
+            self.wait(desc.op, start, req);
+        });
+        let calls = wire
+            .chunks_exact(DESC_BYTES)
+            .zip(self.members.iter())
+            .map(|(b, &g)| Desc::from_bytes(b, g))
+            .collect::<Result<Vec<_>>>()?;
+        validate(&calls, &self.members, n)?;
+        Ok(calls)
+    }
+
+    fn account<E: Element>(&mut self, desc: &Desc) {
+        let t = measure(
+            &self.topology,
+            &self.members,
+            self.rank,
+            desc,
+            size_of::<E>(),
+        );
+        if let Some(c) = desc.op.collective() {
+            self.traffic.record(c, t);
+        }
+    }
+
+    fn desc<E: Element>(op: Collective, send_len: usize, recv_len: usize) -> Desc {
+        Desc {
+            dtype: Some(E::DTYPE),
+            send_len,
+            recv_len,
+            ..Desc::new(op)
+        }
+    }
+
+    /// `MPI_Iallgather` of `send` into `recv`, waited for. Nothing to move is no MPI call
+    /// (OpenMPI rejects the equal dangling pointers of two empty buffers).
+    fn gather_bytes(&self, op: Op, send: &[u8], recv: &mut [u8]) {
+        if recv.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        scope(|sc| {
+            let req = self.comm.immediate_all_gather_into(sc, send, recv);
+            self.wait(op, start, req);
+        });
+    }
+
+    /// `MPI_Ialltoall` of `send` into `recv`, waited for.
+    fn exchange_bytes(&self, op: Op, send: &[u8], recv: &mut [u8]) {
+        if recv.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        scope(|sc| {
+            let req = self.comm.immediate_all_to_all_into(sc, send, recv);
+            self.wait(op, start, req);
+        });
+    }
+
+    /// Sums the `n` chunks of `c` elements of `gathered` (chunk `j` from group rank `j`) into `out`.
+    fn reduce_chunks<E: Element>(&self, gathered: &[E], out: &mut [E], op: ReduceOp) {
+        let c = out.len();
+        debug_assert_eq!(gathered.len(), c * self.members.len());
+        let inputs: Vec<*const E> = (0..self.members.len())
+            .map(|j| gathered.as_ptr().wrapping_add(j * c))
+            .collect();
+        // SAFETY: each input is a chunk of `c` elements inside `gathered`, which lives and is not
+        // written during the call; `out` is a distinct buffer of `c` elements.
+        unsafe { kernels::reduce(&inputs, out.as_mut_ptr(), c, op, self.order) };
+    }
+}
+
+impl Communicator for MpiComm {
+    type Buffer<E: Element> = HostBuffer<E>;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn global_rank(&self) -> usize {
+        self.members[self.rank]
+    }
+
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    fn alloc<E: Element>(&self, len: usize) -> Result<HostBuffer<E>> {
+        Ok(HostBuffer::from_vec(vec![E::zeroed(); len]))
+    }
+
+    fn upload<E: Element>(&self, src: &[E]) -> Result<HostBuffer<E>> {
+        Ok(HostBuffer::from_vec(src.to_vec()))
+    }
+
+    fn download<E: Element>(&self, buf: &HostBuffer<E>, dst: &mut [E]) -> Result<()> {
+        buf.copy_to(dst)
+    }
+
+    fn upload_into<E: Element>(&self, src: &[E], dst: &mut HostBuffer<E>) -> Result<()> {
+        dst.copy_from(src)
+    }
+
+    fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {
+        buf.len()
+    }
+
+    fn all_gather<E: Element>(
+        &mut self,
+        send: &HostBuffer<E>,
+        recv: &mut HostBuffer<E>,
+    ) -> Result<()> {
+        let d = Self::desc::<E>(Collective::AllGather, send.len(), recv.len());
+        self.open(d, false)?;
+        let s = bytes(d.op, send.as_slice())?;
+        let r = bytes_mut(d.op, recv.as_mut_slice())?;
+        self.gather_bytes(d.op, s, r);
+        self.account::<E>(&d);
+        Ok(())
+    }
+
+    fn all_gather_in_place<E: Element>(&mut self, buf: &mut HostBuffer<E>) -> Result<()> {
+        let n = self.members.len();
+        let c = buf.len() / n;
+        let d = Desc {
+            in_place: true,
+            ..Self::desc::<E>(Collective::AllGather, c, buf.len())
+        };
+        self.open(d, false)?;
+        let own = buf.as_slice()[self.rank * c..(self.rank + 1) * c].to_vec();
+        let r = bytes_mut(d.op, buf.as_mut_slice())?;
+        self.gather_bytes(d.op, bytemuck::cast_slice(&own), r);
+        self.account::<E>(&d);
+        Ok(())
+    }
+
+    fn reduce_scatter<E: Element>(
+        &mut self,
+        send: &HostBuffer<E>,
+        recv: &mut HostBuffer<E>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let d = Desc {
+            reduce: Some(op),
+            ..Self::desc::<E>(Collective::ReduceScatter, send.len(), recv.len())
+        };
+        self.open(d, false)?;
+        let mut gathered = vec![E::zeroed(); send.len()];
+        let s = bytes(d.op, send.as_slice())?;
+        self.exchange_bytes(d.op, s, bytemuck::cast_slice_mut(&mut gathered));
+        self.reduce_chunks(&gathered, recv.as_mut_slice(), op);
+        self.account::<E>(&d);
+        Ok(())
+    }
+
+    fn all_reduce<E: Element>(&mut self, buf: &mut HostBuffer<E>, op: ReduceOp) -> Result<()> {
+        let (n, me, len) = (self.members.len(), self.rank, buf.len());
+        let d = Desc {
+            reduce: Some(op),
+            ..Self::desc::<E>(Collective::AllReduce, len, len)
+        };
+        self.open(d, false)?;
+        if len == 0 {
+            self.account::<E>(&d);
+            return Ok(());
+        }
+        let eb = size_of::<E>();
+        let (off, mine) = ar_chunk(len, n, me);
+        // Reduce-scatter half: chunk `j` of every rank goes to rank `j`.
+        let (send_counts, send_displs) = partition((0..n).map(|j| ar_chunk(len, n, j)), eb);
+        let (recv_counts, recv_displs) = partition((0..n).map(|j| (j * mine, mine)), eb);
+        let mut gathered = vec![E::zeroed(); n * mine];
+        let s = bytes(d.op, buf.as_slice())?;
+        fits(d.op, gathered.len() * eb)?;
+        let send = Partition::new(s, send_counts, send_displs);
+        let g: &mut [u8] = bytemuck::cast_slice_mut(&mut gathered);
+        let mut recv = PartitionMut::new(g, recv_counts, recv_displs);
+        let start = Instant::now();
+        scope(|sc| {
+            let req = self
+                .comm
+                .immediate_all_to_all_varcount_into(sc, &send, &mut recv);
+            self.wait(d.op, start, req);
+        });
+        let mut reduced = vec![E::zeroed(); mine];
+        self.reduce_chunks(&gathered, &mut reduced, op);
+        // All-gather half: every rank's reduced chunk to every rank, at its offset.
+        let (counts, displs) = partition((0..n).map(|j| ar_chunk(len, n, j)), eb);
+        debug_assert_eq!(displs[me] as usize, off * eb);
+        let b = bytes_mut(d.op, buf.as_mut_slice())?;
+        let mut recv = PartitionMut::new(b, counts, displs);
+        let start = Instant::now();
+        scope(|sc| {
+            let req = self.comm.immediate_all_gather_varcount_into(
+                sc,
+                bytemuck::cast_slice::<E, u8>(&reduced),
+                &mut recv,
+            );
+            self.wait(d.op, start, req);
+        });
+        self.account::<E>(&d);
+        Ok(())
+    }
+
+    fn broadcast<E: Element>(&mut self, buf: &mut HostBuffer<E>, root: usize) -> Result<()> {
+        let d = Desc {
+            root: Some(root),
+            ..Self::desc::<E>(Collective::Broadcast, buf.len(), buf.len())
+        };
+        self.open(d, false)?;
+        let b = bytes_mut(d.op, buf.as_mut_slice())?;
+        if !b.is_empty() {
+            let start = Instant::now();
+            let root = self.comm.process_at_rank(root as i32);
+            scope(|sc| {
+                let req = root.immediate_broadcast_into(sc, b);
+                self.wait(d.op, start, req);
+            });
+        }
+        self.account::<E>(&d);
+        Ok(())
+    }
+
+    fn all_to_all<E: Element>(
+        &mut self,
+        send: &HostBuffer<E>,
+        recv: &mut HostBuffer<E>,
+    ) -> Result<()> {
+        let d = Self::desc::<E>(Collective::AllToAll, send.len(), recv.len());
+        self.open(d, false)?;
+        let s = bytes(d.op, send.as_slice())?;
+        let r = bytes_mut(d.op, recv.as_mut_slice())?;
+        self.exchange_bytes(d.op, s, r);
+        self.account::<E>(&d);
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let d = Desc::new(Collective::Barrier);
+        self.open(d, false)?;
+        let start = Instant::now();
+        let req = self.comm.immediate_barrier();
+        self.wait(d.op, start, req);
+        self.account::<u8>(&d);
+        Ok(())
+    }
+
+    fn split(&mut self, color: usize, key: usize) -> Result<MpiComm> {
+        let d = Desc {
+            color,
+            key,
+            ..Desc::new(Op::Split)
+        };
+        let calls = self.open(d, true)?;
+        // The new group: the ranks of this colour, ordered by (key, rank). MPI gets the colours
+        // numbered densely and the new rank as key, so no value needs to fit an `int`.
+        let mut colors: Vec<usize> = calls.iter().map(|c| c.color).collect();
+        colors.sort_unstable();
+        colors.dedup();
+        let dense = colors.binary_search(&color).unwrap_or_default();
+        let mut group: Vec<usize> = (0..calls.len())
+            .filter(|&j| calls[j].color == color)
+            .collect();
+        group.sort_by_key(|&j| (calls[j].key, j));
+        let rank = group.iter().position(|&j| j == self.rank).unwrap_or(0);
+        let members: Arc<[usize]> = group.iter().map(|&j| self.members[j]).collect();
+        let comm = self
+            .comm
+            .split_by_color_with_key(Color::with_value(dense as i32), rank as i32)
+            .ok_or_else(|| Error::Backend("mpi: MPI_Comm_split returned no communicator".into()))?;
+        if comm.size() as usize != members.len() || comm.rank() as usize != rank {
+            return Err(Error::Backend(format!(
+                "mpi: MPI_Comm_split made rank {} of {}, expected rank {rank} of {}",
+                comm.rank(),
+                comm.size(),
+                members.len()
+            )));
+        }
+        Ok(MpiComm {
+            comm,
+            process: self.process.clone(),
+            topology: self.topology.clone(),
+            rank,
+            members,
+            timeout: self.timeout,
+            check_peers: self.check_peers,
+            order: self.order,
+            traffic: TrafficTable::new(),
+            aborted: None,
+        })
+    }
+
+    fn reduce_order(&self) -> Option<ReduceOrder> {
+        Some(self.order)
+    }
+
+    fn traffic(&self) -> &TrafficTable {
+        &self.traffic
+    }
+
+    fn abort(&mut self, cause: String) {
+        self.aborted.get_or_insert(cause.clone());
+        self.process
+            .failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(cause);
+    }
+}
