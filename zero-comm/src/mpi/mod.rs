@@ -32,6 +32,10 @@
 //! | barrier | `MPI_Ibarrier` |
 //! | split | the descriptor exchange (colour, key), then `MPI_Comm_split` with the colours numbered densely and the key the new rank |
 //!
+//! Reductions receive the `n` chunks they sum into a scratch buffer that the communicator keeps
+//! between calls (as large as its largest reduction input so far, plus one chunk): memory the host
+//! loopback, which reads its peers in place, does not need.
+//!
 //! Payloads travel as bytes, so one message per peer is limited to MPI's `int` count, 2 GiB - 1
 //! bytes; a larger call fails on every rank before anything moves.
 //!
