@@ -27,6 +27,18 @@ enum CkptCommand {
         /// The checkpoint root.
         dir: PathBuf,
     },
+    /// Delete old checkpoints: every committed tag but the newest `--keep` (never the one LATEST
+    /// names), and the staging directories crashed saves left. Do not run it while a job saves.
+    Gc {
+        /// The checkpoint root.
+        dir: PathBuf,
+        /// Committed checkpoints to keep, newest first (LATEST's is always kept).
+        #[arg(long, default_value_t = 1)]
+        keep: usize,
+        /// Print what would be deleted and delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Write the parameters as one safetensors file (burn's parameter paths as names).
     Export {
         /// The checkpoint root.
@@ -102,6 +114,7 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        CkptCommand::Gc { dir, keep, dry_run } => gc(&dir, keep, dry_run),
         CkptCommand::Export { dir, out, dtype } => {
             let parent = out
                 .parent()
@@ -128,4 +141,74 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `ckpt gc`: see [`CkptCommand::Gc`].
+pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        keep >= 1,
+        "--keep 0 would delete the checkpoint LATEST names"
+    );
+    // LATEST is checked (length and crc of its manifest) before anything is deleted.
+    let (latest, _) = read_manifest(&open(dir)?)
+        .with_context(|| format!("{}: no valid LATEST; nothing deleted", dir.display()))?;
+    let mut tags = Vec::new();
+    let mut staging = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !e.file_type()?.is_dir() {
+            continue;
+        }
+        if name.starts_with("step-") {
+            tags.push(name);
+        } else if name.starts_with(".staging-") {
+            staging.push(name);
+        }
+    }
+    // Tags are `step-NNNNNNNN`: zero-padded, so the names sort by step.
+    tags.sort();
+    let mut doomed: Vec<String> = tags
+        .iter()
+        .rev()
+        .filter(|t| **t != latest)
+        .skip(keep - 1)
+        .cloned()
+        .collect();
+    doomed.extend(staging);
+    let mut freed = 0u64;
+    for name in &doomed {
+        let path = dir.join(name);
+        let bytes = dir_bytes(&path);
+        freed += bytes;
+        println!(
+            "{} {} ({bytes} bytes)",
+            if dry_run { "would delete" } else { "deleting" },
+            path.display()
+        );
+        if !dry_run {
+            std::fs::remove_dir_all(&path)
+                .with_context(|| format!("cannot delete {}", path.display()))?;
+        }
+    }
+    println!(
+        "{}: kept {latest} (LATEST) and {} more; {} {} directories, {freed} bytes",
+        dir.display(),
+        tags.len().saturating_sub(1).min(keep - 1),
+        if dry_run { "would delete" } else { "deleted" },
+        doomed.len()
+    );
+    Ok(())
+}
+
+fn dir_bytes(p: &std::path::Path) -> u64 {
+    std::fs::read_dir(p)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
 }

@@ -92,6 +92,22 @@ pub(crate) struct TrainArgs {
     /// is one rank of a torchrun-style launch, `cargo xtask launch`, on the GPU `LOCAL_RANK`).
     #[arg(long, default_value = "threads")]
     launcher: String,
+    /// Save a checkpoint after every N optimizer steps, and after the last (into --save-dir,
+    /// by default `<run dir>/checkpoints`).
+    #[arg(long)]
+    save_every: Option<u64>,
+    /// Where checkpoints are saved (a save also happens after the last step). Default: the
+    /// --resume directory, or `<run dir>/checkpoints` with --save-every.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Continue from the checkpoint `LATEST` names in this directory; `--steps` counts optimizer
+    /// steps in all, so the run goes on from the checkpoint's step up to it.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// With --resume: the checkpoint may come from another plan (world size, ranks per node,
+    /// stage, buckets, hpZ); it is resharded on load. Without it, another plan is refused.
+    #[arg(long)]
+    reshard: bool,
 }
 
 impl TrainArgs {
@@ -259,6 +275,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| default_run_dir(job.zero.stage));
+    job.checkpoint = checkpointing(&a, &out, job.steps)?;
     match a.launcher.as_str() {
         "threads" => {}
         "mpi" if zero_comm::mpi::launched_by_mpi() => return crate::procs::mpi_rank(&job, &out),
@@ -324,6 +341,75 @@ pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> a
         bail!("measured bytes differ from the plan (see the tables above and report.json)");
     }
     Ok(())
+}
+
+/// The run's checkpointing from the flags: the save and resume stores, checked before any rank
+/// starts (a resume needs a committed checkpoint).
+fn checkpointing(
+    a: &TrainArgs,
+    out: &Path,
+    steps: u64,
+) -> anyhow::Result<Option<zero_burn::demo::run::Checkpointing>> {
+    use std::sync::Arc;
+    use zero_burn::checkpoint::{DirStorage, Storage, read_manifest};
+    if a.reshard && a.resume.is_none() {
+        bail!("--reshard needs --resume DIR (it reshards the checkpoint being loaded)");
+    }
+    if a.save_every == Some(0) {
+        bail!("--save-every 0: expected a number of steps of at least 1");
+    }
+    let save_dir = a
+        .save_dir
+        .clone()
+        .or_else(|| a.resume.clone())
+        .or_else(|| a.save_every.map(|_| out.join("checkpoints")));
+    if save_dir.is_none() && a.resume.is_none() {
+        return Ok(None);
+    }
+    let resume: Option<Arc<dyn Storage>> = match &a.resume {
+        None => None,
+        Some(dir) => {
+            anyhow::ensure!(
+                dir.is_dir(),
+                "--resume {}: no such directory",
+                dir.display()
+            );
+            let store = DirStorage::new(dir)?;
+            let (tag, m) = read_manifest(&store)
+                .with_context(|| format!("--resume {}: no checkpoint to resume", dir.display()))?;
+            // Under a launcher every process reads it; one says so.
+            let quiet = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"]
+                .iter()
+                .any(|v| std::env::var(v).is_ok_and(|r| r != "0"));
+            if !quiet {
+                eprintln!(
+                    "resuming from {} (step {}) in {}",
+                    tag,
+                    m.scalars.step,
+                    dir.display()
+                );
+            }
+            if m.scalars.step >= steps && !quiet {
+                eprintln!(
+                    "the checkpoint is at step {} and --steps is {steps}: nothing left to train",
+                    m.scalars.step
+                );
+            }
+            Some(Arc::new(store))
+        }
+    };
+    let save: Option<Arc<dyn Storage>> = match save_dir {
+        Some(d) => Some(Arc::new(DirStorage::new(&d).with_context(|| {
+            format!("cannot create checkpoint directory {}", d.display())
+        })?)),
+        None => None,
+    };
+    Ok(Some(zero_burn::demo::run::Checkpointing {
+        save,
+        save_every: a.save_every.unwrap_or(0),
+        resume,
+        reshard: a.reshard,
+    }))
 }
 
 fn precision_label(p: Precision) -> &'static str {
@@ -463,6 +549,26 @@ fn print_report(r: &RunReport) {
         "  measured traffic equals the plan on every rank: {}",
         if r.comm_matches_plan { "yes" } else { "NO" }
     );
+    if r.first_step > 0 {
+        println!(
+            "\nresumed at step {}: these figures cover steps {}..{}",
+            r.first_step,
+            r.first_step,
+            r.first_step + r.loss.len() as u64
+        );
+    }
+    if !r.saves.is_empty() {
+        println!("\ncheckpoints saved (rank 0: bytes written, wall time of the collective save)");
+        for c in &r.saves {
+            println!(
+                "  {}  step {:>6}  {:>12}  {:.3} s",
+                c.tag,
+                c.step,
+                human_bytes(c.bytes),
+                c.seconds
+            );
+        }
+    }
 }
 
 /// A dependency-free SVG line plot of the loss per step, with the floor if known.
@@ -568,6 +674,78 @@ mod tests {
             assert!(msg.contains(field), "{flags:?}: {msg}");
             assert!(!out.exists(), "{flags:?} left {}", out.display());
         }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    fn losses(dir: &Path) -> (u64, Vec<u32>) {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+        let loss = v["loss"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (x.as_f64().unwrap() as f32).to_bits())
+            .collect();
+        (v["first_step"].as_u64().unwrap(), loss)
+    }
+
+    /// `--save-every` saves every N steps and after the last; `--resume` continues bit-identically
+    /// up to `--steps` in all and saves into the same directory; another plan is refused without
+    /// `--reshard` and resharded with it; `ckpt gc` keeps the newest.
+    #[test]
+    fn save_resume_reshard_and_gc_from_the_command_line() {
+        let root = std::env::temp_dir().join(format!("zero-rs-train-ckpt-{}", std::process::id()));
+        let tiny = ["--model", "tiny", "--micro-batch", "2"];
+        fn with<'a>(tiny: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+            [tiny, extra].concat()
+        }
+        let with = |extra: &[&'static str]| with(&tiny, extra);
+        let whole = root.join("whole");
+        run(args(&whole, &with(&["--steps", "6"]))).unwrap();
+        let first = root.join("first");
+        run(args(&first, &with(&["--steps", "4", "--save-every", "2"]))).unwrap();
+        let ck = first.join("checkpoints");
+        let mut tags: Vec<String> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        tags.sort();
+        assert_eq!(tags, ["step-00000002", "step-00000004"]);
+        let ck_s: &'static str = Box::leak(ck.to_str().unwrap().to_owned().into_boxed_str());
+        let second = root.join("second");
+        run(args(&second, &with(&["--steps", "6", "--resume", ck_s]))).unwrap();
+        let (start, tail) = losses(&second);
+        let (_, all) = losses(&whole);
+        assert_eq!(start, 4);
+        assert_eq!(
+            tail,
+            all[4..],
+            "the resumed steps differ from the uninterrupted run"
+        );
+        // Another world without --reshard is refused, naming the plan; with it, it runs.
+        let other = ["--world-size", "2", "--ranks-per-node", "1", "--steps", "7"];
+        let e = run(args(
+            &root.join("other"),
+            &with(&[&other[..], &["--resume", ck_s]].concat()),
+        ))
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("plan"), "{e:#}");
+        let resharded = root.join("resharded");
+        run(args(
+            &resharded,
+            &with(&[&other[..], &["--resume", ck_s, "--reshard"]].concat()),
+        ))
+        .unwrap();
+        assert_eq!(losses(&resharded).0, 6);
+        crate::ckpt::gc(&ck, 1, false).unwrap();
+        let left: Vec<String> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        assert_eq!(left, ["step-00000007"]);
+        assert!(run(args(&root.join("bad"), &with(&["--reshard"]))).is_err());
         let _ = std::fs::remove_dir_all(&root);
     }
 }

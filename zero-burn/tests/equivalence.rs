@@ -233,6 +233,7 @@ fn zeropp_converges_like_zero3_over_hundreds_of_steps() {
                 steps: LONG,
                 timeout: Duration::from_secs(60),
                 keep_final_params: false,
+                checkpoint: None,
             },
             &|_, _| {},
         )

@@ -2,7 +2,8 @@
 //! (2 nodes of 2) train the tiny GPT at stages 0–3, with hpZ, and with ZeRO++ (qwZ + hpZ + qgZ);
 //! every rank's losses and final parameters are bit-identical to the same job on 4 in-process
 //! ranks over the host loopback, and every rank's measured bytes equal the plan. Also: a rank
-//! started with another model fails every rank before any data moves.
+//! started with another model fails every rank before any data moves, and a rank killed in the
+//! middle of a checkpoint save leaves the previous checkpoint whole and resumable.
 //!
 //! The test launches this binary under `mpirun` (the harness of `zero-comm/tests/mpi`); inside
 //! the job each process runs the rank side and writes its numbers to a file the test reads.
@@ -98,6 +99,7 @@ fn rank_side() {
             steps: STEPS,
             timeout: Duration::from_secs(60),
             keep_final_params: true,
+            checkpoint: None,
         };
         let (res, summaries) = train_rank(
             harness::world(),
@@ -212,4 +214,146 @@ fn a_rank_started_with_another_model_or_config_fails_every_rank_before_data_move
     ) {
         job.assert_ranks_ok(4);
     }
+}
+
+/// A store that SIGKILLs its own process on the first write of the save of step 4: a rank dying
+/// in the middle of a collective save.
+#[derive(Debug)]
+struct DiesMidSave(zero_burn::checkpoint::DirStorage);
+
+impl zero_burn::checkpoint::Storage for DiesMidSave {
+    fn write(&self, path: &str, bytes: &[u8]) -> zero_burn::Result<()> {
+        if path.contains("00000004") {
+            let pid = std::process::id().to_string();
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid])
+                .status();
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        self.0.write(path, bytes)
+    }
+    fn sync_file(&self, path: &str) -> zero_burn::Result<()> {
+        self.0.sync_file(path)
+    }
+    fn rename(&self, from: &str, to: &str) -> zero_burn::Result<()> {
+        self.0.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &str) -> zero_burn::Result<()> {
+        self.0.sync_dir(dir)
+    }
+    fn create_dir(&self, dir: &str) -> zero_burn::Result<()> {
+        self.0.create_dir(dir)
+    }
+    fn read(&self, path: &str) -> zero_burn::Result<Option<Vec<u8>>> {
+        self.0.read(path)
+    }
+    fn size(&self, path: &str) -> zero_burn::Result<Option<u64>> {
+        self.0.size(path)
+    }
+    fn exists(&self, path: &str) -> zero_burn::Result<bool> {
+        self.0.exists(path)
+    }
+    fn list(&self, dir: &str) -> zero_burn::Result<Vec<String>> {
+        self.0.list(dir)
+    }
+}
+
+/// A rank killed (`kill -9`) in the middle of a save ends the job without a hang, and the
+/// checkpoint `LATEST` names is still the previous one, whole: it verifies and an in-process run
+/// resumes from it bit-identically to an uninterrupted one.
+#[test]
+fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
+    use zero_burn::checkpoint::{DirStorage, Storage, read_manifest, verify};
+    use zero_burn::demo::run::{Checkpointing, train_host};
+    if is_rank() {
+        let dir = std::env::var(OUT).unwrap();
+        let comm = harness::world();
+        let me = comm.rank();
+        let plain = DirStorage::new(&dir).unwrap();
+        let store: Arc<dyn Storage> = if me == 1 {
+            Arc::new(DiesMidSave(plain))
+        } else {
+            Arc::new(plain)
+        };
+        let (model, corpus) = tiny();
+        let cfg = configs().remove(3).1; // stage 3
+        let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
+        let run = HostRun {
+            checkpoint: Some(Checkpointing {
+                save: Some(store),
+                save_every: 2,
+                resume: None,
+                reshard: false,
+            }),
+            ..HostRun::new(6, Duration::from_secs(5))
+        };
+        let r = train_rank(comm, plan, model, &corpus, options(), run, &|_, _| {});
+        unreachable!(
+            "rank {me} finished a save with a dead peer: {:?}",
+            r.map(|_| ())
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("zero-burn-mpi-kill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let env = [(OUT, dir.display().to_string())];
+    let name = "a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable";
+    let Some(job) = launch(
+        name,
+        4,
+        2,
+        Duration::from_secs(5),
+        &env,
+        Duration::from_secs(120),
+    ) else {
+        return;
+    };
+    assert!(!job.success, "the job succeeded:\n{}", job.output);
+    assert!(
+        job.elapsed < Duration::from_secs(5 + 10),
+        "took {:?}",
+        job.elapsed
+    );
+    assert!(job.output.contains("rank 1"), "{}", job.output);
+    let store = DirStorage::new(&dir).unwrap();
+    let (tag, m) = read_manifest(&store).unwrap();
+    assert_eq!((tag.as_str(), m.scalars.step), ("step-00000002", 2));
+    verify(&store).unwrap();
+    // Resume in-process from it: steps 3-6 equal an uninterrupted run's.
+    let cfg = configs().remove(3).1;
+    let (model, corpus) = tiny();
+    let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
+    let resumed = train_host(
+        plan.clone(),
+        model.clone(),
+        &corpus,
+        options(),
+        HostRun {
+            checkpoint: Some(Checkpointing {
+                save: None,
+                save_every: 0,
+                resume: Some(Arc::new(store)),
+                reshard: false,
+            }),
+            ..HostRun::new(6, Duration::from_secs(30))
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    let whole = train_host(
+        plan,
+        model,
+        &corpus,
+        options(),
+        HostRun::new(6, Duration::from_secs(30)),
+        &|_, _| {},
+    )
+    .unwrap();
+    for (a, b) in resumed.iter().zip(&whole) {
+        assert_eq!(a.first_step, 2);
+        let want: Vec<u32> = b.losses[2..].iter().map(|l| l.to_bits()).collect();
+        let got: Vec<u32> = a.losses.iter().map(|l| l.to_bits()).collect();
+        assert_eq!(got, want, "rank {}", a.rank);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -108,6 +108,7 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
             steps: STEPS,
             timeout: Duration::from_secs(60),
             keep_final_params: true,
+            checkpoint: None,
         },
         &|_, _| {},
     )

@@ -54,6 +54,7 @@ fn run_config() -> HostRun {
         steps: STEPS,
         timeout: Duration::from_secs(120),
         keep_final_params: false,
+        checkpoint: None,
     }
 }
 
@@ -176,6 +177,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
         steps: 3,
         timeout: Duration::from_secs(120),
         keep_final_params: true,
+        checkpoint: None,
     };
     // (stage, accumulation, hpZ, overlap, qwZ + qgZ)
     for (stage, ga, hpz, overlap, zpp) in [
@@ -203,7 +205,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
                 gpu,
                 &corpus,
                 options(),
-                run,
+                run.clone(),
                 &|_, _| {},
                 grads,
             )

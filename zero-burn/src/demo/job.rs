@@ -10,7 +10,9 @@ use zero_core::{MemoryModel, Plan, Topology, TrafficTable, ZeroConfig};
 
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::GptConfig;
-use crate::demo::run::{HostRun, RankSummary, TrainOptions, train_host, train_rank};
+use crate::demo::run::{
+    Checkpointing, HostRun, RankSummary, SaveRecord, TrainOptions, train_host, train_rank,
+};
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
@@ -73,6 +75,9 @@ pub struct JobConfig {
     /// Collective timeout.
     #[serde(skip)]
     pub timeout: Duration,
+    /// Checkpoints to save and to resume from; `None`: neither.
+    #[serde(skip)]
+    pub checkpoint: Option<Checkpointing>,
 }
 
 impl JobConfig {
@@ -108,6 +113,7 @@ impl JobConfig {
             data: DataSource::Markov { vocab: 64 },
             backend: Backend::Host,
             timeout: Duration::from_secs(120),
+            checkpoint: None,
         }
     }
 
@@ -154,6 +160,12 @@ pub struct RunReport {
     pub comm_matches_plan: bool,
     /// Whether measured model-state bytes equal the plan on every rank.
     pub memory_matches_plan: bool,
+    /// The optimizer step the run started from: 0, or the resumed checkpoint's step. `loss`
+    /// holds the steps from there on.
+    pub first_step: u64,
+    /// The checkpoints saved (rank 0's bytes and seconds).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub saves: Vec<SaveRecord>,
     /// Each rank's process peak resident set, when every rank is a process of its own
     /// ([`run_job_rank`]); empty (and not written) when ranks are threads of one process.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -290,9 +302,8 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     } = prepare(job)?;
     let start = Instant::now();
     let run = HostRun {
-        steps: job.steps,
-        timeout: job.timeout,
-        keep_final_params: false,
+        checkpoint: job.checkpoint.clone(),
+        ..HostRun::new(job.steps, job.timeout)
     };
     let results = match &shared {
         None => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
@@ -364,9 +375,8 @@ pub fn run_job_rank<C: Communicator>(
     }
     let start = Instant::now();
     let run = HostRun {
-        steps: job.steps,
-        timeout: job.timeout,
-        keep_final_params: false,
+        checkpoint: job.checkpoint.clone(),
+        ..HostRun::new(job.steps, job.timeout)
     };
     let (_, summaries) = train_rank(
         comm,
@@ -399,7 +409,10 @@ fn report(
     results: &[RankSummary],
     wall: f64,
 ) -> Result<RunReport> {
-    let steps = job.steps as usize;
+    // A resumed run reports the steps it ran.
+    let first = &results[0];
+    let steps = first.losses.len();
+    let first_step = first.first_step;
     let loss = (0..steps)
         .map(|s| results.iter().map(|r| r.losses[s]).sum::<f32>() / results.len() as f32)
         .collect();
@@ -416,7 +429,6 @@ fn report(
             t
         })
         .collect();
-    let first = &results[0];
     for r in &results[1..] {
         if r.step_info != first.step_info {
             return Err(Error::Model(format!(
@@ -425,8 +437,9 @@ fn report(
             )));
         }
     }
-    let skipped_steps = (0..job.steps)
-        .filter(|&s| first.step_info[s as usize].skipped)
+    let skipped_steps = (0..steps)
+        .filter(|&s| first.step_info[s].skipped)
+        .map(|s| first_step + s as u64)
         .collect();
     let loss_scale = first.step_info.iter().map(|i| i.loss_scale).collect();
     let measured_comm: Vec<TrafficTable> = results.iter().map(|r| r.traffic.clone()).collect();
@@ -442,7 +455,9 @@ fn report(
         skipped_steps,
         loss_scale,
         wall_secs: wall,
-        tokens_per_sec: (job.tokens_per_step() * job.steps) as f64 / wall.max(1e-9),
+        tokens_per_sec: (job.tokens_per_step() * steps as u64) as f64 / wall.max(1e-9),
+        first_step,
+        saves: first.saves.clone(),
         comm: Compared {
             measured: measured_comm,
             planned: planned_comm,

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use zero_comm::Communicator;
 use zero_core::{Plan, TrafficTable};
 
+use crate::checkpoint::Storage;
 use crate::demo::data::{Corpus, TokenBatch};
 use crate::engine::EngineBuilder;
 #[cfg(feature = "wgpu")]
@@ -66,17 +67,63 @@ pub struct RankResult<M> {
     /// Weight bytes a [`DeviceTensors`] hook installed in the model straight from the
     /// communicator's memory; 0 on the host path.
     pub device_weight_bytes: u64,
+    /// The step training started from: 0, or the step of the checkpoint it resumed.
+    pub first_step: u64,
+    /// The checkpoints saved.
+    pub saves: Vec<SaveRecord>,
 }
 
 /// How long to run and what to keep.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct HostRun {
-    /// Optimizer steps.
+    /// Optimizer steps in all: a resumed run continues up to this step.
     pub steps: u64,
     /// Timeout of every collective.
     pub timeout: Duration,
     /// Gather every parameter at the end into [`RankResult::final_params`].
     pub keep_final_params: bool,
+    /// Save and resume checkpoints; `None`: neither.
+    pub checkpoint: Option<Checkpointing>,
+}
+
+impl HostRun {
+    /// `steps` steps with timeout `timeout`, keeping nothing, no checkpoints.
+    pub fn new(steps: u64, timeout: Duration) -> HostRun {
+        HostRun {
+            steps,
+            timeout,
+            keep_final_params: false,
+            checkpoint: None,
+        }
+    }
+}
+
+/// Checkpoints of a run ([`crate::checkpoint`]): where, how often, and whether to start from one.
+#[derive(Clone, Debug)]
+pub struct Checkpointing {
+    /// Where checkpoints are saved (new tags `step-NNNNNNNN`, `LATEST` updated).
+    pub save: Option<Arc<dyn Storage>>,
+    /// Save after every this many optimizer steps (0: never in between); a run that saves also
+    /// saves after its last step.
+    pub save_every: u64,
+    /// Load the checkpoint `LATEST` names here before training and continue from its step.
+    pub resume: Option<Arc<dyn Storage>>,
+    /// Resume from a checkpoint of another plan (world size, stage, ...): resharded on load.
+    /// Without it another plan's checkpoint is refused.
+    pub reshard: bool,
+}
+
+/// One save of a run, as rank 0 saw it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SaveRecord {
+    /// The optimizer step saved (steps done).
+    pub step: u64,
+    /// The committed tag.
+    pub tag: String,
+    /// Bytes this rank wrote.
+    pub bytes: u64,
+    /// Wall time of the collective save on this rank.
+    pub seconds: f64,
 }
 
 /// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
@@ -97,7 +144,7 @@ pub fn train_host<M: Segmented<Batch = TokenBatch>>(
         .run(|comm| {
             let mine = models.take(comm.rank())?;
             let builder = engine_builder(&plan, comm, mine, options);
-            run_rank(builder, corpus, options, run, on_step)
+            run_rank(builder, corpus, options, run.clone(), on_step)
         })
 }
 
@@ -150,6 +197,10 @@ pub struct RankSummary {
     /// The process's peak resident set (Linux `VmHWM`) when its ranks are processes; `None` for
     /// ranks that are threads (they share one process) or where `/proc` is missing.
     pub peak_rss_bytes: Option<u64>,
+    /// The step training started from.
+    pub first_step: u64,
+    /// The checkpoints saved.
+    pub saves: Vec<SaveRecord>,
 }
 
 impl RankSummary {
@@ -162,6 +213,8 @@ impl RankSummary {
             traffic: r.traffic.clone(),
             memory: r.memory,
             peak_rss_bytes: None,
+            first_step: r.first_step,
+            saves: r.saves.clone(),
         }
     }
 }
@@ -188,7 +241,7 @@ pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
 ) -> Result<(RankResult<M>, Vec<RankSummary>)> {
     let builder = engine_builder(&plan, comm, model, options);
     let mut t = builder.build()?;
-    let result = run_engine(&mut t, corpus, options, run, on_step)?;
+    let result = run_engine(&mut t, corpus, options, &run, on_step)?;
     let mine = RankSummary {
         peak_rss_bytes: peak_rss_bytes(),
         ..RankSummary::of(&result)
@@ -232,7 +285,7 @@ fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<RankResult<M>> {
     let mut t = builder.build()?;
-    run_engine(&mut t, corpus, options, run, on_step)
+    run_engine(&mut t, corpus, options, &run, on_step)
 }
 
 /// `run.steps` steps of a built engine, then its report.
@@ -240,13 +293,21 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     t: &mut ZeroEngine<C, M>,
     corpus: &dyn Corpus,
     options: TrainOptions,
-    run: HostRun,
+    run: &HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<RankResult<M>> {
-    let mut losses = Vec::with_capacity(run.steps as usize);
-    let mut micro_losses = Vec::with_capacity(run.steps as usize);
-    let mut step_info = Vec::with_capacity(run.steps as usize);
-    for s in 0..run.steps {
+    let ckpt = run.checkpoint.as_ref();
+    let first_step = match ckpt.and_then(|c| c.resume.as_ref().map(|s| (c, s))) {
+        Some((c, store)) if c.reshard => t.load_resharded(store.as_ref())?.step,
+        Some((_, store)) => t.load(store.as_ref())?.step,
+        None => 0,
+    };
+    let todo = run.steps.saturating_sub(first_step) as usize;
+    let mut losses = Vec::with_capacity(todo);
+    let mut micro_losses = Vec::with_capacity(todo);
+    let mut step_info = Vec::with_capacity(todo);
+    let mut saves = Vec::new();
+    for s in first_step..run.steps {
         let out = corpus_step(t, corpus, &options)?;
         if t.rank() == 0 {
             on_step(s, out.loss);
@@ -254,6 +315,21 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         losses.push(out.loss);
         micro_losses.push(out.micro_losses);
         step_info.push(out.info);
+        if let Some(c) = ckpt
+            && let Some(store) = &c.save
+        {
+            let done = s + 1;
+            if done == run.steps || (c.save_every > 0 && done.is_multiple_of(c.save_every)) {
+                let state = serde_json::json!({ "step": done });
+                let r = t.save(store.as_ref(), state)?;
+                saves.push(SaveRecord {
+                    step: done,
+                    tag: r.tag,
+                    bytes: r.bytes,
+                    seconds: r.seconds,
+                });
+            }
+        }
     }
     let report = t.report();
     // Gathering every parameter costs a full copy per rank: only on request.
@@ -273,6 +349,8 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         device_weight_bytes: report.device_weight_bytes,
         model: t.model().clone(),
         final_params,
+        first_step,
+        saves,
     })
 }
 
@@ -380,6 +458,6 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
                     )) as Box<dyn DeviceTensors<_>>)
                     .device_quant(Box::new(q) as Box<dyn DeviceQuant<_>>);
             }
-            run_rank(builder, corpus, options, run, on_step)
+            run_rank(builder, corpus, options, run.clone(), on_step)
         })
 }

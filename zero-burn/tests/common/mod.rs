@@ -79,6 +79,7 @@ pub(crate) fn train_tiny(
             steps,
             timeout: Duration::from_secs(30),
             keep_final_params: true,
+            checkpoint: None,
         },
         &|_, _| {},
     )
