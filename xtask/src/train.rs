@@ -108,6 +108,10 @@ pub(crate) struct TrainArgs {
     /// stage, buckets, hpZ); it is resharded on load. Without it, another plan is refused.
     #[arg(long)]
     reshard: bool,
+    /// Start from the weights in this safetensors file (burn's parameter paths as names, e.g. a
+    /// `cargo xtask ckpt export`) instead of the seed's: fine-tuning. Not with --resume.
+    #[arg(long)]
+    init: Option<PathBuf>,
 }
 
 impl TrainArgs {
@@ -261,6 +265,10 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     job.lr = a.lr;
     job.seed = a.seed;
     job.timeout = Duration::from_secs(a.timeout);
+    if a.init.is_some() && a.resume.is_some() {
+        bail!("--init and --resume: a resumed run restores its weights from the checkpoint");
+    }
+    job.init = a.init.clone();
     if let Some(path) = &a.data {
         let bytes = std::fs::read(path)
             .with_context(|| format!("cannot read --data {}", path.display()))?;
@@ -746,6 +754,29 @@ mod tests {
             .collect();
         assert_eq!(left, ["step-00000007"]);
         assert!(run(args(&root.join("bad"), &with(&["--reshard"]))).is_err());
+        // Fine-tuning from an export of the checkpoint; not together with --resume.
+        let st = root.join("model.safetensors");
+        let st_s: &'static str = Box::leak(st.to_str().unwrap().to_owned().into_boxed_str());
+        let store = zero_burn::checkpoint::DirStorage::new(&ck).unwrap();
+        let out = zero_burn::checkpoint::DirStorage::new(&root).unwrap();
+        zero_burn::checkpoint::export_safetensors(
+            &store,
+            &out,
+            "model.safetensors",
+            zero_burn::checkpoint::ExportDtype::F32,
+        )
+        .unwrap();
+        run(args(
+            &root.join("init"),
+            &with(&["--steps", "2", "--init", st_s]),
+        ))
+        .unwrap();
+        let e = run(args(
+            &root.join("both"),
+            &with(&["--init", st_s, "--resume", ck_s]),
+        ))
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("--init and --resume"), "{e:#}");
         let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -145,3 +145,71 @@ fn offline_verify_checks_every_file() {
         "{e}"
     );
 }
+
+/// `init_from_safetensors` (`cargo xtask train --init`): an f32 export loaded into a fresh model
+/// of another seed gives every parameter the exported bits, a bf16 export the widened bf16 bits;
+/// a model of another shape, a truncated file or a missing tensor is refused, naming it.
+#[test]
+fn an_export_initialises_a_fresh_model_with_identical_bits() {
+    use burn::tensor::Device;
+    use zero_burn::checkpoint::init_from_safetensors;
+    use zero_burn::demo::gpt::GptConfig;
+    use zero_burn::params::{describe, read_values};
+    let cfg = ZeroConfig {
+        stage: 3,
+        param_persistence_threshold: 64,
+        ..Default::default()
+    };
+    let store = MemStorage::new();
+    let (_, weights) = trained(&cfg, &store);
+    let gpt_layers = |d_model: usize, layers: usize, seed: u64| {
+        GptConfig {
+            vocab: 16,
+            context: 8,
+            d_model,
+            heads: 2,
+            layers,
+        }
+        .init(&Device::flex().autodiff(), seed)
+    };
+    let gpt = |d_model: usize, seed: u64| gpt_layers(d_model, 2, seed);
+    let values_of = |m: &zero_burn::demo::gpt::Gpt| {
+        let want = describe(m)
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.id, i))
+            .collect();
+        read_values(m, &want).unwrap()
+    };
+    for (dtype, round) in [
+        (ExportDtype::F32, None),
+        (ExportDtype::Bf16, Some(Half::Bf16)),
+    ] {
+        let out = MemStorage::new();
+        export_safetensors(&store, &out, "m.safetensors", dtype).unwrap();
+        let bytes = out.read("m.safetensors").unwrap().unwrap();
+        let fresh = gpt(16, 7);
+        assert_ne!(bits(&values_of(&fresh)), bits(&weights), "another seed");
+        let got = values_of(&init_from_safetensors(fresh, &bytes, "m.safetensors").unwrap());
+        let want: Vec<Vec<f32>> = weights
+            .iter()
+            .map(|w| match round {
+                None => w.clone(),
+                Some(h) => w.iter().map(|&x| h.widen(h.round(x))).collect(),
+            })
+            .collect();
+        assert_eq!(bits(&got), bits(&want), "{dtype:?}");
+        let e = init_from_safetensors(gpt(32, 7), &bytes, "m.safetensors")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("m.safetensors") && e.contains("shape"), "{e}");
+        let e = init_from_safetensors(gpt(16, 7), &bytes[..bytes.len() / 2], "cut")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cut") && e.contains("not a readable"), "{e}");
+        let e = init_from_safetensors(gpt_layers(16, 3, 7), &bytes, "m.safetensors")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no tensor for the model's parameter"), "{e}");
+    }
+}

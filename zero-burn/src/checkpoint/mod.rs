@@ -32,6 +32,7 @@
 //! it is refused with [`zero_core::CheckpointError::PlanMismatch`].
 
 mod export;
+mod import;
 mod load;
 mod mem;
 mod save;
@@ -39,6 +40,7 @@ mod shard;
 mod storage;
 
 pub use export::{ExportDtype, ExportReport, export_safetensors};
+pub use import::init_from_safetensors;
 pub use mem::MemStorage;
 pub use storage::{DirStorage, Storage, join, put};
 pub use zero_core::checkpoint::ClientState;

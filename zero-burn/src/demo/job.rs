@@ -78,6 +78,9 @@ pub struct JobConfig {
     /// Checkpoints to save and to resume from; `None`: neither.
     #[serde(skip)]
     pub checkpoint: Option<Checkpointing>,
+    /// Start from these weights (a safetensors file naming burn's parameter paths, such as
+    /// `cargo xtask ckpt export` writes) instead of the seed's.
+    pub init: Option<std::path::PathBuf>,
 }
 
 impl JobConfig {
@@ -114,6 +117,7 @@ impl JobConfig {
             backend: Backend::Host,
             timeout: Duration::from_secs(120),
             checkpoint: None,
+            init: None,
         }
     }
 
@@ -263,7 +267,13 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
         ..job.zero.clone()
     };
     let shared = shared_for(job.backend)?;
-    let model = model_cfg.init(&device_of(&shared), job.seed);
+    let mut model = model_cfg.init(&device_of(&shared), job.seed);
+    if let Some(path) = &job.init {
+        let bytes = std::fs::read(path)
+            .map_err(|e| Error::Data(format!("cannot read --init {}: {e}", path.display())))?;
+        model =
+            crate::checkpoint::init_from_safetensors(model, &bytes, &path.display().to_string())?;
+    }
     let plan: Arc<Plan> = Arc::new(crate::plan_for(&model, topo, &zero)?);
     let options = TrainOptions {
         lr: job.lr,
