@@ -327,7 +327,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// Prints the report, writes `report.json` (with the process's peak RSS when known) and
-/// `loss.svg` into `out`, and fails when measured bytes differ from the plan.
+/// `report.svg` into `out`, and fails when measured bytes differ from the plan.
 pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> anyhow::Result<()> {
     print_report(report);
     let json = out.join("report.json");
@@ -338,11 +338,9 @@ pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> a
     }
     std::fs::write(&json, serde_json::to_string_pretty(&value)?)
         .with_context(|| format!("cannot write {}", json.display()))?;
-    let svg = out.join("loss.svg");
-    std::fs::write(&svg, loss_svg(&report.loss, report.loss_floor))
-        .with_context(|| format!("cannot write {}", svg.display()))?;
+    report_svg(report, &out.join("report.svg"))?;
     println!(
-        "\nrun directory: {}  (report.json, loss.svg)",
+        "\nrun directory: {}  (report.json, report.svg)",
         out.display()
     );
     if !report.comm_matches_plan || !report.memory_matches_plan {
@@ -418,6 +416,65 @@ fn checkpointing(
         resume,
         reshard: a.reshard,
     }))
+}
+
+/// The report's figure: the loss per step (rank mean) with the entropy floor, and measured
+/// against planned memory per category on rank 0, in MiB; the caption gives tokens/s.
+fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
+    use crate::plot::{Bars, Panel, Series};
+    let x0 = r.first_step as f64 + 1.0;
+    let mut series = vec![Series {
+        name: "loss (mean over ranks)".into(),
+        points: r
+            .loss
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (x0 + i as f64, f64::from(l)))
+            .collect(),
+    }];
+    if let Some(f) = r.loss_floor {
+        let last = x0 + r.loss.len().saturating_sub(1) as f64;
+        series.push(Series {
+            name: format!("entropy floor {f:.3}"),
+            points: vec![(x0, f), (last, f)],
+        });
+    }
+    let lines = Panel {
+        title: format!(
+            "ZeRO-{}: loss per step ({:.0} tokens/s)",
+            r.job.zero.stage, r.tokens_per_sec
+        ),
+        x_label: "optimizer step".into(),
+        y_label: "nats/token".into(),
+        x_names: None,
+        series,
+    };
+    let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
+    let rows = [
+        ("parameters", m.parameters, p.parameters),
+        ("gradients", m.gradients, p.gradients),
+        ("optimizer", m.optimizer_states, p.optimizer_states),
+        ("master", m.master_weights, p.master_weights),
+        ("hpZ secondary", m.hpz_secondary, p.hpz_secondary),
+        ("gathered", m.gathered_working_set, p.gathered_working_set),
+        (
+            "comm buffers",
+            m.communication_buffers,
+            p.communication_buffers,
+        ),
+    ];
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    let bars = Bars {
+        title: "memory per rank, rank 0 (MiB)".into(),
+        y_label: "MiB".into(),
+        categories: rows.iter().map(|r| r.0.to_string()).collect(),
+        series: vec![
+            ("measured".into(), rows.iter().map(|r| mib(r.1)).collect()),
+            ("planned".into(), rows.iter().map(|r| mib(r.2)).collect()),
+        ],
+    };
+    crate::plot::lines_and_bars_svg(path, &lines, &bars, 1100, 420)
 }
 
 fn precision_label(p: Precision) -> &'static str {
@@ -579,62 +636,6 @@ fn print_report(r: &RunReport) {
     }
 }
 
-/// A dependency-free SVG line plot of the loss per step, with the floor if known.
-fn loss_svg(loss: &[f32], floor: Option<f64>) -> String {
-    let (w, h, pad) = (640.0f64, 360.0f64, 48.0f64);
-    let n = loss.len().max(2);
-    let finite: Vec<f64> = loss
-        .iter()
-        .map(|&l| f64::from(l))
-        .filter(|l| l.is_finite())
-        .collect();
-    let mut lo = finite.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    if let Some(f) = floor {
-        lo = lo.min(f);
-    }
-    let (lo, hi) = if lo.is_finite() && hi > lo {
-        // A margin below, so the floor line and its label stand clear of the axis.
-        (lo - 0.06 * (hi - lo), hi)
-    } else {
-        (0.0, 1.0)
-    };
-    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (n - 1) as f64;
-    let y = |v: f64| h - pad - (h - 2.0 * pad) * (v - lo) / (hi - lo);
-    let mut pts = String::new();
-    for (i, &l) in loss.iter().enumerate() {
-        if l.is_finite() {
-            let _ = write!(pts, "{:.1},{:.1} ", x(i), y(f64::from(l)));
-        }
-    }
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <text x=\"{pad}\" y=\"20\">training loss (nats/token) per step</text>\n\
-         <text x=\"4\" y=\"{ty}\">{hi:.2}</text><text x=\"4\" y=\"{b}\">{lo:.2}</text>\n\
-         <text x=\"{r}\" y=\"{lb}\" text-anchor=\"end\">step {last}</text>\n\
-         <polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{pts}\"/>\n",
-        b = h - pad,
-        r = w - pad,
-        ty = pad + 4.0,
-        lb = h - pad + 16.0,
-        last = loss.len(),
-    );
-    if let Some(f) = floor {
-        let _ = writeln!(
-            s,
-            "<line x1=\"{pad}\" y1=\"{yf:.1}\" x2=\"{r}\" y2=\"{yf:.1}\" stroke=\"#d62728\" stroke-dasharray=\"4 3\"/><text x=\"{tx:.1}\" y=\"{yt:.1}\" text-anchor=\"start\" fill=\"#d62728\">entropy floor {f:.3}</text>",
-            yf = y(f),
-            yt = y(f) + 14.0,
-            tx = pad + 6.0,
-            r = w - pad
-        );
-    }
-    s + "</svg>\n"
-}
-
 pub(crate) use zero_burn::demo::run::peak_rss_bytes;
 
 #[cfg(test)]
@@ -778,5 +779,49 @@ mod tests {
         .unwrap_err();
         assert!(format!("{e:#}").contains("--init and --resume"), "{e:#}");
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// report.svg is well-formed XML (SVG) holding the loss line, its legend and the memory bars.
+    #[test]
+    fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
+        let out = std::env::temp_dir().join(format!("zero-rs-train-svg-{}", std::process::id()));
+        run(args(
+            &out,
+            &["--model", "tiny", "--steps", "3", "--micro-batch", "2"],
+        ))
+        .unwrap();
+        let text = std::fs::read_to_string(out.join("report.svg")).unwrap();
+        let (mut texts, mut rects, mut lines, mut root) = (String::new(), 0, 0, None);
+        for e in xml::reader::EventReader::from_str(&text) {
+            match e.expect("report.svg is well-formed XML") {
+                xml::reader::XmlEvent::StartElement { name, .. } => {
+                    root.get_or_insert_with(|| name.local_name.clone());
+                    match name.local_name.as_str() {
+                        "rect" => rects += 1,
+                        "polyline" | "path" => lines += 1,
+                        _ => {}
+                    }
+                }
+                xml::reader::XmlEvent::Characters(c) => texts += &c,
+                _ => {}
+            }
+        }
+        assert_eq!(root.as_deref(), Some("svg"));
+        for want in [
+            "loss per step",
+            "entropy floor",
+            "measured",
+            "planned",
+            "gradients",
+        ] {
+            assert!(
+                texts.contains(want),
+                "no {want:?} in the figure's text: {texts}"
+            );
+        }
+        // 7 categories x 2 bars, plus legend boxes and the background.
+        assert!(rects >= 14, "{rects} rectangles");
+        assert!(lines >= 2, "{lines} lines");
+        let _ = std::fs::remove_dir_all(&out);
     }
 }
