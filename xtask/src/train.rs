@@ -418,6 +418,45 @@ fn checkpointing(
     }))
 }
 
+/// Rank 0's memory per plan category: (the plan's name, a short label, measured, planned).
+fn memory_rows(r: &RunReport) -> [(&'static str, &'static str, u64, u64); 7] {
+    let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
+    [
+        ("parameters", "parameters", m.parameters, p.parameters),
+        ("gradients", "gradients", m.gradients, p.gradients),
+        (
+            "optimizer_states",
+            "optimizer",
+            m.optimizer_states,
+            p.optimizer_states,
+        ),
+        (
+            "master_weights",
+            "master",
+            m.master_weights,
+            p.master_weights,
+        ),
+        (
+            "hpz_secondary",
+            "hpZ secondary",
+            m.hpz_secondary,
+            p.hpz_secondary,
+        ),
+        (
+            "gathered_working_set",
+            "gathered",
+            m.gathered_working_set,
+            p.gathered_working_set,
+        ),
+        (
+            "communication_buffers",
+            "comm buffers",
+            m.communication_buffers,
+            p.communication_buffers,
+        ),
+    ]
+}
+
 /// The report's figure: the loss per step (rank mean) with the entropy floor, and measured
 /// against planned memory per category on rank 0, in MiB; the caption gives tokens/s.
 fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
@@ -450,28 +489,15 @@ fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
         x_names: None,
         series,
     };
-    let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
-    let rows = [
-        ("parameters", m.parameters, p.parameters),
-        ("gradients", m.gradients, p.gradients),
-        ("optimizer", m.optimizer_states, p.optimizer_states),
-        ("master", m.master_weights, p.master_weights),
-        ("hpZ secondary", m.hpz_secondary, p.hpz_secondary),
-        ("gathered", m.gathered_working_set, p.gathered_working_set),
-        (
-            "comm buffers",
-            m.communication_buffers,
-            p.communication_buffers,
-        ),
-    ];
+    let rows = memory_rows(r);
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     let bars = Bars {
         title: "memory per rank, rank 0 (MiB)".into(),
         y_label: "MiB".into(),
-        categories: rows.iter().map(|r| r.0.to_string()).collect(),
+        categories: rows.iter().map(|r| r.1.to_string()).collect(),
         series: vec![
-            ("measured".into(), rows.iter().map(|r| mib(r.1)).collect()),
-            ("planned".into(), rows.iter().map(|r| mib(r.2)).collect()),
+            ("measured".into(), rows.iter().map(|r| mib(r.2)).collect()),
+            ("planned".into(), rows.iter().map(|r| mib(r.3)).collect()),
         ],
     };
     crate::plot::lines_and_bars_svg(path, &lines, &bars, 1100, 420)
@@ -539,26 +565,12 @@ fn print_report(r: &RunReport) {
     }
 
     println!("\nmemory per rank (peak bytes; measured on rank 0 vs planned)");
-    let m = &r.memory.measured[0];
-    let p = &r.memory.planned[0];
-    let rows = [
-        ("parameters", m.parameters, p.parameters),
-        ("gradients", m.gradients, p.gradients),
-        ("optimizer_states", m.optimizer_states, p.optimizer_states),
-        ("master_weights", m.master_weights, p.master_weights),
-        ("hpz_secondary", m.hpz_secondary, p.hpz_secondary),
-        (
-            "gathered_working_set",
-            m.gathered_working_set,
-            p.gathered_working_set,
-        ),
-        (
-            "communication_buffers",
-            m.communication_buffers,
-            p.communication_buffers,
-        ),
-        ("model states", m.model_states_bytes, p.model_states_bytes),
-    ];
+    let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
+    let mut rows: Vec<(&str, u64, u64)> = memory_rows(r)
+        .into_iter()
+        .map(|(name, _, meas, plan)| (name, meas, plan))
+        .collect();
+    rows.push(("model states", m.model_states_bytes, p.model_states_bytes));
     println!("  {:<24} {:>12} {:>12}", "category", "measured", "planned");
     for (name, meas, plan) in rows {
         // `<`: under the plan's bound (e.g. overlapped reductions that never coincide).
