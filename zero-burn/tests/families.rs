@@ -2,7 +2,8 @@
 //! batches come from a burn `DataLoader`, (b) a plain residual MLP through the single-segment
 //! adapter [`Whole`]. Each runs at stages 0–3 with hpZ on and off: bit-identical across all of
 //! them, traffic and model-state bytes equal to the plan. Family (a) is also checked against plain
-//! burn (burn's own SGD and AdamW on the same global batch, one process, no zero-rs code).
+//! burn (burn's own SGD and AdamW on the same global batch, one process, no zero-rs code), and so
+//! is the gradient norm that clipping reports.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -600,5 +601,65 @@ fn segments_must_cover_every_parameter_once() {
         assert!(msg.contains(want), "{msg}");
         let path = if twice { "`a.weight`" } else { "`b.weight`" };
         assert!(msg.contains(path), "{msg}");
+    }
+}
+
+/// The global gradient norm that clipping reports (`StepInfo::grad_norm`) against an oracle
+/// outside the engine: plain burn's backward of the same first global batch through the same
+/// initial model, the L2 norm of every parameter's gradient summed in f64. Every stage, clipping
+/// at a threshold it exceeds.
+#[test]
+fn the_clipping_norm_equals_plain_burn_s_gradient_norm() {
+    struct SumSq<'a> {
+        grads: &'a GradientsParams,
+        sum: f64,
+    }
+    impl ModuleVisitor for SumSq<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(p.id) {
+                let v = g.into_data().try_into_vec_as::<f32>().expect("f32");
+                self.sum += v.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            }
+        }
+    }
+    let model = Mlp::new(&Device::flex().autodiff());
+    let topo = Topology::new(2, 1).unwrap();
+    let a = 2usize;
+    // Plain burn: the first global batch (all N·A·B points, loader order), one backward.
+    let items = points(2 * a * B);
+    let batch = PointBatcher.batch(items.clone(), &Device::flex());
+    let grads = GradientsParams::from_grads(model.loss(&batch).backward(), &model);
+    let mut sq = SumSq {
+        grads: &grads,
+        sum: 0.0,
+    };
+    model.visit(&mut sq);
+    let want = sq.sum.sqrt();
+    for stage in 0..=3u8 {
+        let cfg = ZeroConfig {
+            stage,
+            gradient_accumulation_steps: a as u32,
+            gradient_clipping: want / 4.0,
+            ..Default::default()
+        };
+        let loader = loader(&items);
+        let norms = Launch::new(topo)
+            .timeout(Duration::from_secs(60))
+            .run_with(&model, |comm, model| {
+                let rank = zero_comm::Communicator::rank(&comm);
+                let mut engine = ZeroEngine::builder(comm, model)
+                    .config(cfg.clone())
+                    .optimizer(Optimizer::Sgd { momentum: 0.0 })
+                    .build()?;
+                let batches = rank_batches(loader.as_ref(), rank, 2, a).remove(0);
+                Ok(engine.step(1e-2, &batches)?.info.grad_norm)
+            })
+            .unwrap();
+        for (rank, got) in norms.into_iter().enumerate() {
+            let got = f64::from(got.expect("clipping reports the norm"));
+            let gap = (got - want).abs() / want;
+            eprintln!("stage {stage} rank {rank}: norm {got} vs plain burn {want} (gap {gap:e})");
+            assert!(gap < 1e-6, "stage {stage} rank {rank}: {got} vs {want}");
+        }
     }
 }
