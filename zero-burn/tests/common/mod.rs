@@ -59,7 +59,8 @@ pub(crate) fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// Trains [`tiny`] for `steps` on the host loopback and checks every rank's measured traffic
-/// against the plan (I8), and with synchronous collectives its communication buffers too. The
+/// against the plan (I8), and with synchronous collectives its communication buffers, gathered
+/// working set and hpZ secondary too. The
 /// model-state bytes are the caller's to check ([`assert_model_states`]; the canonical tree adds
 /// its pending subtrees).
 pub(crate) fn train_tiny(
@@ -94,6 +95,19 @@ pub(crate) fn train_tiny(
                 r.memory.communication_buffers,
                 plan.memory().communication_buffers,
                 "rank {} communication buffers, {cfg:?}",
+                r.rank
+            );
+            // The stage-3 working set (gathered units) and hpZ's secondary shards, likewise.
+            assert_eq!(
+                r.memory.gathered_working_set,
+                plan.memory().gathered_working_set,
+                "rank {} gathered working set, {cfg:?}",
+                r.rank
+            );
+            assert_eq!(
+                r.memory.hpz_secondary,
+                plan.memory().hpz_secondary,
+                "rank {} hpZ secondary, {cfg:?}",
                 r.rank
             );
         }
