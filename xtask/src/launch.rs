@@ -66,6 +66,13 @@ fn process_args(a: &LaunchArgs) -> Vec<String> {
         if !has("--ranks-per-node") {
             extra.extend(["--ranks-per-node".to_string(), a.nproc_per_node.to_string()]);
         }
+        if !has("--out") {
+            // One run directory for every rank (each would otherwise pick its own by the clock).
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            extra.extend(["--out".to_string(), format!("runs/{secs}-launch")]);
+        }
         args.extend(extra);
     }
     args
@@ -146,9 +153,11 @@ fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
         while i < children.len() {
             match children[i].1.try_wait()? {
                 Some(status) => {
-                    let (rank, _) = children.remove(i);
+                    let (rank, child) = children.remove(i);
                     if !status.success() && failed.is_none() {
                         failed = Some((rank, status));
+                        // What it started may still hold its output pipes.
+                        kill_group(&child);
                         stop(&mut children);
                     }
                 }
@@ -168,13 +177,18 @@ fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
     }
 }
 
+/// Kills `c`'s process group (it leads one: `process_group(0)`).
+fn kill_group(c: &Child) {
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{}", c.id())])
+        .stderr(Stdio::null())
+        .status();
+}
+
 /// Kills every child still running, with its process group, and reaps it.
 fn stop(children: &mut Vec<(usize, Child)>) {
     for (_, c) in children.iter_mut() {
-        let _ = Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", c.id())])
-            .stderr(Stdio::null())
-            .status();
+        kill_group(c);
         let _ = c.kill();
     }
     for (_, c) in children.iter_mut() {
@@ -192,9 +206,21 @@ fn pump(
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let Some(from) = from else { return };
-        for line in BufReader::new(from).lines() {
-            let Ok(line) = line else { break };
-            sink(rank, stderr, &line);
+        // Bytes, not UTF-8 lines: a process that prints anything is still drained to the end
+        // (a pipe left unread would block it).
+        let mut r = BufReader::new(from);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            match r.read_until(b'\n', &mut buf) {
+                Ok(0) => break,
+                Ok(_) => {
+                    let line = String::from_utf8_lossy(&buf);
+                    sink(rank, stderr, line.trim_end_matches(['\n', '\r']));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
         }
     })
 }
@@ -216,8 +242,9 @@ mod tests {
 
     #[test]
     fn train_gets_the_launcher_and_the_world_unless_given() {
+        let got = process_args(&args(&["train", "--steps", "5"]));
         assert_eq!(
-            process_args(&args(&["train", "--steps", "5"])),
+            got[..9],
             [
                 "train",
                 "--steps",
@@ -227,27 +254,26 @@ mod tests {
                 "--world-size",
                 "4",
                 "--ranks-per-node",
-                "2"
+                "2",
             ]
         );
-        assert_eq!(
-            process_args(&args(&[
-                "train",
-                "--launcher=nccl",
-                "--world-size",
-                "4",
-                "--ranks-per-node",
-                "2"
-            ])),
-            [
-                "train",
-                "--launcher=nccl",
-                "--world-size",
-                "4",
-                "--ranks-per-node",
-                "2"
-            ]
+        // One run directory for every rank.
+        assert_eq!(got[9], "--out");
+        assert!(
+            got[10].starts_with("runs/") && got[10].ends_with("-launch"),
+            "{got:?}"
         );
+        let given = [
+            "train",
+            "--launcher=nccl",
+            "--world-size",
+            "4",
+            "--ranks-per-node",
+            "2",
+            "--out",
+            "r",
+        ];
+        assert_eq!(process_args(&args(&given)), given);
         assert_eq!(
             process_args(&args(&["sh", "-c", "true"])),
             ["sh", "-c", "true"]

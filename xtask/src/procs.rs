@@ -18,7 +18,7 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use zero_burn::demo::job::{JobConfig, run_job_rank};
 use zero_comm::Communicator;
-use zero_comm::mpi::{ENV_RANKS_PER_NODE, MpiComm, MpiOptions, abort_job, mpirun};
+use zero_comm::mpi::{ENV_RANKS_PER_NODE, MpiComm, MpiGuard, MpiOptions, abort_job, mpirun};
 use zero_comm::nccl::{LaunchEnv, NcclComm, NcclOptions};
 
 /// Starts the job's ranks under `mpirun` and waits for them. `add_out`: the arguments have no
@@ -54,12 +54,16 @@ pub(crate) fn launch_mpi(job: &JobConfig, out: &Path, add_out: bool) -> anyhow::
 
 /// One rank of the job, in a process that `mpirun` started.
 pub(crate) fn mpi_rank(job: &JobConfig, out: &Path) -> anyhow::Result<()> {
+    // Held until the end: the engine dropping its communicator must not finalise MPI (which
+    // waits for peers) before a failing rank can abort the job.
+    let guard = MpiGuard::new()?;
     let result = mpi_train(job, out);
     if let Err(e) = &result {
         eprintln!("error: {e:#}");
         // The peers may be waiting in a collective: end the whole job now.
         abort_job(1);
     }
+    drop(guard);
     result
 }
 

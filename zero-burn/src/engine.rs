@@ -165,7 +165,9 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
 /// Fails every rank alike, before any data moves, unless every rank runs the same plan and options
 /// and starts from the same parameter values: one all-gather of two 64-bit fingerprints (FNV-1a of
 /// the plan's fingerprint and the options; crc32c of every parameter's bytes, read once). The
-/// engine calls it after its local checks, before its first collective.
+/// engine calls it after its local checks, before its first collective. A rank whose local checks
+/// fail returns at once without reaching it; its peers then learn of the failure from the backend
+/// (the host loopback fails them fast; under MPI the failing process aborts the job).
 pub(crate) fn check_ranks_agree<C: Communicator, M: Segmented>(
     comm: &mut C,
     plan: &Plan,
@@ -256,11 +258,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Traffic and memory, measured and planned.
     pub fn report(&self) -> RankReport {
         let plan = self.plan();
-        let skipped = self.skipped_steps();
+        // Planned for the steps this engine ran (after a load, since the checkpoint's step).
+        let (base, base_skipped) = self.steps_base;
+        let skipped = self.skipped_steps() - base_skipped;
         let mut planned_traffic = TrafficTable::new();
         let clean = plan.comm(self.rank()).by_collective;
         let skip = plan.comm_skipped_step(self.rank()).by_collective;
-        for _ in 0..self.steps() - skipped {
+        for _ in 0..self.steps() - base - skipped {
             planned_traffic.merge(&clean);
         }
         for _ in 0..skipped {

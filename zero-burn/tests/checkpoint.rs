@@ -88,6 +88,16 @@ fn world(plan: &Arc<Plan>, act: Act<'_>) -> Vec<(State, Option<Loaded>)> {
                 }
                 losses.push(corpus_step(&mut e, &corpus, &options())?.loss);
             }
+            // Measured against planned traffic counts the steps this engine ran (after a load,
+            // from the checkpoint's step on), skipped fp16 steps included.
+            let report = e.report();
+            assert!(
+                report.traffic_matches_plan(),
+                "rank {}: traffic {:?} vs planned {:?}",
+                e.rank(),
+                report.traffic,
+                report.planned_traffic
+            );
             if let Act::TrainSave { save: Some(s), .. } = &act {
                 let r = e.save(*s, json!({ "next_step": e.steps(), "epoch": 7 }))?;
                 assert_eq!(r.tag, format!("step-{:08}", e.steps()));

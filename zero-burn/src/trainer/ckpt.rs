@@ -151,6 +151,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.step = scalars.step;
         self.opt_steps = scalars.opt_steps;
         self.skipped = scalars.skipped;
+        // The measured traffic counts from the engine's build: so does the planned.
+        self.steps_base = (scalars.step, scalars.skipped);
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), scalars.scaler) {
             s.set_state(state);
         }

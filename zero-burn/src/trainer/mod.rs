@@ -184,6 +184,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     peak: MeasuredMemory,
     live_gathered: u64,
     traffic_base: TrafficTable,
+    /// `(steps, skipped)` when the traffic count started: 0 at build, the checkpoint's after a load.
+    pub(crate) steps_base: (u64, u64),
     /// Steps skipped (fp16 overflow).
     skipped: u64,
     /// Traffic of collectives outside training steps (eval, consolidation).
@@ -412,6 +414,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             peak: MeasuredMemory::default(),
             live_gathered: 0,
             traffic_base: TrafficTable::new(),
+            steps_base: (0, 0),
             skipped: 0,
             other_traffic: TrafficTable::new(),
         };

@@ -45,8 +45,10 @@ static STATE: Mutex<State> = Mutex::new(State::Uninit);
 
 impl Drop for Process {
     fn drop(&mut self) {
-        // Runs before `_universe` finalises MPI.
-        *STATE.lock().unwrap_or_else(PoisonError::into_inner) = State::Finalized;
+        // Runs before `_universe` finalises MPI; MPI someone else initialised stays usable.
+        if self._universe.is_some() {
+            *STATE.lock().unwrap_or_else(PoisonError::into_inner) = State::Finalized;
+        }
     }
 }
 
@@ -65,18 +67,18 @@ impl Process {
                     .into(),
             ));
         }
-        let universe = match mpi::initialize_with_threading(Threading::Serialized) {
-            Some((u, provided)) => {
-                if matches!(provided, Threading::Single | Threading::Funneled) {
-                    return Err(Error::Backend(format!(
-                        "mpi: the library provides thread level {provided:?}; zero-comm needs \
-                         MPI_THREAD_SERIALIZED"
-                    )));
-                }
-                Some(u)
-            }
-            None => None,
+        // MULTIPLE, so that communicators may be driven from several threads; SERIALIZED is
+        // accepted (one thread at a time, as the module docs require then).
+        let (universe, provided) = match mpi::initialize_with_threading(Threading::Multiple) {
+            Some((u, provided)) => (Some(u), provided),
+            None => (None, mpi::environment::threading_support()),
         };
+        if matches!(provided, Threading::Single | Threading::Funneled) {
+            return Err(Error::Backend(format!(
+                "mpi: the library provides thread level {provided:?}; zero-comm needs \
+                 MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE"
+            )));
+        }
         let p = Arc::new(Process {
             _universe: universe,
             failed: Mutex::new(None),
@@ -90,6 +92,30 @@ impl Process {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+}
+
+/// Keeps MPI initialised in this process until the guard drops, whatever communicators come and
+/// go: a program that may end with an error holds one, so that dropping its last communicator
+/// does not finalise MPI (which can wait for peers that wait for it) before it calls
+/// [`abort_job`].
+#[derive(Clone)]
+pub struct MpiGuard {
+    _process: Arc<Process>,
+}
+
+impl fmt::Debug for MpiGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MpiGuard")
+    }
+}
+
+impl MpiGuard {
+    /// Initialises MPI if needed and holds it.
+    pub fn new() -> Result<MpiGuard> {
+        Ok(MpiGuard {
+            _process: Process::get()?,
+        })
     }
 }
 
@@ -128,9 +154,10 @@ pub struct MpiComm {
     scratch: Vec<u64>,
 }
 
-// SAFETY: MPI is initialised at `MPI_THREAD_SERIALIZED`, so MPI may be called from any thread as
-// long as calls do not overlap; `MpiComm` is not `Sync` and every call takes `&self` or `&mut self`
-// of one communicator, and the module docs require one thread at a time per process.
+// SAFETY: MPI is initialised at `MPI_THREAD_MULTIPLE` where the library provides it (OpenMPI
+// does), so MPI may be called from any thread, on different communicators at once; `MpiComm` is
+// not `Sync`, so one communicator is never driven by two threads. Where the library provides only
+// `MPI_THREAD_SERIALIZED`, the module docs require one thread at a time per process.
 unsafe impl Send for MpiComm {}
 
 impl fmt::Debug for MpiComm {
@@ -511,7 +538,8 @@ impl Communicator for MpiComm {
         // MPI's plain all-to-all and all-gather (OpenMPI's varcount forms are several times slower).
         let even = len.is_multiple_of(n);
         let s = bytes(d.op, buf.as_slice())?;
-        fits(d.op, n * mine * eb)?;
+        // The largest chunk, which every rank computes alike: all fail together or none.
+        fits(d.op, n * ar_chunk(len, n, 0).1 * eb)?;
         // The scratch holds the received chunks, then this rank's reduced chunk.
         let mut scratch = self.take_scratch::<E>((n + 1) * mine);
         let (gathered, reduced) =

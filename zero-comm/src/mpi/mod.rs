@@ -36,7 +36,8 @@
 //! between calls (as large as its largest reduction input so far, plus one chunk): memory the host
 //! loopback, which reads its peers in place, does not need.
 //!
-//! Payloads travel as bytes, so one message per peer is limited to MPI's `int` count, 2 GiB - 1
+//! Payloads travel as bytes, so every buffer an op passes to MPI (the whole receive buffer of an
+//! all-gather, the whole buffer of an all-reduce) is limited to MPI's `int` count, 2 GiB - 1
 //! bytes; a larger call fails on every rank before anything moves.
 //!
 //! # Checks, timeouts and failures
@@ -48,7 +49,8 @@
 //!   before any data moves. Without it only this rank's own lengths are checked, and a mismatch
 //!   between ranks is undefined behaviour in MPI.
 //! - **No unbounded wait.** Every op is a non-blocking MPI collective polled against
-//!   [`MpiOptions::timeout`]. MPI cannot cancel a collective that is in flight, and its buffers
+//!   [`MpiOptions::timeout`] (each phase of an op on its own: the descriptor exchange, and each
+//!   of an all-reduce's two data phases). MPI cannot cancel a collective that is in flight, and its buffers
 //!   must stay alive until it completes, so a timeout cannot be returned as an error: the rank
 //!   prints the [`Timeout`](crate::Error::Timeout) (naming itself, the op and the members it waited
 //!   for) to stderr and calls `MPI_Abort`, which ends every process of the job with a non-zero
@@ -60,10 +62,12 @@
 //!
 //! # Threads
 //!
-//! MPI is initialised with `MPI_THREAD_SERIALIZED`: a communicator may move between threads
-//! (`Send`), but the process's MPI communicators must not be driven by two threads at once. One
-//! rank per process, driven by one thread, as the trainer does, satisfies that. MPI is finalised
-//! when the last communicator of the process drops, and cannot be initialised again afterwards.
+//! MPI is initialised asking for `MPI_THREAD_MULTIPLE` (OpenMPI provides it): a communicator may
+//! move between threads (`Send`, not `Sync`), and different communicators may be driven by
+//! different threads. A library that provides only `MPI_THREAD_SERIALIZED` is accepted; then the
+//! process's communicators must not be driven by two threads at once (one rank per process,
+//! driven by one thread, as the trainer does, satisfies that). MPI is finalised when the last
+//! communicator (or [`MpiGuard`]) of the process drops, and cannot be initialised again.
 //!
 //! # Topology
 //!
@@ -82,7 +86,7 @@ use backend as imp;
 #[cfg(not(feature = "mpi"))]
 use stub as imp;
 
-pub use imp::{MpiComm, abort_job};
+pub use imp::{MpiComm, MpiGuard, abort_job};
 
 use std::time::Duration;
 

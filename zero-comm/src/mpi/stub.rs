@@ -32,6 +32,21 @@ impl MpiComm {
     }
 }
 
+/// Holds MPI initialised. Without the `mpi` feature [`MpiGuard::new`] returns
+/// [`Error::NotCompiled`].
+#[derive(Debug, Clone)]
+pub struct MpiGuard {
+    never: Infallible,
+}
+
+impl MpiGuard {
+    /// Returns [`Error::NotCompiled`].
+    pub fn new() -> Result<MpiGuard> {
+        let _ = |g: MpiGuard| match g.never {};
+        Err(Error::NotCompiled { backend: "mpi" })
+    }
+}
+
 /// Ends this process with status `code` (without the `mpi` feature there is no MPI job).
 pub fn abort_job(code: i32) -> ! {
     std::process::exit(code)
