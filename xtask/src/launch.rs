@@ -1,7 +1,8 @@
 //! `cargo xtask launch`: torchrun for this project. Starts `--nproc-per-node` processes on this
 //! machine, each with torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), forwards their output line by
-//! line behind a `[rank k]` prefix, and stops all of them as soon as one fails.
+//! line behind a `[rank k]` prefix, and stops all of them as soon as one fails, or when it is
+//! interrupted (Ctrl-C, SIGTERM).
 //!
 //! `-- train ARGS…` runs this xtask's `train` with `--launcher nccl` (one GPU per process, the
 //! NCCL communicator from the TCP bootstrap) and the world filled in when the arguments leave it
@@ -11,6 +12,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -115,6 +117,13 @@ fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
     } else {
         (args[0].clone().into(), &args[1..])
     };
+    // The ranks run in process groups of their own, so a Ctrl-C at the terminal reaches only this
+    // launcher: it stops them.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())
+            .context("cannot install the launcher's signal handler")?;
+    }
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut pumps = Vec::new();
     for local in 0..a.nproc_per_node {
@@ -149,6 +158,10 @@ fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
     // Wait for all; the first failure stops the rest.
     let mut failed = None;
     while !children.is_empty() {
+        if interrupted.load(Ordering::Relaxed) {
+            stop(&mut children);
+            bail!("interrupted: every rank of this machine was stopped");
+        }
         let mut i = 0;
         while i < children.len() {
             match children[i].1.try_wait()? {
@@ -311,8 +324,25 @@ mod tests {
                 "3 false env 3/4 local 1/2 node 1 127.0.0.1:29500"
             ]
         );
-        let ok = run_with(args(&["sh", "-c", "echo oops >&2"]), sink);
+        let ok = run_with(args(&["sh", "-c", "echo oops >&2"]), sink.clone());
         assert!(ok.is_ok(), "{ok:?}");
         assert!(lines.lock().unwrap().iter().any(|l| l == "2 true oops"));
+        // Ctrl-C (SIGINT to this process) stops sleeping ranks at once.
+        let pid = std::process::id().to_string();
+        let interrupter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            Command::new("kill").args(["-INT", &pid]).status().unwrap();
+        });
+        let start = std::time::Instant::now();
+        let e = run_with(args(&["sh", "-c", "sleep 60"]), sink)
+            .unwrap_err()
+            .to_string();
+        interrupter.join().unwrap();
+        assert!(e.contains("interrupted"), "{e}");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            start.elapsed()
+        );
     }
 }
