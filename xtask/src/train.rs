@@ -29,10 +29,10 @@ pub(crate) struct TrainArgs {
     /// qgZ on or off (default: on at stage 3 without a config file).
     #[arg(long)]
     qgz: Option<bool>,
-    /// Number of ranks (threads).
+    /// Number of ranks (threads; processes with --launcher mpi or nccl).
     #[arg(long, default_value_t = 4)]
     world_size: usize,
-    /// Ranks per node (nodes are simulated; bytes are classified by it).
+    /// Ranks per node (on one machine the nodes are simulated; bytes are classified by it).
     #[arg(long, default_value_t = 2)]
     ranks_per_node: usize,
     /// Backend: host (burn flex on the CPU, host loopback) or wgpu (burn's wgpu backend and the
