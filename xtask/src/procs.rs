@@ -56,14 +56,13 @@ pub(crate) fn launch_mpi(job: &JobConfig, out: &Path, add_out: bool) -> anyhow::
 pub(crate) fn mpi_rank(job: &JobConfig, out: &Path) -> anyhow::Result<()> {
     // Held until the end: the engine dropping its communicator must not finalise MPI (which
     // waits for peers) before a failing rank can abort the job.
-    let guard = MpiGuard::new()?;
+    let _guard = MpiGuard::new()?;
     let result = mpi_train(job, out);
     if let Err(e) = &result {
         eprintln!("error: {e:#}");
         // The peers may be waiting in a collective: end the whole job now.
         abort_job(1);
     }
-    drop(guard);
     result
 }
 
