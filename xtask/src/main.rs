@@ -21,6 +21,7 @@ mod plot;
 mod procs;
 mod ptx;
 mod release;
+mod report;
 mod simulate;
 mod test;
 mod train;

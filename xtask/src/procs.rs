@@ -137,7 +137,7 @@ fn train<C: Communicator>(
         return Ok(());
     }
     // Every process's own peak RSS is in the report; the launcher's is not a rank's.
-    crate::train::finish(&report, out, None)?;
+    crate::report::finish(&report, out, None)?;
     if !report.peak_rss_per_rank.is_empty() {
         let mib: Vec<String> = report
             .peak_rss_per_rank

@@ -311,10 +311,7 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
         options,
     } = prepare(job)?;
     let start = Instant::now();
-    let run = HostRun {
-        checkpoint: job.checkpoint.clone(),
-        ..HostRun::new(job.steps, job.timeout)
-    };
+    let run = host_run(job);
     let results = match &shared {
         None => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
         #[cfg(feature = "wgpu")]
@@ -384,10 +381,7 @@ pub fn run_job_rank<C: Communicator>(
         ));
     }
     let start = Instant::now();
-    let run = HostRun {
-        checkpoint: job.checkpoint.clone(),
-        ..HostRun::new(job.steps, job.timeout)
-    };
+    let run = host_run(job);
     let (_, summaries) = train_rank(
         comm,
         plan.clone(),
@@ -407,6 +401,14 @@ pub fn run_job_rank<C: Communicator>(
         &summaries,
         wall,
     )
+}
+
+/// How long `job` runs, with its checkpointing.
+fn host_run(job: &JobConfig) -> HostRun {
+    HostRun {
+        checkpoint: job.checkpoint.clone(),
+        ..HostRun::new(job.steps, job.timeout)
+    }
 }
 
 /// The run report of `job` from every rank's summary.

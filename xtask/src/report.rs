@@ -1,0 +1,232 @@
+//! The run report of `cargo xtask train`: printed (loss, throughput, memory and bytes measured
+//! against planned, checkpoints saved), written as `report.json`, and drawn as `report.svg`.
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use zero_burn::demo::job::RunReport;
+use zero_core::report::human_bytes;
+use zero_core::{Collective, LinkClass, Precision};
+
+/// Prints the report, writes `report.json` (with the process's peak RSS when known) and
+/// `report.svg` into `out`, and fails when measured bytes differ from the plan.
+pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> anyhow::Result<()> {
+    print_report(report);
+    let json = out.join("report.json");
+    let mut value = serde_json::to_value(report)?;
+    if let (Some(obj), Some(rss)) = (value.as_object_mut(), peak_rss) {
+        // The whole process (every rank): what `cargo xtask bench` compares across stages.
+        obj.insert("peak_rss_bytes".into(), rss.into());
+    }
+    std::fs::write(&json, serde_json::to_string_pretty(&value)?)
+        .with_context(|| format!("cannot write {}", json.display()))?;
+    report_svg(report, &out.join("report.svg"))?;
+    println!(
+        "\nrun directory: {}  (report.json, report.svg)",
+        out.display()
+    );
+    if !report.comm_matches_plan || !report.memory_matches_plan {
+        bail!("measured bytes differ from the plan (see the tables above and report.json)");
+    }
+    Ok(())
+}
+
+/// Rank 0's memory per plan category: (the plan's name, a short label, measured, planned).
+fn memory_rows(r: &RunReport) -> [(&'static str, &'static str, u64, u64); 7] {
+    let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
+    [
+        ("parameters", "parameters", m.parameters, p.parameters),
+        ("gradients", "gradients", m.gradients, p.gradients),
+        (
+            "optimizer_states",
+            "optimizer",
+            m.optimizer_states,
+            p.optimizer_states,
+        ),
+        (
+            "master_weights",
+            "master",
+            m.master_weights,
+            p.master_weights,
+        ),
+        (
+            "hpz_secondary",
+            "hpZ secondary",
+            m.hpz_secondary,
+            p.hpz_secondary,
+        ),
+        (
+            "gathered_working_set",
+            "gathered",
+            m.gathered_working_set,
+            p.gathered_working_set,
+        ),
+        (
+            "communication_buffers",
+            "comm buffers",
+            m.communication_buffers,
+            p.communication_buffers,
+        ),
+    ]
+}
+
+/// The report's figure: the loss per step (rank mean) with the entropy floor, and measured
+/// against planned memory per category on rank 0, in MiB; the caption gives tokens/s.
+fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
+    use crate::plot::{Bars, Panel, Series};
+    let x0 = r.first_step as f64 + 1.0;
+    let mut series = vec![Series {
+        name: "loss (mean over ranks)".into(),
+        points: r
+            .loss
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (x0 + i as f64, f64::from(l)))
+            .collect(),
+    }];
+    if let Some(f) = r.loss_floor {
+        let last = x0 + r.loss.len().saturating_sub(1) as f64;
+        series.push(Series {
+            name: format!("entropy floor {f:.3}"),
+            points: vec![(x0, f), (last, f)],
+        });
+    }
+    let lines = Panel {
+        title: format!(
+            "ZeRO-{}: loss per step ({:.0} tokens/s)",
+            r.job.zero.stage, r.tokens_per_sec
+        ),
+        x_label: "optimizer step".into(),
+        y_label: "nats/token".into(),
+        x_names: None,
+        series,
+    };
+    let rows = memory_rows(r);
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    let bars = Bars {
+        title: "memory per rank, rank 0 (MiB)".into(),
+        y_label: "MiB".into(),
+        categories: rows.iter().map(|r| r.1.to_string()).collect(),
+        series: vec![
+            ("measured".into(), rows.iter().map(|r| mib(r.2)).collect()),
+            ("planned".into(), rows.iter().map(|r| mib(r.3)).collect()),
+        ],
+    };
+    crate::plot::lines_and_bars_svg(path, &lines, &bars, 1100, 420)
+}
+
+fn print_report(r: &RunReport) {
+    let first = r.loss.first().copied().unwrap_or(f32::NAN);
+    let last10 = &r.loss[r.loss.len().saturating_sub(10)..];
+    let last = last10.iter().sum::<f32>() / last10.len().max(1) as f32;
+    println!(
+        "\nloss: {first:.4} -> {last:.4} (mean of the last {} steps)",
+        last10.len()
+    );
+    if let Some(f) = r.loss_floor {
+        println!(
+            "loss floor (entropy rate of the synthetic language): {f:.4} nats/token; gap {:.4}",
+            f64::from(last) - f
+        );
+    }
+    println!(
+        "throughput: {:.0} tokens/s over {:.1} s",
+        r.tokens_per_sec, r.wall_secs
+    );
+    if r.job.zero.precision == Precision::Fp16 {
+        println!(
+            "fp16 loss scale: {} -> {}; skipped steps (overflow, every rank together): {}",
+            r.loss_scale.first().copied().unwrap_or(f32::NAN),
+            r.loss_scale.last().copied().unwrap_or(f32::NAN),
+            if r.skipped_steps.is_empty() {
+                "none".to_string()
+            } else {
+                format!("{} {:?}", r.skipped_steps.len(), r.skipped_steps)
+            }
+        );
+    }
+
+    println!("\nmemory per rank (peak bytes; measured on rank 0 vs planned)");
+    let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
+    let mut rows: Vec<(&str, u64, u64)> = memory_rows(r)
+        .into_iter()
+        .map(|(name, _, meas, plan)| (name, meas, plan))
+        .collect();
+    rows.push(("model states", m.model_states_bytes, p.model_states_bytes));
+    println!("  {:<24} {:>12} {:>12}", "category", "measured", "planned");
+    for (name, meas, plan) in rows {
+        // `<`: under the plan's bound (e.g. overlapped reductions that never coincide).
+        let mark = match meas.cmp(&plan) {
+            std::cmp::Ordering::Equal => "=",
+            std::cmp::Ordering::Less => "<",
+            std::cmp::Ordering::Greater => ">",
+        };
+        println!(
+            "  {name:<24} {:>12} {:>12}  {mark}",
+            human_bytes(meas),
+            human_bytes(plan)
+        );
+    }
+    if m.f32_compute_copies > 0 {
+        println!(
+            "  {:<24} {:>12} {:>12}  (burn's f32 copies of the 16-bit weights on the CPU backend)",
+            "f32 compute copies",
+            human_bytes(m.f32_compute_copies),
+            "-"
+        );
+    }
+    println!(
+        "  model states equal the plan on every rank: {}",
+        if r.memory_matches_plan { "yes" } else { "NO" }
+    );
+
+    println!("\nbytes sent per rank over the whole run (rank 0; measured vs planned)");
+    println!(
+        "  {:<15} {:>8} {:>12} {:>12} {:>12} {:>12}",
+        "collective", "calls", "intra meas", "intra plan", "inter meas", "inter plan"
+    );
+    let (meas, plan) = (&r.comm.measured[0], &r.comm.planned[0]);
+    for op in Collective::ALL {
+        let (a, b) = (
+            meas.by_collective.get(&op).copied().unwrap_or_default(),
+            plan.by_collective.get(&op).copied().unwrap_or_default(),
+        );
+        if a.calls == 0 && b.calls == 0 {
+            continue;
+        }
+        println!(
+            "  {:<15} {:>8} {:>12} {:>12} {:>12} {:>12}",
+            op.name(),
+            a.calls,
+            human_bytes(a.sent.get(LinkClass::IntraNode)),
+            human_bytes(b.sent.get(LinkClass::IntraNode)),
+            human_bytes(a.sent.get(LinkClass::InterNode)),
+            human_bytes(b.sent.get(LinkClass::InterNode)),
+        );
+    }
+    println!(
+        "  measured traffic equals the plan on every rank: {}",
+        if r.comm_matches_plan { "yes" } else { "NO" }
+    );
+    if r.first_step > 0 {
+        println!(
+            "\nresumed at step {}: these figures cover steps {}..{}",
+            r.first_step,
+            r.first_step,
+            r.first_step + r.loss.len() as u64
+        );
+    }
+    if !r.saves.is_empty() {
+        println!("\ncheckpoints saved (rank 0: bytes written, wall time of the collective save)");
+        for c in &r.saves {
+            println!(
+                "  {}  step {:>6}  {:>12}  {:.3} s",
+                c.tag,
+                c.step,
+                human_bytes(c.bytes),
+                c.seconds
+            );
+        }
+    }
+}
