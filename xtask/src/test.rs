@@ -307,9 +307,12 @@ fn simulated_no_adapter_check(work: &Path) -> anyhow::Result<()> {
 /// insta's strictness, set here whatever the environment says: a missing or changed snapshot
 /// fails and nothing is written, unless `accept` (then changed snapshots are rewritten in place).
 /// `INSTA_FORCE_PASS=0` also overrides an insta config file's `force_pass`; the legacy variables
-/// that would turn updates back on are removed.
+/// that would turn updates back on are removed. Snapshots are looked up under this checkout
+/// (`INSTA_WORKSPACE_ROOT`): a test binary cargo reuses from a build in another checkout of the
+/// same sources would otherwise look in that one's directory, which may be gone.
 fn insta_strictness(cmd: &mut Command, accept: bool) {
-    cmd.env("INSTA_UPDATE", if accept { "always" } else { "no" })
+    cmd.env("INSTA_WORKSPACE_ROOT", workspace_root())
+        .env("INSTA_UPDATE", if accept { "always" } else { "no" })
         .env("INSTA_FORCE_PASS", "0")
         .env_remove("INSTA_FORCE_UPDATE")
         .env_remove("INSTA_FORCE_UPDATE_SNAPSHOTS");
@@ -388,6 +391,13 @@ mod tests {
         assert_eq!(get("INSTA_UPDATE"), Some(Some("no".into())));
         assert_eq!(get("INSTA_FORCE_PASS"), Some(Some("0".into())));
         assert_eq!(get("INSTA_FORCE_UPDATE"), Some(None), "removed");
+        let root = get("INSTA_WORKSPACE_ROOT")
+            .flatten()
+            .expect("the root is set");
+        assert!(
+            Path::new(&root).join("zero-core/tests/snapshots").is_dir(),
+            "{root}"
+        );
         let mut c = Command::new("true");
         insta_strictness(&mut c, true);
         assert!(

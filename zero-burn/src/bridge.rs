@@ -52,8 +52,8 @@ use zero_comm::wgpu_loopback::{
 };
 use zero_quant::{Int4Block, Int8Block, WgpuQuantizer};
 
+use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
-use crate::trainer::{DeviceQuant, DeviceTensors};
 
 /// cubecl's server of the wgpu runtime burn's wgpu devices run on.
 type Server = cubecl_wgpu::WgpuServer<AutoCompiler>;

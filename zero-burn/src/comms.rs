@@ -20,9 +20,9 @@ use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_al
 use zero_comm::{Communicator, ReduceOp};
 use zero_quant::{Int4Block, Int8Block};
 
+use crate::device::DeviceQuant;
 use crate::error::{Error, Result};
 use crate::precision::Half;
-use crate::trainer::DeviceQuant;
 
 /// A rank's communicators and the ZeRO++ codecs with their scratch space.
 #[derive(Debug)]
@@ -74,7 +74,7 @@ pub(crate) enum Job<C: Communicator> {
     /// secondary shard). qwZ applies when it is on.
     Gather { piece: Out<C>, hpz: bool },
     /// [`Job::Gather`] of an fp32 `piece`, leaving the unit in the communicator's memory (for a
-    /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook to install); `qwz`: through qwZ
+    /// [`DeviceTensors`](crate::device::DeviceTensors) hook to install); `qwz`: through qwZ
     /// when it is on (with the [`DeviceQuant`] codecs), else plain (the post-step gathers).
     GatherDevice {
         piece: Vec<f32>,
@@ -82,7 +82,7 @@ pub(crate) enum Job<C: Communicator> {
         qwz: bool,
     },
     /// [`Job::AllReduce`] of an f32 unit already in the communicator's memory (packed there by a
-    /// [`DeviceTensors`](crate::trainer::DeviceTensors) hook), in place; the result is downloaded.
+    /// [`DeviceTensors`](crate::device::DeviceTensors) hook), in place; the result is downloaded.
     AllReduceDevice { data: C::Buffer<f32>, op: ReduceOp },
     /// [`Job::ReduceScatter`] of an f32 unit already in the communicator's memory (`qgz`: through
     /// the device qgZ when the communicators have [`DeviceQuant`] codecs); only the rank's
@@ -201,14 +201,14 @@ impl<C: Communicator> Comms<C> {
 }
 
 fn no_device_codec(which: &str) -> Error {
-    Error::Model(format!(
-        "internal: {which} on the communicator's memory without device codecs"
+    Error::Internal(format!(
+        "{which} on the communicator's memory without device codecs"
     ))
 }
 
 fn mixed() -> Error {
-    Error::Model(
-        "internal: 16-bit elements in an fp32 trainer's collective, or device elements where \
+    Error::Internal(
+        "16-bit elements in an fp32 trainer's collective, or device elements where \
          host ones belong"
             .into(),
     )
@@ -245,8 +245,8 @@ impl<C: Communicator> Exec<C> {
     pub(crate) fn wait(&mut self) -> Result<Out<C>> {
         match self {
             Exec::Inline { done, .. } => done.pop_front().unwrap_or_else(|| {
-                Err(Error::Model(
-                    "internal: waited for a collective that was never submitted".into(),
+                Err(Error::Internal(
+                    "waited for a collective that was never submitted".into(),
                 ))
             }),
             Exec::Thread { rank, results, .. } => results.recv().map_err(|_| stopped(*rank))?,
@@ -255,9 +255,11 @@ impl<C: Communicator> Exec<C> {
 }
 
 fn stopped(rank: usize) -> Error {
-    Error::Model(format!(
-        "the communication thread of rank {rank} stopped before its collectives were done"
-    ))
+    // The results channel closes only when the thread ends, and it ends early only by panicking.
+    Error::RankPanicked {
+        rank,
+        message: "its communication thread stopped before its collectives were done".into(),
+    }
 }
 
 /// Runs `f` with an executor over `comms`: inline, or (`overlap`) on a communication thread for

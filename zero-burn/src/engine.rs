@@ -18,11 +18,12 @@ use serde::Serialize;
 use zero_comm::{Communicator, ReduceOrder};
 use zero_core::{MemoryModel, OptimizerKind, Plan, TrafficTable, ZeroConfig};
 
+use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
 use crate::segmented::Segmented;
-use crate::trainer::{DeviceQuant, DeviceTensors, EngineOptions, MeasuredMemory, ZeroEngine};
+use crate::trainer::{EngineOptions, MeasuredMemory, ZeroEngine};
 
 /// Where the engine's plan comes from.
 #[derive(Debug)]
@@ -160,50 +161,6 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
         }
         Ok(engine)
     }
-}
-
-/// Fails every rank alike, before any data moves, unless every rank runs the same plan and options
-/// and starts from the same parameter values: one all-gather of two 64-bit fingerprints (FNV-1a of
-/// the plan's fingerprint and the options; crc32c of every parameter's bytes, read once). The
-/// engine calls it after its local checks, before its first collective. A rank whose local checks
-/// fail returns at once without reaching it; its peers then learn of the failure from the backend
-/// (the host loopback fails them fast; under MPI the failing process aborts the job).
-pub(crate) fn check_ranks_agree<C: Communicator, M: Segmented>(
-    comm: &mut C,
-    plan: &Plan,
-    options: &EngineOptions,
-    model: &M,
-) -> Result<()> {
-    let setup = format!(
-        "{}|{:?}|{:?}",
-        zero_core::checkpoint::fingerprint(plan),
-        options.optimizer,
-        options.reduction
-    );
-    let setup = setup.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    let values = crate::params::values_crc(model);
-    let mine: Vec<u8> = [setup, values]
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect();
-    let all = comm.all_gather_host(&mine)?;
-    let word = |r: usize, k: usize| {
-        let o = 16 * r + 8 * k;
-        u64::from_le_bytes(all[o..o + 8].try_into().unwrap_or([0; 8]))
-    };
-    for (k, what) in [(0, "plan or options"), (1, "model (parameter values)")] {
-        if let Some(rank) = (1..comm.world_size()).find(|&r| word(r, k) != word(0, k)) {
-            return Err(Error::RanksDisagree {
-                rank: comm.members()[rank],
-                what,
-                ours: word(0, k),
-                theirs: word(rank, k),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// The optimizer a plan's kind stands for, with its usual hyper-parameters.

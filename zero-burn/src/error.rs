@@ -13,9 +13,46 @@ pub enum Error {
     /// A codec rejected its configuration.
     #[error(transparent)]
     Quant(#[from] zero_quant::Error),
-    /// The model does not fit the trainer's expectations.
-    #[error("model: {0}")]
-    Model(String),
+    /// The plan does not fit the communicator or the model it is run with.
+    #[error("the plan does not fit: {what}")]
+    PlanMismatch {
+        /// What differs.
+        what: String,
+    },
+    /// The run diverged: a non-finite loss or gradient norm, or fp16 gradients that overflow at
+    /// the minimum loss scale. Every rank that sees it fails; the others learn of it from its
+    /// dropped communicator.
+    #[error("the run diverged at step {step} on rank {rank}: {what}")]
+    Diverged {
+        /// The optimizer step (1-based) that diverged.
+        step: u64,
+        /// The rank that found it.
+        rank: usize,
+        /// What was not finite.
+        what: String,
+    },
+    /// A segment's backward produced no gradient for its input activation (the activation was
+    /// detached, or the segment does not use its input).
+    #[error("segment {segment} produced no gradient for its input activation")]
+    NoInputGradient {
+        /// The segment.
+        segment: usize,
+    },
+    /// A safetensors file to initialise a model from is unusable.
+    #[error("{file}: {detail}")]
+    Init {
+        /// The file.
+        file: String,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The caller's own error, returned from a rank's closure (see [`crate::launch`]); build it
+    /// with [`Error::other`].
+    #[error(transparent)]
+    Other(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// A broken internal invariant: a bug in zero-burn, please report it.
+    #[error("internal error (a bug in zero-burn): {0}")]
+    Internal(String),
     /// The model's segments do not cover its parameters exactly once.
     #[error("segments: parameter `{path}` {detail}")]
     Segmentation {
@@ -146,6 +183,14 @@ impl From<zero_core::Error> for Error {
 impl From<zero_core::CheckpointError> for Error {
     fn from(e: zero_core::CheckpointError) -> Self {
         Error::Checkpoint(Box::new(e))
+    }
+}
+
+impl Error {
+    /// Wraps the caller's own error (like [`std::io::Error::other`]), e.g. to return it from a
+    /// rank's closure in [`crate::launch`].
+    pub fn other(e: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        Error::Other(e.into())
     }
 }
 

@@ -66,6 +66,7 @@ pub mod bridge;
 pub mod checkpoint;
 mod comms;
 pub mod demo;
+pub mod device;
 mod engine;
 pub mod error;
 mod launch;
@@ -76,6 +77,7 @@ pub mod reduction;
 pub mod segmented;
 pub mod trainer;
 
+pub use device::{DeviceQuant, DeviceTensors};
 pub use engine::{EngineBuilder, RankReport};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]
@@ -85,7 +87,7 @@ pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;
 pub use segmented::{Activation, SegmentOut, Segmented, Whole};
-pub use trainer::{DeviceQuant, DeviceTensors, MeasuredMemory, StepOutput, ZeroEngine};
+pub use trainer::{MeasuredMemory, StepOutput, ZeroEngine};
 
 use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 

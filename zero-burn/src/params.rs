@@ -126,7 +126,7 @@ pub fn read_values<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> Resu
         .into_iter()
         .enumerate()
         .map(|(i, v)| {
-            v.ok_or_else(|| Error::Model(format!("parameter slot {i} not found in the module")))
+            v.ok_or_else(|| Error::Internal(format!("parameter slot {i} not found in the module")))
         })
         .collect()
 }

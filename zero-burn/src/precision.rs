@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::{LossScaleConfig, Precision};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// A 16-bit working type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -180,6 +180,14 @@ pub struct StepInfo {
     pub grad_norm: Option<f32>,
 }
 
+/// fp16 gradients overflowed at the minimum loss scale: the run cannot make progress (see
+/// [`LossScaler::update`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AtMinScale {
+    /// The configured minimum loss scale.
+    pub min_loss_scale: f64,
+}
+
 /// DeepSpeed's loss scaler: static, or dynamic with hysteresis and a window.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LossScaler {
@@ -225,7 +233,7 @@ impl LossScaler {
 
     /// Records one step's outcome (DeepSpeed's `update_scale`). An overflow at the minimum
     /// scale is an error: the run cannot make progress, and a silent skip forever would hide it.
-    pub fn update(&mut self, overflow: bool) -> Result<()> {
+    pub fn update(&mut self, overflow: bool) -> std::result::Result<(), AtMinScale> {
         if !self.cfg.dynamic() {
             self.iter += 1;
             return Ok(());
@@ -233,11 +241,9 @@ impl LossScaler {
         if overflow {
             if self.cfg.hysteresis == 1 || self.hysteresis == 1 {
                 if self.scale <= self.cfg.min_loss_scale {
-                    return Err(Error::Model(format!(
-                        "fp16 gradients overflow at the minimum loss scale {} (step {}): the run \
-                         diverged",
-                        self.cfg.min_loss_scale, self.iter
-                    )));
+                    return Err(AtMinScale {
+                        min_loss_scale: self.cfg.min_loss_scale,
+                    });
                 }
                 self.scale = (self.scale / 2.0).max(self.cfg.min_loss_scale);
             } else {

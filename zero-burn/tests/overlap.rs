@@ -138,7 +138,7 @@ fn a_failing_rank_fails_its_overlapping_peers_fast() {
         corpus_step(&mut t, &corpus, &options())?;
         if rank == 2 {
             // Rank 2 stops after one step; its communicators drop with it.
-            return Err(Error::Model("rank 2 stops".into()));
+            return Err(Error::other("rank 2 stops"));
         }
         corpus_step(&mut t, &corpus, &options())?;
         Ok::<_, Error>(())
@@ -148,7 +148,7 @@ fn a_failing_rank_fails_its_overlapping_peers_fast() {
         let err = r.expect("no rank panics").expect_err("every rank fails");
         let msg = err.to_string();
         if rank == 2 {
-            assert_eq!(msg, "model: rank 2 stops");
+            assert_eq!(msg, "rank 2 stops");
         } else {
             assert!(
                 matches!(err, Error::Comm(_)) && msg.contains("rank 2"),

@@ -13,7 +13,10 @@ use burn::module::Module;
 /// the model's f32. Every parameter must be there with its shape, and every tensor must be a
 /// parameter; otherwise an error names the first that is not, and the model is not touched.
 pub fn init_from_safetensors<M: Module>(model: M, bytes: &[u8], file: &str) -> Result<M> {
-    let bad = |detail: String| Error::Model(format!("{file}: {detail}"));
+    let bad = |detail: String| Error::Init {
+        file: file.to_owned(),
+        detail,
+    };
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| bad(format!("not a readable safetensors file ({e})")))?;
     let params = params::describe(&model);

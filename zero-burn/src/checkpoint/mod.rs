@@ -50,7 +50,7 @@ use zero_core::checkpoint::{EngineScalars, LossScalerState};
 
 use crate::error::Result;
 use crate::segmented::Segmented;
-use crate::trainer::ZeroEngine;
+use crate::trainer::{Scalars, ZeroEngine};
 
 /// What a save did on this rank.
 #[derive(Clone, Debug, PartialEq)]
@@ -130,16 +130,6 @@ pub fn verify(store: &dyn Storage) -> Result<VerifyReport> {
         files: m.files.len(),
         bytes: m.files.iter().map(|f| f.bytes).sum(),
     })
-}
-
-/// The engine's step counters and fp16 loss-scaler state (scale, hysteresis, iter, last
-/// overflow), as [`ZeroEngine`] hands them out and takes them back.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Scalars {
-    pub(crate) step: u64,
-    pub(crate) opt_steps: u64,
-    pub(crate) skipped: u64,
-    pub(crate) scaler: Option<(f64, u32, i64, i64)>,
 }
 
 /// The engine's scalars as the manifest records them.

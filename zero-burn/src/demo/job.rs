@@ -443,7 +443,7 @@ fn report(
         .collect();
     for r in &results[1..] {
         if r.step_info != first.step_info {
-            return Err(Error::Model(format!(
+            return Err(Error::Internal(format!(
                 "rank {} skipped different steps or used different loss scales than rank 0",
                 r.rank
             )));

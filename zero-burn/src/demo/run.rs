@@ -12,6 +12,8 @@ use zero_core::{Plan, TrafficTable};
 
 use crate::checkpoint::Storage;
 use crate::demo::data::{Corpus, TokenBatch};
+#[cfg(feature = "wgpu")]
+use crate::device::{DeviceQuant, DeviceTensors};
 use crate::engine::EngineBuilder;
 #[cfg(feature = "wgpu")]
 use crate::error::Error;
@@ -22,8 +24,6 @@ use crate::launch::{Clones, Launch};
 use crate::optim::Optimizer;
 use crate::reduction::{Reduction, canonical_sum};
 use crate::segmented::Segmented;
-#[cfg(feature = "wgpu")]
-use crate::trainer::{DeviceQuant, DeviceTensors};
 use crate::trainer::{MeasuredMemory, ZeroEngine};
 
 /// The demo's training options that are not part of the ZeRO plan.
@@ -259,13 +259,14 @@ pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
             ..mine
         },
     };
-    let json = serde_json::to_vec(&wire).map_err(|e| crate::Error::Model(e.to_string()))?;
+    let json = serde_json::to_vec(&wire)
+        .map_err(|e| crate::Error::Internal(format!("the run summary: {e}")))?;
     let all = crate::checkpoint::all_gather_bytes(t.ckpt_world(), &json)?
         .iter()
         .enumerate()
         .map(|(r, b)| {
             let w: Wire = serde_json::from_slice(b).map_err(|e| {
-                crate::Error::Model(format!("the run summary from rank {r} is unreadable: {e}"))
+                crate::Error::Internal(format!("the run summary from rank {r} is unreadable: {e}"))
             })?;
             Ok(RankSummary {
                 losses: w.loss_bits.into_iter().map(f32::from_bits).collect(),
@@ -433,7 +434,7 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
     grads: WgpuTensors,
 ) -> Result<Vec<RankResult<M>>> {
     if let Some(d) = model.devices().into_iter().find(|d| *d != shared.device()) {
-        return Err(Error::Model(format!(
+        return Err(Error::Backend(format!(
             "the model lives on {d:?}; train_wgpu needs it on the shared device {:?}",
             shared.device()
         )));

@@ -1,7 +1,28 @@
 //! The engine's checkpoint access: the only internals [`crate::checkpoint`] reaches.
 
-#[allow(clippy::wildcard_imports)]
-use super::*;
+use std::collections::HashMap;
+
+use burn::module::ParamId;
+use zero_comm::Communicator;
+use zero_core::UnitKind;
+
+use super::ZeroEngine;
+use crate::error::Result;
+use crate::optim::Optimizer;
+use crate::params;
+use crate::precision::LossScaler;
+use crate::reduction::Reduction;
+use crate::segmented::Segmented;
+
+/// The engine's step counters and fp16 loss-scaler state (scale, hysteresis, iter, last
+/// overflow), as the engine hands them out and takes them back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Scalars {
+    pub(crate) step: u64,
+    pub(crate) opt_steps: u64,
+    pub(crate) skipped: u64,
+    pub(crate) scaler: Option<(f64, u32, i64, i64)>,
+}
 
 /// Checkpoint access (see [`crate::checkpoint`]): what a rank saves, what it needs back, and the
 /// restore. Kept in one block so the checkpoint code needs nothing else of the engine's internals.
@@ -12,8 +33,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// The step counters and the loss scaler's state.
-    pub(crate) fn ckpt_scalars(&self) -> crate::checkpoint::Scalars {
-        crate::checkpoint::Scalars {
+    pub(crate) fn ckpt_scalars(&self) -> Scalars {
+        Scalars {
             step: self.step,
             opt_steps: self.opt_steps,
             skipped: self.skipped,
@@ -42,7 +63,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let stage = plan.stage();
         // Start of this rank's chunk in the optimizer layout of the unit.
         let opt_at = |oo: usize| if stage == 0 { oo + self.rank * c } else { oo };
-        let w = match (self.opt_offset[u], self.half) {
+        let w = match (self.layout.opt_offset[u], self.half) {
             (Some(oo), Some(_)) => self.master[opt_at(oo)..opt_at(oo) + real].to_vec(),
             _ if stage == 3 => {
                 let so = unit.shard_offset as usize;
@@ -53,7 +74,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
             _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
         };
-        let state = |buf: &[f32]| match self.opt_offset[u] {
+        let state = |buf: &[f32]| match self.layout.opt_offset[u] {
             Some(oo) if !buf.is_empty() => buf[opt_at(oo)..opt_at(oo) + real].to_vec(),
             _ => Vec::new(),
         };
@@ -73,7 +94,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let chunk = self.rank as u64 * c..(self.rank as u64 + 1) * c;
         let in_model = plan.stage() < 3 || unit.kind == UnitKind::Persistent;
         let w = if in_model { 0..unit.len } else { chunk.clone() };
-        let opt = self.opt_offset[u].map(|_| {
+        let opt = self.layout.opt_offset[u].map(|_| {
             if plan.stage() == 0 {
                 0..unit.len
             } else {
@@ -106,14 +127,14 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub(crate) fn ckpt_restore(
         &mut self,
         units: Vec<[Vec<f32>; 3]>,
-        scalars: crate::checkpoint::Scalars,
+        scalars: Scalars,
     ) -> Result<()> {
         let plan = self.plan.clone();
         let stage = plan.stage();
         for (u, [w, m, v]) in units.into_iter().enumerate() {
             let unit = &plan.units()[u];
             let (wr, or) = self.ckpt_needs(u);
-            if let (Some(or), Some(oo)) = (or, self.opt_offset[u]) {
+            if let (Some(or), Some(oo)) = (or, self.layout.opt_offset[u]) {
                 let (a, b) = ((or.start - wr.start) as usize, (or.end - wr.start) as usize);
                 let len = b - a;
                 if !self.opt.m.is_empty() {

@@ -1,7 +1,12 @@
 //! What a rank measured, in the plan's memory categories.
 
 use serde::{Deserialize, Serialize};
+use zero_comm::Communicator;
 use zero_core::MemoryModel;
+
+use super::ZeroEngine;
+use crate::params;
+use crate::segmented::Segmented;
 
 /// Measured bytes per rank, in the plan's categories.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,5 +53,58 @@ impl MeasuredMemory {
             self.optimizer_states,
             self.master_weights,
         ]
+    }
+}
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// Peak measured memory so far.
+    pub fn measured_memory(&self) -> MeasuredMemory {
+        let mut m = self.peak;
+        // The codecs' wire buffers keep their capacity: they coexist with the reduction buffers.
+        let c = self.comms_ref();
+        m.communication_buffers +=
+            (c.qwz_scratch.peak_wire_bytes() + c.qgz_scratch.peak_wire_bytes()) as u64;
+        m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
+        m
+    }
+
+    pub(super) fn track_comm_buffer(&mut self, bytes: u64) {
+        self.peak.communication_buffers = self.peak.communication_buffers.max(bytes);
+    }
+
+    pub(super) fn sample_memory(&mut self) {
+        let stage3 = self.plan.stage() == 3;
+        let gathered: u64 = if stage3 { self.live_gathered } else { 0 };
+        let model_elems = params::resident_elems(&self.model);
+        let resident = model_elems - gathered;
+        // The working weights' bytes per element: 4 in fp32, 2 in bf16/fp16 (where burn's f32
+        // copies hold 2 more, reported as `f32_compute_copies`).
+        let w = if self.half.is_some() { 2 } else { 4 };
+        let p = &mut self.peak;
+        p.parameters = p
+            .parameters
+            .max(resident * w + self.shard.len() as u64 * 4 + self.shard16.len() as u64 * 2);
+        // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
+        p.gradients = p
+            .gradients
+            .max((self.acc.len() + self.tree.len()) as u64 * 4 + self.acc16.len() as u64 * 2);
+        p.optimizer_states = p.optimizer_states.max(self.opt.bytes());
+        p.master_weights = p.master_weights.max(self.master.len() as u64 * 4);
+        if self.half.is_some() {
+            p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
+        }
+        let sec: u64 = self
+            .secondary
+            .iter()
+            .flatten()
+            .map(|s| s.len() as u64 * 4)
+            .sum::<u64>()
+            + self
+                .secondary16
+                .iter()
+                .flatten()
+                .map(|s| s.len() as u64 * 2)
+                .sum::<u64>();
+        p.hpz_secondary = p.hpz_secondary.max(sec);
     }
 }

@@ -1,0 +1,330 @@
+//! Building an engine: every check, the layout, the initial shards.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use burn::module::ParamId;
+use zero_comm::Communicator;
+use zero_comm::quantized::{QuantGroups, QuantScratch};
+use zero_core::{Plan, TrafficTable, UnitKind};
+use zero_quant::{Int4Block, Int8Block};
+
+use super::layout::RankLayout;
+use super::{EngineOptions, MeasuredMemory, ZeroEngine};
+use crate::comms::Comms;
+use crate::error::{Error, Result};
+use crate::optim::OptimState;
+use crate::params;
+use crate::precision::{Half, LossScaler, StepInfo};
+use crate::reduction::{Reduction, TreeAccumulator};
+use crate::segmented::Segmented;
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// The engine of this rank. `model` must hold the same initial values on every rank; the
+    /// plan must describe it (see [`crate::plan_for`]).
+    pub(crate) fn new(
+        plan: Arc<Plan>,
+        mut world: C,
+        model: M,
+        options: EngineOptions,
+    ) -> Result<Self> {
+        let rank = world.rank();
+        if world.world_size() != plan.world_size() {
+            return Err(Error::PlanMismatch {
+                what: format!(
+                    "the communicator has {} ranks but the plan {}",
+                    world.world_size(),
+                    plan.world_size()
+                ),
+            });
+        }
+        let half = Half::of(plan.config().precision);
+        let acc32 =
+            half.is_some() && plan.config().grad_accum_dtype == Some(zero_core::Precision::Fp32);
+        if half.is_some() && options.reduction == Reduction::CanonicalTree {
+            return Err(Error::Invalid {
+                field: "reduction",
+                got: format!("canonical_tree with {:?}", plan.config().precision),
+                expected: "rank_ordered (the canonical tree is built for fp32 only), or fp32"
+                    .into(),
+            });
+        }
+        if plan.config().optimizer != options.optimizer.kind() {
+            return Err(Error::Invalid {
+                field: "optimizer",
+                got: format!("{:?} in the plan", plan.config().optimizer),
+                expected: format!("{:?}, the trainer's optimizer", options.optimizer.kind()),
+            });
+        }
+        if options.reduction == Reduction::CanonicalTree {
+            check_canonical_tree(&plan, &world)?;
+        }
+        let params = params::describe(&model);
+
+        let desc = &plan.model().params;
+        if desc.len() != params.len()
+            || desc
+                .iter()
+                .zip(&params)
+                .any(|(d, p)| d.name != p.path || d.shape != p.shape || d.trainable != p.trainable)
+        {
+            return Err(Error::PlanMismatch {
+                what: "the plan was made for a different model (names, shapes or trainable \
+                       flags differ)"
+                    .into(),
+            });
+        }
+        let param_segment = crate::segmented::param_segments(&model, &params)?;
+        let layout = RankLayout::new(&plan, model.num_segments(), param_segment)?;
+        // Every local check is done: now every rank must agree before anything moves.
+        check_ranks_agree(&mut world, &plan, &options, &model)?;
+        let units = plan.units();
+        let stage = plan.stage();
+        let (acc_len, opt_len) = (layout.acc_len, layout.opt_len);
+        let hpz = if plan.config().hpz() {
+            let h = plan.config().hpz_partition_size;
+            Some(world.split(rank / h, rank)?)
+        } else {
+            None
+        };
+        let qgroups = if plan.config().quantized_gradients {
+            Some(QuantGroups::new(&mut world)?)
+        } else {
+            None
+        };
+        let qwz = if plan.config().quantized_weights {
+            Some(Int8Block::new(plan.config().qwz_block_size)?)
+        } else {
+            None
+        };
+        let qgz = if plan.config().quantized_gradients {
+            Some(Int4Block::new(plan.config().qgz_block_size)?)
+        } else {
+            None
+        };
+        let mut t = ZeroEngine {
+            plan: plan.clone(),
+            rank,
+            device_tensors: None,
+            device_quant: false,
+            device_grad_bytes: 0,
+            device_weight_bytes: 0,
+            comms: Some(Comms {
+                world,
+                hpz,
+                qgroups,
+                qwz,
+                qgz,
+                half,
+                quant: None,
+                qwz_scratch: QuantScratch::new(),
+                qgz_scratch: QuantScratch::new(),
+            }),
+            model,
+            options,
+            params,
+            layout,
+            shard: Vec::new(),
+            half,
+            shard16: Vec::new(),
+            master: Vec::new(),
+            acc16: if half.is_some() && !acc32 {
+                vec![0; acc_len]
+            } else {
+                Vec::new()
+            },
+            acc32,
+            scaler: (plan.config().precision == zero_core::Precision::Fp16)
+                .then(|| LossScaler::new(plan.config().loss_scaler)),
+            opt_steps: 0,
+            last_step: StepInfo::default(),
+            inject_overflow: false,
+            acc: if half.is_some() && !acc32 {
+                Vec::new()
+            } else {
+                vec![0.0; acc_len]
+            },
+            tree: match options.reduction {
+                Reduction::RankOrdered => TreeAccumulator::default(),
+                Reduction::CanonicalTree => {
+                    TreeAccumulator::new(plan.config().gradient_accumulation_steps, acc_len)
+                }
+            },
+            opt: OptimState::new(&options.optimizer, opt_len),
+            secondary: vec![None; units.len()],
+            secondary16: vec![None; units.len()],
+            gathered: vec![false; units.len()],
+            fetching: vec![false; units.len()],
+            inflight: VecDeque::new(),
+            step: 0,
+            micro: 0,
+            micro_losses: Vec::new(),
+            peak: MeasuredMemory::default(),
+            live_gathered: 0,
+            traffic_base: TrafficTable::new(),
+            steps_base: (0, 0),
+            skipped: 0,
+            other_traffic: TrafficTable::new(),
+        };
+        if half.is_some() {
+            // The fp32 master of this rank's part of every trainable unit, from the initial
+            // values (stage 0: whole units; otherwise the rank's chunk).
+            t.master = vec![0.0; opt_len];
+            for u in 0..units.len() {
+                let Some(off) = t.layout.opt_offset[u] else {
+                    continue;
+                };
+                let full = t.read_unit(u)?;
+                let c = plan.chunk_len(u) as usize;
+                let mine = if stage == 0 {
+                    &full[..]
+                } else {
+                    &full[rank * c..(rank + 1) * c]
+                };
+                t.master[off..off + mine.len()].copy_from_slice(mine);
+            }
+        }
+        if stage == 3 {
+            // The shard of every unit, from the initial full values; then release gather units.
+            match half {
+                None => t.shard = vec![0.0; plan.shard_len() as usize],
+                Some(_) => t.shard16 = vec![0; plan.shard_len() as usize],
+            }
+            for (u, unit) in units.iter().enumerate() {
+                let full = t.read_unit(u)?;
+                let c = plan.chunk_len(u) as usize;
+                let off = unit.shard_offset as usize;
+                let mine = &full[rank * c..(rank + 1) * c];
+                match half {
+                    None => t.shard[off..off + c].copy_from_slice(mine),
+                    Some(h) => {
+                        for (d, &x) in t.shard16[off..off + c].iter_mut().zip(mine) {
+                            *d = h.round(x);
+                        }
+                    }
+                }
+                if unit.kind == UnitKind::Gather {
+                    t.release(u);
+                }
+            }
+        }
+        // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
+        // share their tensors (so the clones cost nothing until here, and stage 3 never holds a
+        // full copy), and burn's autodiff graph must not be shared between threads: it
+        // deadlocks on merge.
+        let slots: Vec<usize> = (0..t.params.len())
+            .filter(|&i| !(stage == 3 && t.is_gathered_param(i)))
+            .collect();
+        let want: HashMap<ParamId, usize> = slots
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (t.params[i].id, k))
+            .collect();
+        let mut values = params::read_values(&t.model, &want)?;
+        if let Some(h) = half {
+            // The working weights: the initial values rounded to 16 bits (widened for burn).
+            for v in &mut values {
+                for x in v.iter_mut() {
+                    *x = h.quantize(*x);
+                }
+            }
+        }
+        let fresh = slots
+            .iter()
+            .zip(values)
+            .map(|(&i, v)| {
+                (
+                    t.params[i].id,
+                    (v, t.params[i].shape.clone(), t.params[i].trainable),
+                )
+            })
+            .collect();
+        t.set_params(fresh);
+        t.traffic_base = t.traffic();
+        Ok(t)
+    }
+
+    /// Whether parameter `i` lives in a stage-3 gather unit (released between uses).
+    pub(super) fn is_gathered_param(&self, i: usize) -> bool {
+        self.plan
+            .locate(i)
+            .is_some_and(|(u, _)| self.plan.units()[u].kind == UnitKind::Gather)
+    }
+}
+
+/// What [`Reduction::CanonicalTree`] needs: a communicator that sums in the pairwise-tree order,
+/// and no reduction path with an order of its own.
+fn check_canonical_tree<C: Communicator>(plan: &Plan, world: &C) -> Result<()> {
+    let c = plan.config();
+    let order = world.reduce_order();
+    if order != Some(zero_comm::ReduceOrder::PairwiseTree) {
+        return Err(Error::Invalid {
+            field: "reduction",
+            got: format!("canonical_tree on a communicator whose reduce order is {order:?}"),
+            expected: "a communicator that sums over the pairwise tree (the host loopback built \
+                       with ReduceOrder::PairwiseTree), or rank_ordered"
+                .into(),
+        });
+    }
+    if c.quantized_gradients {
+        return Err(Error::Invalid {
+            field: "reduction",
+            got: "canonical_tree with qgZ".into(),
+            expected: "rank_ordered (qgZ's all-to-all sums in its own order)".into(),
+        });
+    }
+    if c.accumulate_before_reduce && c.gradient_accumulation_steps > 1 {
+        return Err(Error::Invalid {
+            field: "reduction",
+            got: "canonical_tree with accumulate_before_reduce and gradient accumulation".into(),
+            expected: "rank_ordered, or a reduction every micro-step (the tree numbers \
+                       micro-batches micro-step-major)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// Fails every rank alike, before any data moves, unless every rank runs the same plan and options
+/// and starts from the same parameter values: one all-gather of two 64-bit fingerprints (FNV-1a of
+/// the plan's fingerprint and the options; crc32c of every parameter's bytes, read once). The
+/// engine calls it after its local checks, before its first collective. A rank whose local checks
+/// fail returns at once without reaching it; its peers then learn of the failure from the backend
+/// (the host loopback fails them fast; under MPI the failing process aborts the job).
+fn check_ranks_agree<C: Communicator, M: Segmented>(
+    comm: &mut C,
+    plan: &Plan,
+    options: &EngineOptions,
+    model: &M,
+) -> Result<()> {
+    let setup = format!(
+        "{}|{:?}|{:?}",
+        zero_core::checkpoint::fingerprint(plan),
+        options.optimizer,
+        options.reduction
+    );
+    let setup = setup.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let values = crate::params::values_crc(model);
+    let mine: Vec<u8> = [setup, values]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    let all = comm.all_gather_host(&mine)?;
+    let word = |r: usize, k: usize| {
+        let o = 16 * r + 8 * k;
+        u64::from_le_bytes(all[o..o + 8].try_into().unwrap_or([0; 8]))
+    };
+    for (k, what) in [(0, "plan or options"), (1, "model (parameter values)")] {
+        if let Some(rank) = (1..comm.world_size()).find(|&r| word(r, k) != word(0, k)) {
+            return Err(Error::RanksDisagree {
+                rank: comm.members()[rank],
+                what,
+                ours: word(0, k),
+                theirs: word(rank, k),
+            });
+        }
+    }
+    Ok(())
+}

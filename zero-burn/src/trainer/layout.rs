@@ -1,0 +1,170 @@
+//! Where one rank's state lives, derived once from the plan and the model's segments: pure (no
+//! burn, no communicator) and immutable after the engine is built.
+
+use zero_core::{Plan, UnitKind};
+
+use crate::error::{Error, Result};
+
+/// One rank's layout of the plan's units over the model's segments and its flat buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RankLayout {
+    /// Segment of every parameter (indexed like the plan's model).
+    pub(crate) param_segment: Vec<usize>,
+    /// Units completed by each segment's backward (the lowest segment of their parameters), in
+    /// plan order: their reductions are submitted once that segment's backward is done.
+    pub(crate) completes_at: Vec<Vec<usize>>,
+    /// Stage-3 gather units used by each segment, in plan order.
+    pub(crate) seg_units: Vec<Vec<usize>>,
+    /// Offset of each trainable unit in the gradient accumulator (whole units at stage 0 and at
+    /// stage 1 with `accumulate_before_reduce`, the rank's chunk otherwise).
+    pub(crate) acc_offset: Vec<Option<usize>>,
+    /// Offset of each trainable unit in the optimizer state and the master weights (whole units
+    /// at stage 0, the rank's chunk otherwise).
+    pub(crate) opt_offset: Vec<Option<usize>>,
+    /// Elements of the gradient accumulator.
+    pub(crate) acc_len: usize,
+    /// Elements of the optimizer state (per moment) and of the master weights.
+    pub(crate) opt_len: usize,
+}
+
+impl RankLayout {
+    /// The layout of `plan` for a model of `segments` segments whose parameter `i` runs in
+    /// segment `param_segment[i]`. A stage-3 gather unit must lie within one segment.
+    pub(crate) fn new(plan: &Plan, segments: usize, param_segment: Vec<usize>) -> Result<Self> {
+        let units = plan.units();
+        let stage = plan.stage();
+        let n = plan.world_size();
+        let full_acc = stage == 0 || (stage == 1 && plan.config().accumulate_before_reduce);
+        let mut l = RankLayout {
+            completes_at: vec![Vec::new(); segments],
+            seg_units: vec![Vec::new(); segments],
+            acc_offset: vec![None; units.len()],
+            opt_offset: vec![None; units.len()],
+            acc_len: 0,
+            opt_len: 0,
+            param_segment,
+        };
+        for (u, unit) in units.iter().enumerate() {
+            let segs = plan
+                .unit_entries(u)
+                .iter()
+                .map(|e| l.param_segment[e.param]);
+            let (lo, hi) = segs.fold((usize::MAX, 0), |(lo, hi), s| (lo.min(s), hi.max(s)));
+            if lo >= segments || hi >= segments {
+                return Err(Error::PlanMismatch {
+                    what: format!("unit {u} has no parameter in the model's {segments} segments"),
+                });
+            }
+            let len = unit.len as usize;
+            if unit.trainable {
+                l.completes_at[lo].push(u);
+                l.acc_offset[u] = Some(l.acc_len);
+                l.acc_len += if full_acc { len } else { len / n };
+                l.opt_offset[u] = Some(l.opt_len);
+                l.opt_len += if stage == 0 { len } else { len / n };
+            }
+            if unit.kind == UnitKind::Gather {
+                if lo != hi {
+                    return Err(Error::PlanMismatch {
+                        what: format!(
+                            "gather unit {u} spans segments {lo}..={hi}; group parameters by \
+                             segment"
+                        ),
+                    });
+                }
+                l.seg_units[lo].push(u);
+            }
+        }
+        Ok(l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use zero_core::{ModelDesc, ParamDesc, Topology, ZeroConfig};
+
+    use super::*;
+
+    /// Two segments: `a.*` in segment 0, `b.*` in segment 1; `b.f` frozen.
+    fn model() -> ModelDesc {
+        ModelDesc::new(vec![
+            ParamDesc::new("a.w", &[4, 4], "a"),
+            ParamDesc::new("a.b", &[4], "a"),
+            ParamDesc::new("b.w", &[6], "b"),
+            ParamDesc::new("b.f", &[2], "b").frozen(),
+        ])
+    }
+
+    fn plan(cfg: ZeroConfig) -> Plan {
+        Plan::new(&model(), Topology::single_node(2).unwrap(), &cfg).unwrap()
+    }
+
+    #[test]
+    fn offsets_are_dense_and_sized_by_stage() {
+        for (stage, abr, whole_acc, whole_opt) in [
+            (0, false, true, true),
+            (1, false, false, false),
+            (1, true, true, false),
+            (2, false, false, false),
+            (3, false, false, false),
+        ] {
+            let p = plan(ZeroConfig {
+                stage,
+                accumulate_before_reduce: abr,
+                reduce_bucket_size: 8,
+                ..Default::default()
+            });
+            let l = RankLayout::new(&p, 2, vec![0, 0, 1, 1]).unwrap();
+            let (mut acc, mut opt) = (0, 0);
+            for (u, unit) in p.units().iter().enumerate() {
+                let len = unit.len as usize;
+                if !unit.trainable {
+                    assert_eq!((l.acc_offset[u], l.opt_offset[u]), (None, None));
+                    continue;
+                }
+                assert_eq!(l.acc_offset[u], Some(acc), "stage {stage} unit {u}");
+                assert_eq!(l.opt_offset[u], Some(opt), "stage {stage} unit {u}");
+                acc += if whole_acc { len } else { len / 2 };
+                opt += if whole_opt { len } else { len / 2 };
+            }
+            assert_eq!((l.acc_len, l.opt_len), (acc, opt), "stage {stage}");
+            // Every trainable unit completes at exactly one segment.
+            let completes: usize = l.completes_at.iter().map(Vec::len).sum();
+            assert_eq!(completes, p.units().iter().filter(|u| u.trainable).count());
+        }
+    }
+
+    #[test]
+    fn stage3_gather_units_belong_to_their_segment() {
+        let p = plan(ZeroConfig {
+            stage: 3,
+            param_persistence_threshold: 0,
+            ..Default::default()
+        });
+        let l = RankLayout::new(&p, 2, vec![0, 0, 1, 1]).unwrap();
+        for (s, units) in l.seg_units.iter().enumerate() {
+            assert!(!units.is_empty(), "segment {s} has gather units");
+            for &u in units {
+                assert_eq!(p.units()[u].kind, UnitKind::Gather);
+                for e in p.unit_entries(u) {
+                    assert_eq!(l.param_segment[e.param], s);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_gather_unit_across_segments_is_refused() {
+        let p = plan(ZeroConfig {
+            stage: 3,
+            param_persistence_threshold: 0,
+            ..Default::default()
+        });
+        // One segment per parameter: some gather unit holds parameters of two segments.
+        let err = RankLayout::new(&p, 4, vec![0, 1, 2, 3]).unwrap_err();
+        assert!(
+            matches!(&err, Error::PlanMismatch { what } if what.contains("spans segments")),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,481 @@
+//! One micro-step: forward and backward over the segments, the gathers and the reductions.
+//! The only code that talks to the executor.
+
+use std::collections::HashMap;
+
+use burn::optim::GradientsParams;
+use zero_comm::{Communicator, ReduceOp};
+use zero_core::UnitKind;
+
+use super::{Pending, Ticket, ZeroEngine};
+use crate::comms::{Exec, Job, Words};
+use crate::error::{Error, Result};
+use crate::params;
+use crate::reduction::Reduction;
+use crate::segmented::{Activation, SegmentOut, Segmented};
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    pub(super) fn micro_step(&mut self, batch: &M::Batch) -> Result<f32> {
+        let overlap = self.plan.config().overlap_comm;
+        let r = self.with_exec(overlap, |t, exec| t.micro_step_with(exec, batch));
+        let loss = r?;
+        self.micro += 1;
+        self.sample_memory();
+        Ok(loss)
+    }
+
+    pub(super) fn micro_step_with(&mut self, exec: &mut Exec<C>, batch: &M::Batch) -> Result<f32> {
+        let plan = self.plan.clone();
+        let stage3 = plan.stage() == 3;
+        let segments = self.model.num_segments();
+        // Rank-ordered: each micro-step's loss is scaled by 1/A. Canonical tree: unscaled (so a
+        // micro-batch's gradient does not depend on A), divided once by N·A after the sum.
+        let scale = match self.options.reduction {
+            Reduction::RankOrdered => 1.0 / plan.config().gradient_accumulation_steps as f32,
+            Reduction::CanonicalTree => 1.0,
+        };
+        // fp16: the loss scale multiplies the loss before the backward (1 otherwise: exact).
+        let scale = scale * self.scaler.as_ref().map_or(1.0, |s| s.scale() as f32);
+        // With overlap, one reduction may be in flight while the next bucket fills (the plan's
+        // doubled reduction buffer); inline, each is applied as soon as it is submitted.
+        let max_reduces = usize::from(plan.config().overlap_comm);
+        if !plan.config().recompute() {
+            return self.micro_step_one_graph(exec, batch, scale, max_reduces);
+        }
+        let (loss, acts) = self.forward(exec, batch)?;
+        // Backward, recomputing each segment.
+        let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
+            (0..plan.units().len()).map(|_| None).collect();
+        let mut grad_out: Option<M::Act> = None;
+        for i in (0..segments).rev() {
+            if stage3 {
+                self.gather_segment(exec, i, true)?;
+            }
+            let x = (i > 0).then(|| acts[i - 1].leaf());
+            let surrogate = match (self.model.forward_segment(i, batch, x.clone()), &grad_out) {
+                (SegmentOut::Loss(l), None) => l.mul_scalar(scale).sum(),
+                (SegmentOut::Next(y), Some(g)) => y.dot(g),
+                (_, g) => return Err(crate::segmented::wrong_output(i, segments, g.is_none())),
+            };
+            let grads = surrogate.backward();
+            grad_out = x.as_ref().and_then(|x| x.grad(&grads));
+            if i > 0 && grad_out.is_none() {
+                return Err(Error::NoInputGradient { segment: i });
+            }
+            let gp = GradientsParams::from_grads(grads, &self.model);
+            self.collect_grads(i, &gp, &mut pending)?;
+            drop(gp);
+            if stage3 {
+                self.release_segment(i);
+            }
+            self.reduce_completed(exec, i, &mut pending, max_reduces)?;
+        }
+        Ok(loss)
+    }
+
+    /// Submits the reductions of the units segment `i`'s backward completed, keeping at most
+    /// `max_reduces` in flight.
+    pub(super) fn reduce_completed(
+        &mut self,
+        exec: &mut Exec<C>,
+        i: usize,
+        pending: &mut [Option<Pending<C::Buffer<f32>>>],
+        max_reduces: usize,
+    ) -> Result<()> {
+        for u in self.layout.completes_at[i].clone() {
+            let g = pending[u]
+                .take()
+                .unwrap_or_else(|| Pending::Host(vec![0.0; self.plan.units()[u].len as usize]));
+            self.submit_reduce(exec, u, g)?;
+            while self.reductions_in_flight().0 > max_reduces {
+                self.complete_one(exec)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A micro-step without activation checkpointing: one autodiff graph over every segment
+    /// (stage 3: each segment's units gathered before it runs and kept until the backward is
+    /// done), one backward, then every unit's reduction in the order the segment-wise backward
+    /// issues them (last segment first).
+    pub(super) fn micro_step_one_graph(
+        &mut self,
+        exec: &mut Exec<C>,
+        batch: &M::Batch,
+        scale: f32,
+        max_reduces: usize,
+    ) -> Result<f32> {
+        let plan = self.plan.clone();
+        let stage3 = plan.stage() == 3;
+        let segments = self.model.num_segments();
+        let mut x: Option<M::Act> = None;
+        let mut loss = None;
+        for i in 0..segments {
+            if stage3 {
+                self.gather_segment(exec, i, false)?;
+            }
+            match (
+                self.model.forward_segment(i, batch, x.take()),
+                i + 1 == segments,
+            ) {
+                (SegmentOut::Loss(l), true) => loss = Some(l),
+                (SegmentOut::Next(y), false) => x = Some(y),
+                (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
+            }
+        }
+        let loss = loss.ok_or_else(|| crate::segmented::wrong_output(0, segments, true))?;
+        let value = crate::segmented::loss_value(loss.clone())?;
+        let grads = loss.mul_scalar(scale).sum().backward();
+        let gp = GradientsParams::from_grads(grads, &self.model);
+        let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
+            (0..plan.units().len()).map(|_| None).collect();
+        for i in (0..segments).rev() {
+            self.collect_grads(i, &gp, &mut pending)?;
+        }
+        drop(gp);
+        for i in (0..segments).rev() {
+            if stage3 {
+                self.release_segment(i);
+            }
+            self.reduce_completed(exec, i, &mut pending, max_reduces)?;
+        }
+        Ok(value)
+    }
+
+    /// The forward pass: each segment without autodiff (stage 3: gathered before, released
+    /// after), keeping only the activations between segments. Returns the loss and those
+    /// activations.
+    pub(super) fn forward(
+        &mut self,
+        exec: &mut Exec<C>,
+        batch: &M::Batch,
+    ) -> Result<(f32, Vec<M::Act>)> {
+        let stage3 = self.plan.stage() == 3;
+        let segments = self.model.num_segments();
+        let mut acts: Vec<M::Act> = Vec::with_capacity(segments);
+        let mut loss = 0.0f32;
+        for i in 0..segments {
+            if stage3 {
+                self.gather_segment(exec, i, false)?;
+            }
+            // Without autodiff: a graph recorded here would never be consumed, and it would keep
+            // the released weights alive. The backward recomputes the segment under autodiff.
+            let x = (i > 0).then(|| acts[i - 1].clone());
+            match (
+                self.model.valid().forward_segment(i, batch, x),
+                i + 1 == segments,
+            ) {
+                (SegmentOut::Loss(l), true) => loss = crate::segmented::loss_value(l)?,
+                (SegmentOut::Next(y), false) => acts.push(y),
+                (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
+            }
+            if stage3 {
+                self.release_segment(i);
+            }
+        }
+        Ok((loss, acts))
+    }
+
+    pub(super) fn collect_grads(
+        &mut self,
+        seg: usize,
+        gp: &GradientsParams,
+        pending: &mut [Option<Pending<C::Buffer<f32>>>],
+    ) -> Result<()> {
+        let plan = self.plan.clone();
+        let mut want = HashMap::new();
+        let mut slots = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if self.layout.param_segment[i] == seg && p.trainable {
+                want.insert(p.id, slots.len());
+                slots.push(i);
+            }
+        }
+        let device: Vec<bool> = (0..plan.units().len())
+            .map(|u| self.device_unit(u))
+            .collect();
+        let hook = self.device_tensors.as_deref();
+        let mut failed = None;
+        let mut packed = 0u64;
+        params::for_each_grad_tensor(&self.model, gp, &want, |slot, g| {
+            let Some((u, off)) = plan.locate(slots[slot]) else {
+                return;
+            };
+            let (len, off) = (plan.units()[u].len as usize, off as usize);
+            let r = match (hook, device[u]) {
+                // Each parameter lives in one segment, so its slot is written once: a copy.
+                (Some(hook), true) => (|| {
+                    if pending[u].is_none() {
+                        pending[u] = Some(Pending::Device(hook.zeros(len)?));
+                    }
+                    packed += 4 * g.shape().num_elements() as u64;
+                    match &mut pending[u] {
+                        Some(Pending::Device(buf)) => hook.copy_in(buf, off, &g),
+                        _ => Ok(()),
+                    }
+                })(),
+                _ => match g.into_data().try_into_vec_as::<f32>() {
+                    Ok(g) => {
+                        let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
+                        if let Pending::Host(buf) = p {
+                            add_into(&mut buf[off..off + g.len()], &g);
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(Error::Tensor(format!("gradient: {e:?}"))),
+                },
+            };
+            if let Err(e) = r {
+                failed.get_or_insert(e);
+            }
+        });
+        self.device_grad_bytes += packed;
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Submits the reduction of unit `u`'s gradients `g` of this micro-step (stage 0: an
+    /// all-reduce; 1–3: a reduce-scatter, through qgZ for gather units when it is on; with
+    /// `accumulate_before_reduce` at stages 0–1, only after the last micro-step). The result is
+    /// applied to the accumulator by [`Self::complete_one`].
+    pub(super) fn submit_reduce(
+        &mut self,
+        exec: &mut Exec<C>,
+        u: usize,
+        g: Pending<C::Buffer<f32>>,
+    ) -> Result<()> {
+        let plan = self.plan.clone();
+        let unit = &plan.units()[u];
+        let off = self.layout.acc_offset[u].expect("only trainable units are reduced");
+        let len = unit.len as usize;
+        let stage = plan.stage();
+        let defer = stage <= 1 && plan.config().accumulate_before_reduce;
+        let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
+        let w = if self.half.is_some() { 2 } else { 4 };
+        let bytes = len as u64 * w;
+        self.track_comm_buffer(self.reductions_in_flight().1 + bytes);
+        // The canonical tree sums across ranks and divides once, after the last micro-step;
+        // bf16/fp16 always take the mean.
+        let op = match (self.options.reduction, self.half) {
+            (Reduction::CanonicalTree, None) => ReduceOp::Sum,
+            _ => ReduceOp::Mean,
+        };
+        let g = match g {
+            Pending::Host(g) => g,
+            // Packed on the device (fp32, reduced every micro-step, no qgZ): reduce it there.
+            Pending::Device(data) => {
+                exec.submit(if stage == 0 {
+                    Job::AllReduceDevice { data, op }
+                } else {
+                    Job::ReduceScatterDevice {
+                        data,
+                        op,
+                        qgz: unit.kind == UnitKind::Gather,
+                    }
+                })?;
+                self.reduce_submitted(off, false, bytes);
+                return Ok(());
+            }
+        };
+        let data = if defer {
+            // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
+            // written over the slot's start.
+            match self.half {
+                Some(h) if !self.acc32 => h.add_f32_into(&mut self.acc16[off..off + len], &g),
+                _ => add_into(&mut self.acc[off..off + len], &g),
+            }
+            if !last_micro {
+                return Ok(());
+            }
+            match self.half {
+                None => Words::F32(self.acc[off..off + len].to_vec()),
+                Some(h) if self.acc32 => Words::U16(h.round_all(&self.acc[off..off + len])),
+                Some(_) => Words::U16(self.acc16[off..off + len].to_vec()),
+            }
+        } else {
+            match self.half {
+                None => Words::F32(g),
+                Some(h) => Words::U16(h.round_all(&g)),
+            }
+        };
+        exec.submit(if stage == 0 {
+            Job::AllReduce { data, op }
+        } else {
+            Job::ReduceScatter {
+                data,
+                op,
+                qgz: !defer && unit.kind == UnitKind::Gather,
+            }
+        })?;
+        self.reduce_submitted(off, defer, bytes);
+        Ok(())
+    }
+
+    /// The reductions in flight: how many, and the bytes of their gradient buffers.
+    pub(super) fn reductions_in_flight(&self) -> (usize, u64) {
+        self.inflight
+            .iter()
+            .filter_map(|t| match t {
+                Ticket::Reduce { bytes, .. } => Some(*bytes),
+                Ticket::Gather { .. } => None,
+            })
+            .fold((0, 0), |(n, b), x| (n + 1, b + x))
+    }
+
+    /// Books a submitted reduction (its ticket also records its gradient buffer in flight).
+    pub(super) fn reduce_submitted(&mut self, off: usize, overwrite: bool, bytes: u64) {
+        self.inflight.push_back(Ticket::Reduce {
+            off,
+            overwrite,
+            bytes,
+        });
+    }
+
+    /// Waits for the oldest collective in flight and applies its result: a gathered unit is
+    /// installed in the model, a reduced gradient goes into the accumulator.
+    pub(super) fn complete_one(&mut self, exec: &mut Exec<C>) -> Result<()> {
+        let Some(ticket) = self.inflight.pop_front() else {
+            return Ok(());
+        };
+        let words = exec.wait()?;
+        match ticket {
+            Ticket::Gather { u, backward } => self.install(u, backward, words)?,
+            Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
+                (Words::F32(r), _) if overwrite => self.acc[off..off + r.len()].copy_from_slice(&r),
+                (Words::F32(r), _) => self.accumulate(off, r),
+                (Words::U16(r), Some(h)) if self.acc32 => {
+                    let acc = &mut self.acc[off..off + r.len()];
+                    for (a, &b) in acc.iter_mut().zip(&r) {
+                        *a = if overwrite {
+                            h.widen(b)
+                        } else {
+                            *a + h.widen(b)
+                        };
+                    }
+                }
+                (Words::U16(r), _) if overwrite => {
+                    self.acc16[off..off + r.len()].copy_from_slice(&r)
+                }
+                (Words::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
+                (Words::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
+                (Words::Device(_), _) => {
+                    unreachable!("reductions download the rank's chunk")
+                }
+            },
+        }
+        Ok(())
+    }
+
+    /// Applies everything in flight.
+    pub(super) fn settle_all(&mut self, exec: &mut Exec<C>) -> Result<()> {
+        while !self.inflight.is_empty() {
+            self.complete_one(exec)?;
+        }
+        Ok(())
+    }
+
+    /// Adds this micro-step's reduced values for `acc[off..off + reduced.len()]`.
+    pub(super) fn accumulate(&mut self, off: usize, reduced: Vec<f32>) {
+        match self.options.reduction {
+            Reduction::RankOrdered => add_into(&mut self.acc[off..off + reduced.len()], &reduced),
+            Reduction::CanonicalTree => self.tree.push(&mut self.acc, self.micro, off, reduced),
+        }
+    }
+
+    /// Submits the all-gather of stage-3 unit `u` unless it is installed or already on its way:
+    /// from the rank's shard over the world, or for the backward from the hpZ secondary shard
+    /// within the hpZ group. Its elements count as gathered from here on.
+    pub(super) fn submit_gather(
+        &mut self,
+        exec: &mut Exec<C>,
+        u: usize,
+        backward: bool,
+    ) -> Result<()> {
+        if self.gathered[u] || self.fetching[u] {
+            return Ok(());
+        }
+        let plan = self.plan.clone();
+        let unit = &plan.units()[u];
+        let cl = plan.chunk_len(u) as usize;
+        let so = unit.shard_offset as usize;
+        let hpz = backward && (self.secondary[u].is_some() || self.secondary16[u].is_some());
+        let piece = match (self.half, hpz) {
+            (None, true) => Words::F32(self.secondary[u].clone().unwrap_or_default()),
+            (None, false) => Words::F32(self.shard[so..so + cl].to_vec()),
+            (Some(_), true) => Words::U16(self.secondary16[u].clone().unwrap_or_default()),
+            (Some(_), false) => Words::U16(self.shard16[so..so + cl].to_vec()),
+        };
+        // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
+        // from there.
+        let device = self.device_tensors.is_some()
+            && (self.device_quant || !plan.config().quantized_weights);
+        exec.submit(match piece {
+            Words::F32(piece) if device => Job::GatherDevice {
+                piece,
+                hpz,
+                qwz: true,
+            },
+            piece => Job::Gather { piece, hpz },
+        })?;
+        self.inflight.push_back(Ticket::Gather { u, backward });
+        self.fetching[u] = true;
+        let w = if self.half.is_some() { 2 } else { 4 };
+        let fetching: u64 = self
+            .inflight
+            .iter()
+            .map(|t| match t {
+                Ticket::Gather { u, .. } => plan.units()[*u].len,
+                Ticket::Reduce { .. } => 0,
+            })
+            .sum();
+        let live = self.live_gathered + fetching;
+        self.peak.gathered_working_set = self.peak.gathered_working_set.max(live * w);
+        Ok(())
+    }
+
+    /// Makes segment `seg`'s gather units resident, then submits the prefetch of the next gather
+    /// unit in execution order when the plan allows it (with `overlap_comm` it arrives while the
+    /// segment computes).
+    pub(super) fn gather_segment(
+        &mut self,
+        exec: &mut Exec<C>,
+        seg: usize,
+        backward: bool,
+    ) -> Result<()> {
+        let units = self.layout.seg_units[seg].clone();
+        for &u in &units {
+            self.submit_gather(exec, u, backward)?;
+        }
+        for &u in &units {
+            while self.fetching[u] {
+                self.complete_one(exec)?;
+            }
+        }
+        let next_seg = if backward {
+            seg.checked_sub(1)
+        } else {
+            Some(seg + 1)
+        };
+        if let (Some(&last), Some(ns)) = (units.last(), next_seg) {
+            let next = self
+                .layout
+                .seg_units
+                .get(ns)
+                .and_then(|v| if backward { v.last() } else { v.first() })
+                .copied();
+            if let Some(v) = next {
+                let plan = self.plan.clone();
+                if plan.may_prefetch(plan.units()[last].len, plan.units()[v].len) {
+                    self.submit_gather(exec, v, backward)?;
+                }
+            }
+        }
+        self.sample_memory();
+        Ok(())
+    }
+}
+
+fn add_into(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s;
+    }
+}

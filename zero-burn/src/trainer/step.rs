@@ -1,0 +1,321 @@
+//! The optimizer step, one function for fp32, bf16 and fp16:
+//!
+//! 1. **Finish the gradients.** [`Reduction::CanonicalTree`]: the root of the tree over all N·A
+//!    micro-batches, then the one division. bf16/fp16: the 16-bit accumulator is read widened and
+//!    unscaled (fp16; the scale is a power of two, so unscaling is exact barring subnormals).
+//! 2. **The global norm** ([`global_sum_sq`], when clipping, and always in fp16 where it is the
+//!    overflow flag): non-finite in fp16 skips the step on every rank together; non-finite
+//!    otherwise is [`Error::Diverged`] on every rank together.
+//! 3. **The update** of this rank's part of every trainable unit: its fp32 master is the model's
+//!    weights (fp32, stages 0–2), the stage-3 shard (fp32), or the master slab (bf16/fp16, whose
+//!    rounding is the new working weights).
+//! 4. **Publish**: write the unit into the model (stage 0), all-gather the updated chunks
+//!    (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered at
+//!    their next use).
+
+use std::borrow::Cow;
+
+use zero_comm::Communicator;
+use zero_core::{Plan, UnitKind};
+
+use super::{HOME, ZeroEngine};
+use crate::comms::Words;
+use crate::error::{Error, Result};
+use crate::optim;
+use crate::precision::{Half, LossScaler, StepInfo};
+use crate::reduction::Reduction;
+use crate::segmented::Segmented;
+
+/// What an updated unit needs before the model sees it.
+enum Publish<B> {
+    /// Written into the model as it is (stage 0: the whole unit).
+    Write(Vec<f32>),
+    /// The rank's updated fp32 chunk, all-gathered (stages 1–2).
+    Gather(Vec<f32>),
+    /// The rank's updated 16-bit chunk, all-gathered (stages 1–2 in bf16/fp16).
+    Gather16(Half, Vec<u16>),
+    /// Already gathered into the communicator's memory.
+    Gathered(Words<B>),
+    /// Updated in place in the stage-3 shard.
+    InPlace,
+}
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    pub(super) fn optimizer_step(&mut self, lr: f32) -> Result<()> {
+        let plan = self.plan.clone();
+        let c = plan.config();
+        let stage = plan.stage();
+        let half = self.half;
+        let fp16 = self.scaler.is_some();
+        self.step += 1;
+        let loss_scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        // A power of two (1 in fp32 and bf16): unscaling is exact barring subnormals.
+        let inv = (1.0 / loss_scale) as f32;
+        if half.is_some() && std::mem::take(&mut self.inject_overflow) {
+            if let Some(g) = self.acc16.first_mut() {
+                *g = half.map_or(0, |h| h.round(f32::INFINITY));
+            }
+            if let Some(g) = self.acc.first_mut() {
+                *g = f32::INFINITY;
+            }
+        }
+        if self.options.reduction == Reduction::CanonicalTree {
+            // The root of the tree over all N·A micro-batches, then the one division (fp32 only:
+            // the builder refuses the tree in bf16/fp16).
+            let a = c.gradient_accumulation_steps;
+            self.tree.finish(&mut self.acc, a);
+            let total = (plan.world_size() as u64 * u64::from(a)) as f32;
+            for g in &mut self.acc {
+                *g /= total;
+            }
+        }
+        let grads = GradView {
+            acc: &self.acc,
+            acc16: &self.acc16,
+            half: half.filter(|_| !self.acc32),
+            inv,
+        };
+        let mut coef = 1.0f32;
+        let mut overflow = false;
+        let mut grad_norm = None;
+        // fp16 always checks (the plan schedules the 8-byte partial for it); otherwise only to
+        // clip.
+        if c.gradient_clipping > 0.0 || fp16 {
+            // A non-finite element makes its rank's partial, and so every rank's total,
+            // non-finite: every rank sums the same partials in the same order and decides alike.
+            let total = global_sum_sq(
+                &mut self.comms.as_mut().expect(HOME).world,
+                &plan,
+                &self.layout.acc_offset,
+                self.rank,
+                |mut s, at, len| {
+                    for i in at..at + len {
+                        let g = f64::from(grads.at(i));
+                        s += g * g;
+                    }
+                    s
+                },
+            )?;
+            if !total.is_finite() {
+                if !fp16 {
+                    return Err(Error::Diverged {
+                        step: self.step,
+                        rank: self.rank,
+                        what: "the global gradient norm is not finite".into(),
+                    });
+                }
+                overflow = true;
+            } else if c.gradient_clipping > 0.0 {
+                let norm = total.sqrt();
+                grad_norm = Some(norm as f32);
+                let k = c.gradient_clipping / (norm + 1e-6);
+                if k < 1.0 {
+                    coef = k as f32;
+                }
+            }
+        }
+        if let Some(s) = &mut self.scaler {
+            s.update(overflow).map_err(|m| Error::Diverged {
+                step: self.step,
+                rank: self.rank,
+                what: format!(
+                    "fp16 gradients overflow at the minimum loss scale {}",
+                    m.min_loss_scale
+                ),
+            })?;
+        }
+        self.last_step = StepInfo {
+            skipped: overflow,
+            loss_scale: loss_scale as f32,
+            grad_norm,
+        };
+        if overflow {
+            // Skip: master, working weights and optimizer state stay as they are.
+            self.skipped += 1;
+            self.end_step();
+            return Ok(());
+        }
+        self.opt_steps += 1;
+        let mut updates: Vec<(usize, Publish<C::Buffer<f32>>)> = Vec::new();
+        for (u, unit) in plan.units().iter().enumerate() {
+            if !unit.trainable {
+                continue;
+            }
+            let off = self.layout.acc_offset[u].expect("trainable");
+            let oo = self.layout.opt_offset[u].expect("trainable");
+            let len = if stage == 0 {
+                unit.len as usize
+            } else {
+                plan.chunk_len(u) as usize
+            };
+            // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
+            let grads = GradView {
+                acc: &self.acc,
+                acc16: &self.acc16,
+                half: half.filter(|_| !self.acc32),
+                inv,
+            };
+            let g = grads.slice(off, len, coef);
+            let (opt, n) = (&self.options.optimizer, self.opt_steps);
+            let publish = match (half, stage) {
+                (None, 0..=2) => {
+                    let full = self.read_unit(u)?;
+                    let mut w = if stage == 0 {
+                        full
+                    } else {
+                        full[self.rank * len..(self.rank + 1) * len].to_vec()
+                    };
+                    optim::step(opt, lr, n, &mut w, &g, &mut self.opt, oo);
+                    if stage == 0 {
+                        Publish::Write(w)
+                    } else {
+                        Publish::Gather(w)
+                    }
+                }
+                (None, _) => {
+                    let so = unit.shard_offset as usize;
+                    let w = &mut self.shard[so..so + len];
+                    optim::step(opt, lr, n, w, &g, &mut self.opt, oo);
+                    Publish::InPlace
+                }
+                (Some(h), _) => {
+                    let master = &mut self.master[oo..oo + len];
+                    optim::step(opt, lr, n, master, &g, &mut self.opt, oo);
+                    let w16 = h.round_all(master);
+                    match stage {
+                        0 => Publish::Write(h.widen_all(&w16)),
+                        1 | 2 => Publish::Gather16(h, w16),
+                        _ => {
+                            let so = unit.shard_offset as usize;
+                            self.shard16[so..so + len].copy_from_slice(&w16);
+                            Publish::InPlace
+                        }
+                    }
+                }
+            };
+            updates.push((u, publish));
+        }
+        if stage == 3 {
+            // Persistent units stay gathered: all-gather them after the step.
+            for (u, unit) in plan.units().iter().enumerate() {
+                if unit.kind == UnitKind::Persistent && unit.trainable {
+                    let cl = plan.chunk_len(u) as usize;
+                    let so = unit.shard_offset as usize;
+                    let publish = match half {
+                        None => Publish::Gather(self.shard[so..so + cl].to_vec()),
+                        Some(h) => Publish::Gather16(h, self.shard16[so..so + cl].to_vec()),
+                    };
+                    updates.push((u, publish));
+                }
+            }
+            // hpZ secondary shards never outlive a weight update.
+            self.secondary.iter_mut().for_each(|s| *s = None);
+            self.secondary16.iter_mut().for_each(|s| *s = None);
+        }
+        for (u, publish) in updates {
+            let publish = match publish {
+                Publish::Gather(piece) => Publish::Gathered(self.post_step_gather(piece)?),
+                Publish::Gather16(h, piece) => {
+                    let full = h.all_gather(&mut self.comms().world, &piece)?;
+                    Publish::Write(h.widen_all(&full))
+                }
+                p => p,
+            };
+            match publish {
+                Publish::Write(full) | Publish::Gathered(Words::F32(full)) => {
+                    self.write_unit(u, &full);
+                }
+                Publish::Gathered(Words::Device(buf)) => self.install_tensors(u, &buf)?,
+                Publish::InPlace => {}
+                Publish::Gathered(Words::U16(_)) | Publish::Gather(_) | Publish::Gather16(..) => {
+                    return Err(Error::Internal(
+                        "a post-step gather returned 16-bit or ungathered elements".into(),
+                    ));
+                }
+            }
+        }
+        self.end_step();
+        Ok(())
+    }
+
+    /// Closes an optimizer step (taken or skipped): samples memory, clears the accumulators.
+    fn end_step(&mut self) {
+        self.sample_memory();
+        self.acc16.iter_mut().for_each(|g| *g = 0);
+        self.acc.iter_mut().for_each(|g| *g = 0.0);
+        self.micro = 0;
+    }
+}
+
+/// The accumulated gradients as the optimizer sees them: fp32 elements, or 16-bit ones widened
+/// (`half`), times `inv` (the inverse loss scale; 1 outside fp16, where the product is exact).
+#[derive(Clone, Copy)]
+struct GradView<'a> {
+    acc: &'a [f32],
+    acc16: &'a [u16],
+    half: Option<Half>,
+    inv: f32,
+}
+
+impl<'a> GradView<'a> {
+    /// Element `i`, unscaled.
+    fn at(&self, i: usize) -> f32 {
+        match self.half {
+            Some(h) => h.widen(self.acc16[i]) * self.inv,
+            None => self.acc[i] * self.inv,
+        }
+    }
+
+    /// `len` elements from `off`, unscaled and clipped by `coef`: borrowed where nothing changes
+    /// them (fp32 without clipping or loss scale), else computed.
+    fn slice(&self, off: usize, len: usize, coef: f32) -> Cow<'a, [f32]> {
+        if self.half.is_none() && self.inv == 1.0 && coef == 1.0 {
+            return Cow::Borrowed(&self.acc[off..off + len]);
+        }
+        Cow::Owned(
+            (off..off + len)
+                .map(|i| {
+                    let g = self.at(i);
+                    if coef != 1.0 { g * coef } else { g }
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The global sum of squared gradients, identical on every rank and at every stage: an f64
+/// partial per rank over the chunks it owns (`sq(s, at, len)` adds to the running sum `s` the
+/// squares of `len` gradient elements from `at` in the accumulator, one by one), summed in rank
+/// order. At stage 0 every rank holds every chunk and sums all partials itself; otherwise the
+/// partials travel in the plan's 8-byte all-gather.
+fn global_sum_sq<C: Communicator>(
+    world: &mut C,
+    plan: &Plan,
+    acc_offset: &[Option<usize>],
+    rank: usize,
+    sq: impl Fn(f64, usize, usize) -> f64,
+) -> Result<f64> {
+    let stage = plan.stage();
+    let partial = |r: usize| -> f64 {
+        let mut s = 0.0f64;
+        for (u, unit) in plan.units().iter().enumerate() {
+            if !unit.trainable {
+                continue;
+            }
+            let cl = plan.chunk_len(u) as usize;
+            let off = acc_offset[u].expect("trainable");
+            // Where the unit's reduced chunk r lives in the accumulator.
+            let at = if stage == 0 { off + r * cl } else { off };
+            s = sq(s, at, cl);
+        }
+        s
+    };
+    if stage == 0 {
+        return Ok((0..plan.world_size()).map(partial).fold(0.0, |a, b| a + b));
+    }
+    let all = world.all_gather_host(&partial(rank).to_le_bytes())?;
+    Ok(all
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .fold(0.0, |a, b| a + b))
+}

@@ -1,0 +1,207 @@
+//! The weights: reading and writing units of the model, installing gathered units, releasing.
+
+use std::collections::HashMap;
+
+use burn::module::ParamId;
+use zero_comm::Communicator;
+
+use super::{HOME, ZeroEngine};
+use crate::comms::{Job, Out, Words};
+use crate::device::DeviceTensors;
+use crate::error::{Error, Result};
+use crate::params;
+use crate::segmented::Segmented;
+
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// Every parameter's current values, indexed like the plan's model (stage 3 gathers each unit
+    /// with one all-gather; call it after reading [`Self::traffic`]).
+    pub fn gather_all_params(&mut self) -> Result<Vec<Vec<f32>>> {
+        let plan = self.plan.clone();
+        let mut out = vec![Vec::new(); self.params.len()];
+        if plan.stage() == 3 {
+            for (u, unit) in plan.units().iter().enumerate() {
+                let cl = plan.chunk_len(u) as usize;
+                let so = unit.shard_offset as usize;
+                let full = match self.half {
+                    None => self
+                        .comms
+                        .as_mut()
+                        .expect(HOME)
+                        .world
+                        .all_gather_host(&self.shard[so..so + cl])?,
+                    Some(h) => h.widen_all(&h.all_gather(
+                        &mut self.comms.as_mut().expect(HOME).world,
+                        &self.shard16[so..so + cl],
+                    )?),
+                };
+                for e in plan.unit_entries(u) {
+                    out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
+                }
+            }
+        } else {
+            let want: HashMap<ParamId, usize> = self
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.id, i))
+                .collect();
+            out = params::read_values(&self.model, &want)?;
+        }
+        Ok(out)
+    }
+
+    /// Reads unit `u`'s parameters from the model into a zero-padded flat buffer of its length.
+    pub(super) fn read_unit(&self, u: usize) -> Result<Vec<f32>> {
+        let entries = self.plan.unit_entries(u);
+        let want: HashMap<ParamId, usize> = entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (self.params[e.param].id, k))
+            .collect();
+        let values = params::read_values(&self.model, &want)?;
+        let mut full = vec![0.0; self.plan.units()[u].len as usize];
+        for (e, v) in entries.iter().zip(values) {
+            full[e.offset as usize..e.offset as usize + v.len()].copy_from_slice(&v);
+        }
+        Ok(full)
+    }
+
+    pub(super) fn write_unit(&mut self, u: usize, full: &[f32]) {
+        let mut values = HashMap::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            let o = e.offset as usize;
+            values.insert(
+                p.id,
+                (
+                    full[o..o + e.numel as usize].to_vec(),
+                    p.shape.clone(),
+                    p.trainable,
+                ),
+            );
+        }
+        self.set_params(values);
+    }
+
+    /// Replaces the values of the parameters in `values` (burn's mapper consumes the module, so
+    /// it maps a clone, which shares every other tensor).
+    pub(super) fn set_params(&mut self, values: params::NewValues) {
+        let model = self.model.clone();
+        self.model = params::write_values(model, values);
+    }
+
+    pub(super) fn release(&mut self, u: usize) {
+        let mut values = HashMap::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            values.insert(p.id, (Vec::new(), vec![0; p.rank], false));
+        }
+        self.set_params(values);
+    }
+
+    /// Installs a gathered unit in the model (in bf16/fp16 widened to f32); a forward gather
+    /// keeps the hpZ secondary slice.
+    pub(super) fn install(
+        &mut self,
+        u: usize,
+        backward: bool,
+        full: Words<C::Buffer<f32>>,
+    ) -> Result<()> {
+        let plan = self.plan.clone();
+        let len = plan.units()[u].len as usize;
+        let slice = plan.hpz().filter(|_| !backward).map(|layout| {
+            let s = len / layout.size;
+            let g = self.rank % layout.size;
+            g * s..(g + 1) * s
+        });
+        match (full, self.half) {
+            (Words::Device(buf), _) => self.install_device(u, &buf, slice)?,
+            (Words::F32(full), _) => {
+                if let Some(r) = slice {
+                    self.secondary[u] = Some(full[r].to_vec());
+                }
+                self.write_unit(u, &full);
+            }
+            (Words::U16(full), Some(h)) => {
+                if let Some(r) = slice {
+                    self.secondary16[u] = Some(full[r].to_vec());
+                }
+                self.write_unit(u, &h.widen_all(&full));
+            }
+            (Words::U16(_), None) => unreachable!("fp32 trainers gather f32 weights"),
+        }
+        self.fetching[u] = false;
+        self.gathered[u] = true;
+        self.live_gathered += len as u64;
+        Ok(())
+    }
+
+    /// [`Self::install`] from the communicator's memory through the [`DeviceTensors`] hook: each
+    /// parameter becomes a tensor on the model's device, with no host round trip (the hpZ
+    /// secondary slice, kept in host memory like the shard, is read back).
+    pub(super) fn install_device(
+        &mut self,
+        u: usize,
+        buf: &C::Buffer<f32>,
+        slice: Option<std::ops::Range<usize>>,
+    ) -> Result<()> {
+        let hook = self.hook()?;
+        if let Some(r) = slice {
+            let sec = hook.tensor_at(buf, r.start, r.len())?.into_data();
+            let sec = sec
+                .try_into_vec_as::<f32>()
+                .map_err(|e| Error::Tensor(format!("hpZ secondary slice: {e:?}")))?;
+            self.secondary[u] = Some(sec);
+        }
+        self.install_tensors(u, buf)
+    }
+
+    pub(super) fn hook(&self) -> Result<&dyn DeviceTensors<C>> {
+        self.device_tensors
+            .as_deref()
+            .ok_or_else(|| Error::Internal("a device gather without a device hook".into()))
+    }
+
+    /// Makes unit `u`'s parameters tensors of the model from `buf`, a gathered unit in the
+    /// communicator's memory, through the [`DeviceTensors`] hook (one device copy each).
+    pub(super) fn install_tensors(&mut self, u: usize, buf: &C::Buffer<f32>) -> Result<()> {
+        let hook = self.hook()?;
+        let mut tensors = params::NewTensors::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            let t = hook.tensor_at(buf, e.offset as usize, e.numel as usize)?;
+            tensors.insert(p.id, (t, p.shape.clone(), p.trainable));
+        }
+        let model = self.model.clone();
+        self.model = params::write_tensors(model, tensors);
+        self.device_weight_bytes += 4 * self.plan.units()[u].len;
+        Ok(())
+    }
+
+    /// The all-gather of an updated fp32 chunk after the optimizer step (stages 1–2, stage-3
+    /// persistent units): into the communicator's memory when a [`DeviceTensors`] hook installs
+    /// weights from there, else into host memory.
+    pub(super) fn post_step_gather(&mut self, piece: Vec<f32>) -> Result<Out<C>> {
+        let device = self.device_tensors.is_some();
+        let comms = self.comms();
+        if device {
+            comms.run(Job::GatherDevice {
+                piece,
+                hpz: false,
+                qwz: false,
+            })
+        } else {
+            Ok(Words::F32(comms.world.all_gather_host(&piece)?))
+        }
+    }
+
+    pub(super) fn release_segment(&mut self, seg: usize) {
+        for u in self.layout.seg_units[seg].clone() {
+            if self.gathered[u] {
+                self.release(u);
+                self.gathered[u] = false;
+                self.live_gathered -= self.plan.units()[u].len;
+            }
+        }
+    }
+}
