@@ -1,6 +1,6 @@
 //! `cargo xtask ckpt`: offline tools for zero-rs checkpoints (`zero_burn::checkpoint`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
@@ -14,17 +14,18 @@ pub(crate) struct CkptArgs {
 
 #[derive(Subcommand, Debug)]
 enum CkptCommand {
-    /// Print what `LATEST` names: tag, step, plan, files (the manifest is checked against LATEST).
+    /// Print a checkpoint: tag, step, plan, files (the manifest is checked against its commit
+    /// record).
     Inspect {
-        /// The checkpoint root (holding LATEST).
+        /// The checkpoint root (the checkpoint LATEST names), or one tag's directory in it.
         dir: PathBuf,
         /// Print the whole manifest as JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Re-read and check every byte of the checkpoint LATEST names (sizes, block crc32c, headers).
+    /// Re-read and check every byte of a checkpoint (sizes, block crc32c, headers).
     Verify {
-        /// The checkpoint root.
+        /// The checkpoint root (the checkpoint LATEST names), or one tag's directory in it.
         dir: PathBuf,
     },
     /// Delete old checkpoints: every committed tag but the newest `--keep` (never the one LATEST
@@ -41,7 +42,7 @@ enum CkptCommand {
     },
     /// Write the parameters as one safetensors file (burn's parameter paths as names).
     Export {
-        /// The checkpoint root.
+        /// The checkpoint root (the checkpoint LATEST names), or one tag's directory in it.
         dir: PathBuf,
         /// The output file.
         #[arg(long)]
@@ -64,10 +65,29 @@ fn open(dir: &std::path::Path) -> anyhow::Result<DirStorage> {
     Ok(DirStorage::new(dir)?)
 }
 
+/// A checkpoint named on the command line: a root (the checkpoint its `LATEST` names), or one
+/// tag's directory inside a root (holding `MANIFEST.json`; that tag). `(root store, tag)`.
+pub(crate) fn locate(dir: &Path) -> anyhow::Result<(DirStorage, Option<String>)> {
+    anyhow::ensure!(dir.is_dir(), "{} is not a directory", dir.display());
+    if dir.join("MANIFEST.json").is_file() {
+        let tag = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .with_context(|| format!("{}: a tag directory needs a UTF-8 name", dir.display()))?;
+        let root = dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(".".as_ref());
+        return Ok((DirStorage::new(root)?, Some(tag.to_owned())));
+    }
+    Ok((DirStorage::new(dir)?, None))
+}
+
 pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
     match args.command {
         CkptCommand::Inspect { dir, json } => {
-            let (tag, m) = read_manifest(&open(&dir)?)?;
+            let (store, tag) = locate(&dir)?;
+            let (tag, m) = read_manifest(&store, tag.as_deref())?;
             if json {
                 println!("{}", String::from_utf8_lossy(&m.to_json()));
                 return Ok(());
@@ -104,7 +124,9 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
             Ok(())
         }
         CkptCommand::Verify { dir } => {
-            let r = verify(&open(&dir)?).with_context(|| format!("verifying {}", dir.display()))?;
+            let (store, tag) = locate(&dir)?;
+            let r = verify(&store, tag.as_deref())
+                .with_context(|| format!("verifying {}", dir.display()))?;
             println!(
                 "{}: {} ok ({} files, {} bytes)",
                 dir.display(),
@@ -129,7 +151,9 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
                 Dtype::Bf16 => ExportDtype::Bf16,
                 Dtype::F16 => ExportDtype::F16,
             };
-            let r = export_safetensors(&open(&dir)?, &DirStorage::new(parent)?, name, dtype)?;
+            let (store, tag) = locate(&dir)?;
+            let out_store = DirStorage::new(parent)?;
+            let r = export_safetensors(&store, tag.as_deref(), &out_store, name, dtype)?;
             println!(
                 "{}: {} tensors of {} into {} ({} bytes)",
                 dir.display(),
@@ -150,7 +174,7 @@ pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::R
         "--keep 0 would delete the checkpoint LATEST names"
     );
     // LATEST is checked (length and crc of its manifest) before anything is deleted.
-    let (latest, _) = read_manifest(&open(dir)?)
+    let (latest, _) = read_manifest(&open(dir)?, None)
         .with_context(|| format!("{}: no valid LATEST; nothing deleted", dir.display()))?;
     let mut tags = Vec::new();
     let mut staging = Vec::new();

@@ -96,11 +96,12 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     save_every: Option<u64>,
     /// Where checkpoints are saved (a save also happens after the last step). Default: the
-    /// --resume directory, or `<run dir>/checkpoints` with --save-every.
+    /// --resume checkpoint root, or `<run dir>/checkpoints` with --save-every.
     #[arg(long)]
     save_dir: Option<PathBuf>,
-    /// Continue from the checkpoint `LATEST` names in this directory; `--steps` counts optimizer
-    /// steps in all, so the run goes on from the checkpoint's step up to it.
+    /// Continue from a checkpoint: a checkpoint root (the one its `LATEST` names) or one tag's
+    /// directory in it (`DIR/step-00000004`); `--steps` counts optimizer steps in all, so the run
+    /// goes on from the checkpoint's step up to it.
     #[arg(long)]
     resume: Option<PathBuf>,
     /// With --resume: the checkpoint may come from another plan (world size, ranks per node,
@@ -340,15 +341,8 @@ fn checkpointing(
     if a.save_every == Some(0) {
         bail!("--save-every 0: expected a number of steps of at least 1");
     }
-    let save_dir = a
-        .save_dir
-        .clone()
-        .or_else(|| a.resume.clone())
-        .or_else(|| a.save_every.map(|_| out.join("checkpoints")));
-    if save_dir.is_none() && a.resume.is_none() {
-        return Ok(None);
-    }
-    let resume: Option<Arc<dyn Storage>> = match &a.resume {
+    // The resumed checkpoint, read and checked before any rank starts.
+    let resumed = match &a.resume {
         None => None,
         Some(dir) => {
             anyhow::ensure!(
@@ -356,40 +350,70 @@ fn checkpointing(
                 "--resume {}: no such directory",
                 dir.display()
             );
-            let store = DirStorage::new(dir)?;
-            let (tag, m) = read_manifest(&store)
+            let (store, tag) = crate::ckpt::locate(dir)?;
+            let (tag, m) = read_manifest(&store, tag.as_deref())
                 .with_context(|| format!("--resume {}: no checkpoint to resume", dir.display()))?;
+            Some((store, tag, m.scalars.step))
+        }
+    };
+    let save_dir = a
+        .save_dir
+        .clone()
+        .or_else(|| resumed.as_ref().map(|(s, ..)| s.root().to_path_buf()))
+        .or_else(|| a.save_every.map(|_| out.join("checkpoints")));
+    if save_dir.is_none() && resumed.is_none() {
+        return Ok(None);
+    }
+    let first_step = resumed.as_ref().map_or(0, |(_, _, step)| *step);
+    if let Some(d) = &save_dir {
+        // A committed checkpoint is never rewritten: a run resumed from an older tag would
+        // collide with the later tags already there. Refuse it now rather than at that save.
+        let every = a.save_every.unwrap_or(0);
+        let clash = (first_step + 1..=steps)
+            .filter(|s| *s == steps || (every > 0 && s.is_multiple_of(every)))
+            .map(zero_core::checkpoint::Manifest::tag_of)
+            .find(|tag| d.join(tag).exists());
+        if let Some(tag) = clash {
+            bail!(
+                "{} already holds {tag}, which this run would save again (committed checkpoints \
+                 are never rewritten): pass another --save-dir, or resume its LATEST",
+                d.display()
+            );
+        }
+    }
+    let save: Option<Arc<dyn Storage>> = match &save_dir {
+        Some(d) => Some(Arc::new(DirStorage::new(d).with_context(|| {
+            format!("cannot create checkpoint directory {}", d.display())
+        })?)),
+        None => None,
+    };
+    let (resume, resume_tag) = match resumed {
+        None => (None, None),
+        Some((store, tag, step)) => {
             // Under a launcher every process reads it; one says so.
             let quiet = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"]
                 .iter()
                 .any(|v| std::env::var(v).is_ok_and(|r| r != "0"));
             if !quiet {
                 eprintln!(
-                    "resuming from {} (step {}) in {}",
-                    tag,
-                    m.scalars.step,
-                    dir.display()
+                    "resuming from {tag} (step {step}) in {}",
+                    store.root().display()
                 );
+                if step >= steps {
+                    eprintln!(
+                        "the checkpoint is at step {step} and --steps is {steps}: nothing left to \
+                         train"
+                    );
+                }
             }
-            if m.scalars.step >= steps && !quiet {
-                eprintln!(
-                    "the checkpoint is at step {} and --steps is {steps}: nothing left to train",
-                    m.scalars.step
-                );
-            }
-            Some(Arc::new(store))
+            (Some(Arc::new(store) as Arc<dyn Storage>), Some(tag))
         }
-    };
-    let save: Option<Arc<dyn Storage>> = match save_dir {
-        Some(d) => Some(Arc::new(DirStorage::new(&d).with_context(|| {
-            format!("cannot create checkpoint directory {}", d.display())
-        })?)),
-        None => None,
     };
     Ok(Some(zero_burn::demo::run::Checkpointing {
         save,
         save_every: a.save_every.unwrap_or(0),
         resume,
+        resume_tag,
         reshard: a.reshard,
     }))
 }
@@ -518,6 +542,45 @@ mod tests {
             all[4..],
             "the resumed steps differ from the uninterrupted run"
         );
+        // An older tag resumes too (its directory names it), into another --save-dir; into its
+        // own root it would save step 6 again, which is refused before any rank starts.
+        let tag2: &'static str = Box::leak(
+            ck.join("step-00000002")
+                .to_str()
+                .unwrap()
+                .to_owned()
+                .into_boxed_str(),
+        );
+        let again = root.join("again");
+        let again_ck: &'static str = Box::leak(
+            again
+                .join("ck")
+                .to_str()
+                .unwrap()
+                .to_owned()
+                .into_boxed_str(),
+        );
+        run(args(
+            &again,
+            &with(&["--steps", "6", "--resume", tag2, "--save-dir", again_ck]),
+        ))
+        .unwrap();
+        let (start, tail) = losses(&again);
+        assert_eq!(start, 2);
+        assert_eq!(tail, all[2..], "the steps resumed from step 2 differ");
+        let e = run(args(
+            &root.join("clash"),
+            &with(&["--steps", "6", "--resume", tag2]),
+        ))
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("already holds step-00000006"),
+            "{e:#}"
+        );
+        assert!(
+            !root.join("clash").exists(),
+            "no run directory on a refusal"
+        );
         // Another world without --reshard is refused, naming the plan; with it, it runs.
         let other = ["--world-size", "2", "--ranks-per-node", "1", "--steps", "7"];
         let e = run(args(
@@ -548,6 +611,7 @@ mod tests {
         let out = zero_burn::checkpoint::DirStorage::new(&root).unwrap();
         zero_burn::checkpoint::export_safetensors(
             &store,
+            None,
             &out,
             "model.safetensors",
             zero_burn::checkpoint::ExportDtype::F32,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::json;
-use zero_burn::checkpoint::{DirStorage, Loaded, MemStorage, Storage};
+use zero_burn::checkpoint::{COMMIT, DirStorage, LoadOptions, Loaded, MemStorage, Storage};
 use zero_burn::demo::gpt::Gpt;
 use zero_burn::demo::run::{corpus_step, engine_builder};
 use zero_burn::{Launch, ZeroEngine, plan_for};
@@ -57,7 +57,11 @@ enum Act<'a> {
         save: Option<&'a dyn Storage>,
     },
     /// Load, then train up to `to`.
-    LoadTrain { store: &'a dyn Storage, to: u64 },
+    LoadTrain {
+        store: &'a dyn Storage,
+        tag: Option<&'a str>,
+        to: u64,
+    },
 }
 
 const OVERFLOW_AT: u64 = 1;
@@ -77,7 +81,13 @@ fn world(plan: &Arc<Plan>, act: Act<'_>) -> Vec<(State, Option<Loaded>)> {
             let mut e = engine_builder(plan, comm, model, options()).build()?;
             let (to, loaded) = match &act {
                 Act::TrainSave { to, .. } => (*to, None),
-                Act::LoadTrain { store, to } => (*to, Some(e.load(*store)?)),
+                Act::LoadTrain { store, tag, to } => {
+                    let opts = LoadOptions {
+                        tag: tag.map(str::to_owned),
+                        reshard: false,
+                    };
+                    (*to, Some(e.load_with(*store, &opts)?))
+                }
             };
             let mut losses = Vec::new();
             while e.steps() < to {
@@ -120,7 +130,14 @@ fn assert_resume_is_bit_exact(topo: Topology, cfg: &ZeroConfig, store: &dyn Stor
             save: Some(store),
         },
     );
-    let second = world(&plan, Act::LoadTrain { store, to: n });
+    let second = world(
+        &plan,
+        Act::LoadTrain {
+            store,
+            tag: None,
+            to: n,
+        },
+    );
     for (r, ((f, (a, _)), (b, loaded))) in full.iter().zip(&first).zip(&second).enumerate() {
         let f = &f.0;
         let loaded = loaded.as_ref().unwrap();
@@ -221,10 +238,99 @@ fn resume_through_a_posix_directory_is_bit_exact() {
     assert_eq!(
         files,
         vec![
+            COMMIT,
             "MANIFEST.json",
             "rank-00000-of-00002.zrs",
             "rank-00001-of-00002.zrs"
         ]
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An older tag resumes bit-exactly after `LATEST` has moved on (verified against the `COMMIT`
+/// record it was saved with), and a tag whose record is missing or damaged, or that was never
+/// saved, is refused naming the file, before any state changes.
+#[test]
+fn an_older_tag_resumes_bit_exactly_after_latest_moves_on() {
+    let plan = plan_of(Topology::new(2, 2).unwrap(), &cfg(3));
+    let store = MemStorage::new();
+    let full = world(&plan, Act::TrainSave { to: 4, save: None });
+    for to in [2, 4] {
+        world(
+            &plan,
+            Act::TrainSave {
+                to,
+                save: Some(&store),
+            },
+        );
+    }
+    let latest = String::from_utf8(store.read("LATEST").unwrap().unwrap()).unwrap();
+    assert!(latest.starts_with("step-00000004 "), "{latest}");
+    let tag = Some("step-00000002");
+    let resumed = world(
+        &plan,
+        Act::LoadTrain {
+            store: &store,
+            tag,
+            to: 4,
+        },
+    );
+    for (r, ((f, _), (b, loaded))) in full.iter().zip(&resumed).enumerate() {
+        assert_eq!(loaded.as_ref().unwrap().tag, "step-00000002");
+        assert_eq!(loaded.as_ref().unwrap().step, 2);
+        assert_eq!(b.losses, f.losses[2..], "rank {r} losses");
+        assert!(
+            b.params == f.params && b.m == f.m && b.v == f.v,
+            "rank {r} state"
+        );
+    }
+    let load = |store: &MemStorage, tag: &str| {
+        let (model, _) = tiny();
+        let plan = plan.clone();
+        let tag = tag.to_owned();
+        Launch::new(*plan.topology())
+            .timeout(Duration::from_secs(30))
+            .run_with(&model, move |comm, model| {
+                let mut e = engine_builder(&plan, comm, model, options()).build()?;
+                let opts = LoadOptions {
+                    tag: Some(tag.clone()),
+                    reshard: false,
+                };
+                Ok(e.load_with(store, &opts)
+                    .map(|l| l.tag)
+                    .map_err(|e| e.to_string()))
+            })
+            .unwrap()
+    };
+    let never = load(&store, "step-00000009");
+    assert!(
+        never
+            .iter()
+            .all(|r| matches!(r, Err(m) if m.contains("step-00000009/COMMIT is missing"))),
+        "{never:?}"
+    );
+    let flipped = store.fork();
+    flipped.flip("step-00000002/COMMIT", 15, 0).unwrap();
+    let e = load(&flipped, "step-00000002");
+    assert!(
+        e.iter()
+            .all(|r| matches!(r, Err(m) if m.contains("step-00000002/"))),
+        "{e:?}"
+    );
+    let removed = store.fork();
+    removed.remove("step-00000002/COMMIT").unwrap();
+    let e = load(&removed, "step-00000002");
+    assert!(
+        e.iter()
+            .all(|r| matches!(r, Err(m) if m.contains("step-00000002/COMMIT is missing"))),
+        "{e:?}"
+    );
+    // The latest tag still loads by name without its COMMIT (LATEST is its record).
+    let removed = store.fork();
+    removed.remove("step-00000004/COMMIT").unwrap();
+    let ok = load(&removed, "step-00000004");
+    assert!(
+        ok.iter().all(|r| r.as_deref() == Ok("step-00000004")),
+        "{ok:?}"
+    );
 }

@@ -61,7 +61,8 @@ fn f32_export_equals_the_gathered_weights_at_every_stage() {
         let store = MemStorage::new();
         let (plan, gathered) = trained(&cfg, &store);
         let out = MemStorage::new();
-        let r = export_safetensors(&store, &out, "model.safetensors", ExportDtype::F32).unwrap();
+        let r =
+            export_safetensors(&store, None, &out, "model.safetensors", ExportDtype::F32).unwrap();
         assert_eq!(
             (r.tag.as_str(), r.tensors),
             ("step-00000002", plan.model().params.len())
@@ -92,7 +93,7 @@ fn bf16_export_equals_the_working_weights() {
     let store = MemStorage::new();
     let (plan, gathered) = trained(&cfg, &store);
     let out = MemStorage::new();
-    export_safetensors(&store, &out, "model.safetensors", ExportDtype::Bf16).unwrap();
+    export_safetensors(&store, None, &out, "model.safetensors", ExportDtype::Bf16).unwrap();
     for ((dtype, _, data), (p, want)) in read_back(&out, &plan)
         .into_iter()
         .zip(plan.model().params.iter().zip(&gathered))
@@ -109,7 +110,7 @@ fn bf16_export_equals_the_working_weights() {
     store
         .flip("step-00000002/rank-00001-of-00002.zrs", 200, 1)
         .unwrap();
-    assert!(export_safetensors(&store, &out, "again.safetensors", ExportDtype::F32).is_err());
+    assert!(export_safetensors(&store, None, &out, "again.safetensors", ExportDtype::F32).is_err());
     assert!(!out.exists("again.safetensors").unwrap());
 }
 
@@ -123,12 +124,12 @@ fn offline_verify_checks_every_file() {
         },
         &store,
     );
-    let r = zero_burn::checkpoint::verify(&store).unwrap();
+    let r = zero_burn::checkpoint::verify(&store, None).unwrap();
     assert_eq!(
         (r.tag.as_str(), r.files),
         ("step-00000002", plan.world_size())
     );
-    let (tag, m) = zero_burn::checkpoint::read_manifest(&store).unwrap();
+    let (tag, m) = zero_burn::checkpoint::read_manifest(&store, None).unwrap();
     assert_eq!((tag.as_str(), m.scalars.step), ("step-00000002", 2));
     let n = store
         .size("step-00000002/rank-00001-of-00002.zrs")
@@ -137,7 +138,7 @@ fn offline_verify_checks_every_file() {
     store
         .flip("step-00000002/rank-00001-of-00002.zrs", n - 1, 7)
         .unwrap();
-    let e = zero_burn::checkpoint::verify(&store)
+    let e = zero_burn::checkpoint::verify(&store, None)
         .unwrap_err()
         .to_string();
     assert!(
@@ -186,7 +187,7 @@ fn an_export_initialises_a_fresh_model_with_identical_bits() {
         (ExportDtype::Bf16, Some(Half::Bf16)),
     ] {
         let out = MemStorage::new();
-        export_safetensors(&store, &out, "m.safetensors", dtype).unwrap();
+        export_safetensors(&store, None, &out, "m.safetensors", dtype).unwrap();
         let bytes = out.read("m.safetensors").unwrap().unwrap();
         let fresh = gpt(16, 7);
         assert_ne!(bits(&values_of(&fresh)), bits(&weights), "another seed");

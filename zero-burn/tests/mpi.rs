@@ -283,6 +283,7 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
                 save: Some(store),
                 save_every: 2,
                 resume: None,
+                resume_tag: None,
                 reshard: false,
             }),
             ..HostRun::new(6, Duration::from_secs(5))
@@ -316,9 +317,9 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
     );
     assert!(job.output.contains("rank 1"), "{}", job.output);
     let store = DirStorage::new(&dir).unwrap();
-    let (tag, m) = read_manifest(&store).unwrap();
+    let (tag, m) = read_manifest(&store, None).unwrap();
     assert_eq!((tag.as_str(), m.scalars.step), ("step-00000002", 2));
-    verify(&store).unwrap();
+    verify(&store, None).unwrap();
     // Resume in-process from it: steps 3-6 equal an uninterrupted run's.
     let cfg = configs().remove(3).1;
     let (model, corpus) = tiny();
@@ -333,6 +334,7 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
                 save: None,
                 save_every: 0,
                 resume: Some(Arc::new(store)),
+                resume_tag: None,
                 reshard: false,
             }),
             ..HostRun::new(6, Duration::from_secs(30))

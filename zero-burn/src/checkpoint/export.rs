@@ -34,18 +34,19 @@ pub struct ExportReport {
     pub bytes: u64,
 }
 
-/// Writes the parameters of the checkpoint `LATEST` names in `store` as the safetensors file
+/// Writes the parameters of the checkpoint `tag` names in `store` (`None`: `LATEST`'s) as the safetensors file
 /// `name` in `out` (crash-safe: temp name, fsync, rename, fsync), named by burn's parameter
 /// paths, in the model's order, with the tag and step in `__metadata__`. A frozen parameter that
 /// the saved plan kept outside every unit (stages 0–2) is not in the checkpoint: an error names
 /// it. The file and every rank file are held in memory (no streaming bound yet).
 pub fn export_safetensors(
     store: &dyn Storage,
+    tag: Option<&str>,
     out: &dyn Storage,
     name: &str,
     dtype: ExportDtype,
 ) -> Result<ExportReport> {
-    let (tag, m, mpath) = resolve(store)?;
+    let (tag, m, mpath) = resolve(store, tag)?;
     let layout = &m.layout;
     let loc = layout.locations();
     let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();

@@ -10,7 +10,9 @@ use zero_core::checkpoint::{CkptLayout, CopyRun, LatestPointer, Manifest, copies
 
 use super::shard::{self, Expect, ShardFile};
 use super::storage::{Storage, join};
-use super::{Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses};
+use super::{
+    COMMIT, LoadOptions, Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses,
+};
 use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
@@ -25,9 +27,9 @@ struct Prepared {
 pub(crate) fn load<C: Communicator, M: Segmented>(
     e: &mut ZeroEngine<C, M>,
     store: &dyn Storage,
-    reshard: bool,
+    opts: &LoadOptions,
 ) -> Result<Loaded> {
-    let local = prepare(e, store, reshard);
+    let local = prepare(e, store, opts);
     let msg = status_bytes(local.as_ref().map(|_| Vec::new()));
     let all = all_gather_bytes(e.ckpt_world(), &msg)?;
     for (r, st) in statuses(&all).into_iter().enumerate() {
@@ -56,10 +58,11 @@ fn read(store: &dyn Storage, path: &str) -> Result<Vec<u8>> {
 fn prepare<C: Communicator, M: Segmented>(
     e: &ZeroEngine<C, M>,
     store: &dyn Storage,
-    reshard: bool,
+    opts: &LoadOptions,
 ) -> Result<Prepared> {
     let plan = e.plan().clone();
-    let (tag, m, mpath) = resolve(store)?;
+    let reshard = opts.reshard;
+    let (tag, m, mpath) = resolve(store, opts.tag.as_deref())?;
     check_model(e, &m, &mpath)?;
     let current = CkptLayout::of(&plan);
     let fp = fingerprint(&plan);
@@ -241,8 +244,18 @@ fn check_model<C: Communicator, M: Segmented>(
 
 /// Resolves `LATEST`, checks the manifest's length and crc32c against it and parses it:
 /// `(tag, manifest, manifest path)`.
-pub(super) fn resolve(store: &dyn Storage) -> Result<(String, Manifest, String)> {
-    let ptr = LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?;
+/// The checkpoint `tag` names in `store` (`None`: the one `LATEST` names) and its manifest,
+/// checked against its commit record: `LATEST`, or the `COMMIT` file a save writes into the tag's
+/// directory before committing it (so an older tag verifies as well as the latest).
+/// `(tag, manifest, manifest path)`.
+pub(super) fn resolve(
+    store: &dyn Storage,
+    tag: Option<&str>,
+) -> Result<(String, Manifest, String)> {
+    let ptr = match tag {
+        None => LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?,
+        Some(tag) => commit_record(store, tag)?,
+    };
     let mpath = join(&ptr.tag, "MANIFEST.json");
     let mbytes = read(store, &mpath)?;
     if mbytes.len() as u64 != ptr.manifest_bytes {
@@ -266,7 +279,43 @@ pub(super) fn resolve(store: &dyn Storage) -> Result<(String, Manifest, String)>
         .into());
     }
     let m = Manifest::from_json(&mbytes, &mpath)?;
+    if m.tag != ptr.tag {
+        return Err(CheckpointError::Foreign {
+            file: mpath,
+            field: "tag".into(),
+            expected: ptr.tag,
+            found: m.tag,
+        }
+        .into());
+    }
     Ok((ptr.tag, m, mpath))
+}
+
+/// The commit record of `tag`: its `COMMIT` file, or `LATEST` where it names the tag (a save made
+/// before tags carried their own record).
+fn commit_record(store: &dyn Storage, tag: &str) -> Result<LatestPointer> {
+    let path = join(tag, COMMIT);
+    if let Some(bytes) = store.read(&path)? {
+        let ptr = LatestPointer::parse(&bytes, &path)?;
+        if ptr.tag != tag {
+            return Err(CheckpointError::Foreign {
+                file: path,
+                field: "tag".into(),
+                expected: tag.into(),
+                found: ptr.tag,
+            }
+            .into());
+        }
+        return Ok(ptr);
+    }
+    if let Some(bytes) = store.read("LATEST")?
+        && let Ok(ptr) = LatestPointer::parse(&bytes, "LATEST")
+        && ptr.tag == tag
+    {
+        return Ok(ptr);
+    }
+    // No record: not a committed checkpoint (absent, or a crashed save's leftovers).
+    Err(CheckpointError::Missing { file: path }.into())
 }
 
 /// Reads saved rank `k`'s file and verifies it whole against the manifest (existence, exact

@@ -3,10 +3,11 @@
 //! **Layout.** `<root>/LATEST` names the newest committed tag and the crc32c and length of its
 //! manifest. `<root>/step-NNNNNNNN/` holds one file per rank (`rank-RRRRR-of-NNNNN.zrs`: a JSON
 //! header naming the save, rank, world and plan, then f32 tensors `w/uUUUUU`, `m/…`, `v/…`: the
-//! real elements of the rank's chunk of every unit, never padding) and `MANIFEST.json`
+//! real elements of the rank's chunk of every unit, never padding), `MANIFEST.json`
 //! ([`zero_core::checkpoint::Manifest`]: the explicit parameter → unit → offset table, the plan
 //! fingerprint, the engine's scalars, the caller's state, and every file's size and per-MiB
-//! crc32c). What is derived is never written: 16-bit working weights (the master rounded), hpZ
+//! crc32c) and [`COMMIT`] (the line `LATEST` gets, so the tag verifies after `LATEST` moves on).
+//! What is derived is never written: 16-bit working weights (the master rounded), hpZ
 //! secondaries, gathered copies, and the gradient accumulators, which are empty at a step
 //! boundary. Frozen parameters outside every unit (stages 0–2) are not written either; their
 //! checksums are, so a load into a model whose frozen values differ fails.
@@ -16,20 +17,22 @@
 //! into `.staging-<tag>-<id>/` with the crash-safe recipe (temp name, fsync, rename, fsync of
 //! the directory) and (3) the ranks all-gather their file records or errors: any error fails the
 //! save on every rank, leaving the previous `LATEST` in place. (4) Rank 0 writes the manifest
-//! last into the staging directory, renames it to the tag, fsyncs the root, writes `LATEST` by
-//! the same recipe, and every rank learns the outcome. Collectives have the communicator's
-//! timeouts and a dead rank fails its peers fast, so no rank hangs. A committed tag is never
-//! rewritten. Saving between micro-steps is refused, though `ZeroEngine::step` runs all of a
-//! step's micro-steps, so the public API cannot get there.
+//! and then `COMMIT` into the staging directory, renames it to the tag, fsyncs the root, writes
+//! `LATEST` by the same recipe, and every rank learns the outcome. Collectives have the
+//! communicator's timeouts and a dead rank fails its peers fast, so no rank hangs. A committed
+//! tag is never rewritten. Saving between micro-steps is refused, though `ZeroEngine::step` runs
+//! all of a step's micro-steps, so the public API cannot get there.
 //!
-//! **Load** ([`ZeroEngine::load`], collective). `LATEST` is parsed and the manifest's length and
-//! crc32c checked against it; the manifest's parameters (names, shapes, dtypes, trainable
-//! flags), frozen values, plan fingerprint, optimizer and reduction must equal the engine's;
-//! every rank file this rank reads is checked for its exact size, every block's crc32c and its
-//! header (save id, rank, world, plan). Only when every rank has verified everything does any
-//! state change; then the fp32 state is restored and the derived state recomputed, so the run
-//! continues bit-identically. Loading a checkpoint of another plan (resharding) is not done yet:
-//! it is refused with [`zero_core::CheckpointError::PlanMismatch`].
+//! **Load** ([`ZeroEngine::load`], [`ZeroEngine::load_with`] for a tag; collective). The commit
+//! record (`LATEST`, or the tag's `COMMIT`) is parsed and the manifest's length and crc32c
+//! checked against it; the manifest's parameters (names, shapes, dtypes, trainable flags),
+//! frozen values, plan fingerprint, optimizer and reduction must equal the engine's; every rank
+//! file this rank reads is checked for its exact size, every block's crc32c and its header (save
+//! id, rank, world, plan). Only when every rank has verified everything does any state change;
+//! then the fp32 state is restored and the derived state recomputed, so the run continues
+//! bit-identically. A checkpoint of another plan is refused with
+//! [`zero_core::CheckpointError::PlanMismatch`] unless the load asks to reshard
+//! ([`ZeroEngine::load_resharded`]).
 
 mod export;
 mod import;
@@ -86,7 +89,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Loads the checkpoint `LATEST` names in `store` (saved with the same plan) after verifying
     /// every byte this rank reads, on every rank, before any state changes. Collective.
     pub fn load(&mut self, store: &dyn Storage) -> Result<Loaded> {
-        self.untracked(|e| load::load(e, store, false))
+        self.load_with(store, &LoadOptions::default())
     }
 
     /// [`Self::load`] of a checkpoint saved with any plan of the same model (another world
@@ -96,14 +99,43 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// element. A frozen parameter that the saved plan kept outside every unit (stages 0–2)
     /// cannot be resharded into a stage-3 unit yet ([`zero_core::CheckpointError::NotSharded`]).
     pub fn load_resharded(&mut self, store: &dyn Storage) -> Result<Loaded> {
-        self.untracked(|e| load::load(e, store, true))
+        self.load_with(
+            store,
+            &LoadOptions {
+                reshard: true,
+                ..LoadOptions::default()
+            },
+        )
+    }
+
+    /// [`Self::load`] with options: which checkpoint (a tag, verified against the `COMMIT`
+    /// record it was saved with, or `LATEST`'s) and whether another plan's may be resharded.
+    pub fn load_with(&mut self, store: &dyn Storage, options: &LoadOptions) -> Result<Loaded> {
+        self.untracked(|e| load::load(e, store, options))
     }
 }
 
-/// The manifest of the checkpoint `LATEST` names in `store`, checked against `LATEST`'s length
-/// and crc32c; `(tag, manifest)`.
-pub fn read_manifest(store: &dyn Storage) -> Result<(String, zero_core::checkpoint::Manifest)> {
-    let (tag, m, _) = load::resolve(store)?;
+/// What [`ZeroEngine::load_with`] loads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// The checkpoint's tag (`step-NNNNNNNN`); `None`: the one `LATEST` names.
+    pub tag: Option<String>,
+    /// Whether a checkpoint saved with another plan may be loaded (resharded); without it one is
+    /// refused with [`zero_core::CheckpointError::PlanMismatch`].
+    pub reshard: bool,
+}
+
+/// The name of a tag's commit record inside its directory: the same line as `LATEST` (tag,
+/// manifest crc32c, manifest bytes), written before the tag is committed.
+pub const COMMIT: &str = "COMMIT";
+
+/// The manifest of the checkpoint `tag` names in `store` (`None`: `LATEST`'s), checked against
+/// its commit record's length and crc32c; `(tag, manifest)`.
+pub fn read_manifest(
+    store: &dyn Storage,
+    tag: Option<&str>,
+) -> Result<(String, zero_core::checkpoint::Manifest)> {
+    let (tag, m, _) = load::resolve(store, tag)?;
     Ok((tag, m))
 }
 
@@ -118,10 +150,11 @@ pub struct VerifyReport {
     pub bytes: u64,
 }
 
-/// Verifies every byte of the checkpoint `LATEST` names, offline: the manifest against
-/// `LATEST`, then every rank file (existence, exact size, every block's crc32c, header).
-pub fn verify(store: &dyn Storage) -> Result<VerifyReport> {
-    let (tag, m, mpath) = load::resolve(store)?;
+/// Verifies every byte of the checkpoint `tag` names (`None`: `LATEST`'s), offline: the
+/// manifest against its commit record, then every rank file (existence, exact size, every
+/// block's crc32c, header).
+pub fn verify(store: &dyn Storage, tag: Option<&str>) -> Result<VerifyReport> {
+    let (tag, m, mpath) = load::resolve(store, tag)?;
     for k in 0..m.files.len() {
         load::open_file(store, &tag, &m, &mpath, k)?;
     }

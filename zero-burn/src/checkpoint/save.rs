@@ -10,7 +10,7 @@ use zero_core::checkpoint::{
 };
 
 use super::storage::{Storage, put};
-use super::{SaveReport, all_gather_bytes, engine_scalars, shard, status_bytes, statuses};
+use super::{COMMIT, SaveReport, all_gather_bytes, engine_scalars, shard, status_bytes, statuses};
 use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
@@ -201,14 +201,17 @@ fn write_rank_file<C: Communicator, M: Segmented>(
 /// Rank 0's commit: `MANIFEST.json` into the staging directory (durably), the rename of the
 /// staging directory to the tag, the root's fsync, then `LATEST` by the same recipe.
 fn commit(store: &dyn Storage, staging: &str, tag: &str, manifest: &[u8]) -> Result<()> {
-    put(store, staging, "MANIFEST.json", manifest)?;
-    store.rename(staging, tag)?;
-    store.sync_dir("")?;
-    let latest = LatestPointer {
+    let record = LatestPointer {
         tag: tag.into(),
         manifest_crc32c: crc32c::crc32c(manifest),
         manifest_bytes: manifest.len() as u64,
-    };
-    put(store, "", "LATEST", latest.encode().as_bytes())?;
+    }
+    .encode();
+    put(store, staging, "MANIFEST.json", manifest)?;
+    // The tag's own commit record, so that it can be loaded after LATEST moves on.
+    put(store, staging, COMMIT, record.as_bytes())?;
+    store.rename(staging, tag)?;
+    store.sync_dir("")?;
+    put(store, "", "LATEST", record.as_bytes())?;
     Ok(())
 }

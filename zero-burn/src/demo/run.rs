@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use zero_comm::Communicator;
 use zero_core::{Plan, TrafficTable};
 
-use crate::checkpoint::Storage;
+use crate::checkpoint::{LoadOptions, Storage};
 use crate::demo::data::{Corpus, TokenBatch};
 #[cfg(feature = "wgpu")]
 use crate::device::{DeviceQuant, DeviceTensors};
@@ -106,8 +106,11 @@ pub struct Checkpointing {
     /// Save after every this many optimizer steps (0: never in between); a run that saves also
     /// saves after its last step.
     pub save_every: u64,
-    /// Load the checkpoint `LATEST` names here before training and continue from its step.
+    /// Load a checkpoint from here before training and continue from its step: the one
+    /// `resume_tag` names, or `LATEST`'s.
     pub resume: Option<Arc<dyn Storage>>,
+    /// The tag to resume (`None`: the one `LATEST` names).
+    pub resume_tag: Option<String>,
     /// Resume from a checkpoint of another plan (world size, stage, ...): resharded on load.
     /// Without it another plan's checkpoint is refused.
     pub reshard: bool,
@@ -299,8 +302,13 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
 ) -> Result<RankResult<M>> {
     let ckpt = run.checkpoint.as_ref();
     let first_step = match ckpt.and_then(|c| c.resume.as_ref().map(|s| (c, s))) {
-        Some((c, store)) if c.reshard => t.load_resharded(store.as_ref())?.step,
-        Some((_, store)) => t.load(store.as_ref())?.step,
+        Some((c, store)) => {
+            let opts = LoadOptions {
+                tag: c.resume_tag.clone(),
+                reshard: c.reshard,
+            };
+            t.load_with(store.as_ref(), &opts)?.step
+        }
         None => 0,
     };
     let todo = run.steps.saturating_sub(first_step) as usize;
