@@ -2,7 +2,8 @@
 //! model, the plan and every byte of the rank files this rank reads, agree with every rank, and
 //! only then restore.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+use std::ops::Range;
 
 use zero_comm::Communicator;
 use zero_core::CheckpointError;
@@ -19,9 +20,54 @@ use crate::trainer::ZeroEngine;
 
 /// Everything read and verified, ready to restore.
 struct Prepared {
-    units: Vec<[Vec<f32>; 3]>,
+    /// The verified source files, by saved rank.
+    files: BTreeMap<usize, ShardFile>,
+    /// Per destination unit: the copy runs into it, each with the saved rank whose chunk it
+    /// lands in (every tensor a run reads already checked to exist with its length).
+    runs: Vec<Vec<(usize, CopyRun)>>,
+    /// Per destination unit: the weight and optimizer-state ranges this rank restores.
+    needs: Vec<(Range<u64>, Option<Range<u64>>)>,
+    /// The saved layout (real elements per chunk).
+    src: CkptLayout,
+    /// Optimizer state buffers saved (0, 1 or 2).
+    states: usize,
     scalars: Scalars,
     loaded: Loaded,
+}
+
+impl Prepared {
+    /// Decodes unit `v`'s runs straight from the files into `dst` (the weights of its range
+    /// `needs[v].0`, and `m`, `v` of `needs[v].1`; empty where absent). Padding stays as `dst`
+    /// holds it (zero).
+    fn fill(&self, v: usize, chunk_len: u64, dst: [&mut [f32]; 3]) -> Result<()> {
+        let (w, opt) = &self.needs[v];
+        for (state, (name, dst)) in ["w", "m", "v"].into_iter().zip(dst).enumerate() {
+            if state > 0 && self.states < state {
+                continue;
+            }
+            for &(s, r) in &self.runs[v] {
+                let at = s as u64 * chunk_len + r.dst_off;
+                let base = if state == 0 {
+                    w.start
+                } else {
+                    match opt.as_ref().filter(|o| o.start <= at && at < o.end) {
+                        Some(o) => o.start,
+                        None => continue,
+                    }
+                };
+                let real = self.src.real_in_chunk(r.src_unit, r.src_rank);
+                let from = (at - base) as usize;
+                let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
+                self.files[&r.src_rank].read_into(
+                    &shard::name(name, r.src_unit),
+                    real,
+                    a..b,
+                    &mut dst[from..from + (b - a)],
+                )?;
+            }
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn load<C: Communicator, M: Segmented>(
@@ -45,7 +91,8 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
         }
     }
     let p = local?;
-    e.ckpt_restore(p.units, p.scalars)?;
+    let plan = e.plan().clone();
+    e.ckpt_restore(|v, dst| p.fill(v, plan.chunk_len(v), dst), p.scalars)?;
     Ok(p.loaded)
 }
 
@@ -126,44 +173,18 @@ fn prepare<C: Communicator, M: Segmented>(
         files.insert(k, open_file(store, &tag, &m, &mpath, k)?);
     }
 
-    // Assemble the needed ranges (padding stays zero).
+    // Every tensor a run reads exists with its length, so the restore cannot fail half-way.
     let states = m.scalars.optimizer_states;
-    let mut units: Vec<[Vec<f32>; 3]> = needs
-        .iter()
-        .map(|(w, opt)| {
-            let o = opt.as_ref().map_or(0, |o| (o.end - o.start) as usize);
-            let len = |s: usize| if states > s { o } else { 0 };
-            [
-                vec![0.0; (w.end - w.start) as usize],
-                vec![0.0; len(0)],
-                vec![0.0; len(1)],
-            ]
-        })
-        .collect();
-    let mut cache: HashMap<(usize, usize, usize), Vec<f32>> = HashMap::new();
+    let mut by_unit: Vec<Vec<(usize, CopyRun)>> = vec![Vec::new(); needs.len()];
     for (s, r) in runs {
-        let v = r.dst_unit;
-        let at = s as u64 * plan.chunk_len(v) + r.dst_off;
-        let (w, opt) = &needs[v];
-        let opt_base = opt
-            .as_ref()
-            .filter(|o| o.start <= at && at < o.end)
-            .map(|o| o.start);
         for (state, name) in ["w", "m", "v"].into_iter().enumerate() {
-            let base = if state == 0 { Some(w.start) } else { opt_base };
-            let Some(base) = base.filter(|_| state == 0 || states >= state) else {
-                continue;
-            };
-            let key = (r.src_rank, r.src_unit, state);
-            if let std::collections::hash_map::Entry::Vacant(slot) = cache.entry(key) {
+            if state == 0 || states >= state {
                 let real = src.real_in_chunk(r.src_unit, r.src_rank);
-                slot.insert(files[&r.src_rank].tensor(&shard::name(name, r.src_unit), real)?);
+                let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
+                files[&r.src_rank].check(&shard::name(name, r.src_unit), real, a..b)?;
             }
-            let t = &cache[&key];
-            let from = (at - base) as usize;
-            let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
-            units[v][state][from..from + (b - a)].copy_from_slice(&t[a..b]);
         }
+        by_unit[r.dst_unit].push((s, r));
     }
     let s = &m.scalars;
     let scaler = s.loss_scaler.as_ref().map(|l| {
@@ -175,7 +196,11 @@ fn prepare<C: Communicator, M: Segmented>(
         )
     });
     Ok(Prepared {
-        units,
+        files,
+        runs: by_unit,
+        needs,
+        src: m.layout.clone(),
+        states,
         scalars: Scalars {
             step: s.step,
             opt_steps: s.opt_steps,

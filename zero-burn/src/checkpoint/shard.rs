@@ -170,28 +170,75 @@ impl ShardFile {
 
     /// Tensor `name`, which must hold exactly `len` elements.
     pub(crate) fn tensor(&self, name: &str, len: u64) -> Result<Vec<f32>> {
-        let Some(&(offset, n)) = self.tensors.get(name) else {
-            if len == 0 {
-                return Ok(Vec::new());
-            }
+        let mut v = vec![0.0; len as usize];
+        self.read_into(name, len, 0..len as usize, &mut v)?;
+        Ok(v)
+    }
+
+    /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
+    pub(crate) fn check(&self, name: &str, len: u64, range: std::ops::Range<usize>) -> Result<()> {
+        self.locate(name, len, &range).map(|_| ())
+    }
+
+    /// Decodes elements `range` of tensor `name`, which must hold exactly `len` elements, into
+    /// `dst` (of the range's length), straight from the file's bytes.
+    pub(crate) fn read_into(
+        &self,
+        name: &str,
+        len: u64,
+        range: std::ops::Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        if dst.len() != range.len() {
             return Err(CheckpointError::Layout {
                 file: self.file.clone(),
-                what: format!("tensor {name} is missing"),
-            }
-            .into());
-        };
-        if n != len {
-            return Err(CheckpointError::Layout {
-                file: self.file.clone(),
-                what: format!("tensor {name} has {n} elements, expected {len}"),
+                what: format!(
+                    "elements {range:?} of tensor {name} do not fit {} slots",
+                    dst.len()
+                ),
             }
             .into());
         }
-        let at = self.data + offset as usize;
-        Ok(self.bytes[at..at + 4 * n as usize]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        let Some(at) = self.locate(name, len, &range)? else {
+            return Ok(());
+        };
+        let src = &self.bytes[at..at + 4 * range.len()];
+        for (d, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    }
+
+    /// The byte offset of element `range.start` of tensor `name` (`None`: an absent tensor of
+    /// no elements, which a save omits), after checking its length and the range.
+    fn locate(
+        &self,
+        name: &str,
+        len: u64,
+        range: &std::ops::Range<usize>,
+    ) -> Result<Option<usize>> {
+        let layout = |what: String| {
+            Err(CheckpointError::Layout {
+                file: self.file.clone(),
+                what,
+            }
+            .into())
+        };
+        let Some(&(offset, n)) = self.tensors.get(name) else {
+            if len == 0 && range.is_empty() {
+                return Ok(None);
+            }
+            return layout(format!("tensor {name} is missing"));
+        };
+        if n != len {
+            return layout(format!("tensor {name} has {n} elements, expected {len}"));
+        }
+        if range.start > range.end || range.end as u64 > n {
+            return layout(format!(
+                "elements {range:?} of tensor {name} ({n} elements) are out of range"
+            ));
+        }
+        Ok(Some(self.data + offset as usize + 4 * range.start))
     }
 }
 

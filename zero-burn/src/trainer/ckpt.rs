@@ -120,36 +120,49 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             .collect())
     }
 
-    /// Restores the state [`Self::ckpt_needs`] asked for: per unit the weights and the `m`, `v`
-    /// ranges (padding zero, `m`/`v` empty when the optimizer has none), and the scalars. Only
+    /// Restores the state [`Self::ckpt_needs`] asked for, which `fill(u, [w, m, v])` writes
+    /// per unit into zeroed buffers of its ranges (the weights, and `m`, `v`, empty when the
+    /// optimizer has none or the unit is frozen; padding stays zero), and the scalars. `m`, `v`
+    /// and a stage-3 fp32 shard are filled in place; the rest through one buffer per unit. Only
     /// called after everything was read and verified. Derived state (16-bit working weights,
-    /// the model's resident tensors, stage-3 shards) is recomputed from the fp32 values.
+    /// the model's resident tensors, stage-3 16-bit shards) is recomputed from the fp32 values.
     pub(crate) fn ckpt_restore(
         &mut self,
-        units: Vec<[Vec<f32>; 3]>,
+        mut fill: impl FnMut(usize, [&mut [f32]; 3]) -> Result<()>,
         scalars: Scalars,
     ) -> Result<()> {
         let plan = self.plan.clone();
         let stage = plan.stage();
-        for (u, [w, m, v]) in units.into_iter().enumerate() {
-            let unit = &plan.units()[u];
+        for (u, unit) in plan.units().iter().enumerate() {
             let (wr, or) = self.ckpt_needs(u);
-            if let (Some(or), Some(oo)) = (or, self.layout.opt_offset[u]) {
+            let opt = or.as_ref().zip(self.layout.opt_offset[u]);
+            let olen = or.as_ref().map_or(0, |o| (o.end - o.start) as usize);
+            let in_model = stage < 3 || unit.kind == UnitKind::Persistent;
+            let so = unit.shard_offset as usize;
+            let c = plan.chunk_len(u) as usize;
+            // An optimizer without a moment keeps that buffer empty.
+            let state = |held: bool| match opt {
+                Some((_, oo)) if held => oo..oo + olen,
+                _ => 0..0,
+            };
+            let (mr, vr) = (state(!self.opt.m.is_empty()), state(!self.opt.v.is_empty()));
+            let (m, v) = (&mut self.opt.m[mr], &mut self.opt.v[vr]);
+            m.fill(0.0);
+            v.fill(0.0);
+            if stage == 3 && !in_model && self.half.is_none() {
+                // The rank's fp32 shard of a gather unit is the weight range itself.
+                let w = &mut self.shard[so..so + c];
+                w.fill(0.0);
+                fill(u, [w, m, v])?;
+                continue;
+            }
+            let mut w = vec![0.0; (wr.end - wr.start) as usize];
+            fill(u, [&mut w, m, v])?;
+            if let (Some((or, oo)), true) = (opt, self.half.is_some()) {
                 let (a, b) = ((or.start - wr.start) as usize, (or.end - wr.start) as usize);
-                let len = b - a;
-                if !self.opt.m.is_empty() {
-                    self.opt.m[oo..oo + len].copy_from_slice(&m);
-                }
-                if !self.opt.v.is_empty() {
-                    self.opt.v[oo..oo + len].copy_from_slice(&v);
-                }
-                if self.half.is_some() {
-                    self.master[oo..oo + len].copy_from_slice(&w[a..b]);
-                }
+                self.master[oo..oo + (b - a)].copy_from_slice(&w[a..b]);
             }
             if stage == 3 {
-                let c = plan.chunk_len(u) as usize;
-                let so = unit.shard_offset as usize;
                 let at = (self.rank as u64 * c as u64 - wr.start) as usize;
                 let mine = &w[at..at + c];
                 match self.half {
@@ -161,12 +174,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     }
                 }
             }
-            if wr.end - wr.start == unit.len && (stage < 3 || unit.kind == UnitKind::Persistent) {
-                let full: Vec<f32> = match self.half {
-                    Some(h) => w.iter().map(|&x| h.quantize(x)).collect(),
-                    None => w,
-                };
-                self.write_unit(u, &full);
+            if in_model {
+                if let Some(h) = self.half {
+                    w.iter_mut().for_each(|x| *x = h.quantize(*x));
+                }
+                self.write_unit(u, &w);
             }
         }
         self.step = scalars.step;
