@@ -122,6 +122,12 @@ pub(crate) struct PlanArgs {
 }
 
 pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
+    print!("{}", render(&a)?);
+    Ok(())
+}
+
+/// What `plan` prints: the report of `a.rank` as a table, or as JSON (bytes) with `--json`.
+fn render(a: &PlanArgs) -> anyhow::Result<String> {
     let model = load_model(&a.model)?;
     let cfg = a.zero.config(&a.model)?;
     let rpn = a.ranks_per_node.unwrap_or(a.world_size.clamp(1, 8));
@@ -135,12 +141,11 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     }
     let plan = Plan::new(&model, topo, &cfg)?;
     let report = plan.report(a.rank);
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(if a.json {
+        serde_json::to_string_pretty(&report)? + "\n"
     } else {
-        print!("{report}");
-    }
-    Ok(())
+        report.to_string()
+    })
 }
 
 /// Reads a config file (ours in TOML/JSON, or DeepSpeed's JSON), resolving a DeepSpeed config's
@@ -201,7 +206,20 @@ pub(crate) fn parse_count(s: &str) -> anyhow::Result<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_count;
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        plan: PlanArgs,
+    }
+
+    fn plan(argv: &[&str]) -> anyhow::Result<String> {
+        let a = Cli::try_parse_from([&["plan"], argv].concat()).expect("flags parse");
+        render(&a.plan)
+    }
 
     #[test]
     fn counts() {
@@ -211,5 +229,108 @@ mod tests {
         assert!(parse_count("0").is_err());
         assert!(parse_count("1.5").is_err());
         assert!(parse_count("lots").is_err());
+    }
+
+    /// `--json` is the plan's own report of the rank asked for, and the table says the same
+    /// stage and world.
+    #[test]
+    fn json_and_table_are_the_plans_report() {
+        let argv = [
+            "--preset",
+            "gpt2-small",
+            "--world-size",
+            "16",
+            "--stage",
+            "3",
+            "--qwz",
+            "--hpz",
+            "8",
+            "--rank",
+            "5",
+        ];
+        let json: serde_json::Value =
+            serde_json::from_str(&plan(&[&argv[..], &["--json"]].concat()).unwrap()).unwrap();
+        let model = ModelDesc::preset("gpt2-small").unwrap();
+        let cfg = ZeroConfig {
+            stage: 3,
+            quantized_weights: true,
+            hpz_partition_size: 8,
+            ..Default::default()
+        };
+        let direct = Plan::new(&model, Topology::new(16, 8).unwrap(), &cfg)
+            .unwrap()
+            .report(5);
+        assert_eq!(json, serde_json::to_value(&direct).unwrap());
+        let table = plan(&argv).unwrap();
+        assert_eq!(table, direct.to_string());
+        assert!(table.contains("ZeRO-3"), "{table}");
+    }
+
+    /// A DeepSpeed config as the HF Trainer writes it (`"auto"` values) plans, its values
+    /// resolved from the flags and the preset's hidden size; offload is refused naming the key;
+    /// bad flags name what was wrong.
+    #[test]
+    fn configs_and_bad_flags() {
+        let dir = std::env::temp_dir().join(format!("zero-rs-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let hf = dir.join("ds_hf.json");
+        std::fs::write(
+            &hf,
+            r#"{"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto", "overlap_comm": true},
+                "bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto",
+                "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}"#,
+        )
+        .unwrap();
+        let hf_s = hf.to_str().unwrap();
+        let base = ["--preset", "gpt2-small", "--world-size", "8", "--json"];
+        let out: serde_json::Value = serde_json::from_str(
+            &plan(&[&base[..], &["--config", hf_s, "--grad-accum", "4"]].concat()).unwrap(),
+        )
+        .unwrap();
+        assert!(out.is_object(), "{out}");
+        let cfg = ZeroArgs::config(
+            &Cli::try_parse_from([&["plan"], &base[..], &["--config", hf_s]].concat())
+                .unwrap()
+                .plan
+                .zero,
+            &ModelArgs {
+                preset: Some("gpt2-small".into()),
+                model: None,
+                params: None,
+            },
+        )
+        .unwrap();
+        // HF's formulas from gpt2-small's hidden size 768.
+        assert_eq!(cfg.stage, 3);
+        assert_eq!(cfg.reduce_bucket_size, 768 * 768);
+        assert_eq!(cfg.param_persistence_threshold, 10 * 768);
+        let off = dir.join("ds_offload.json");
+        std::fs::write(
+            &off,
+            r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#,
+        )
+        .unwrap();
+        let e = plan(&[&base[..], &["--config", off.to_str().unwrap()]].concat()).unwrap_err();
+        assert!(format!("{e:#}").contains("offload_param"), "{e:#}");
+        let e = plan(&["--preset", "gpt2-small", "--world-size", "4", "--rank", "4"]).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("--rank 4 is out of range"),
+            "{e:#}"
+        );
+        let e = plan(&["--world-size", "4"]).unwrap_err();
+        assert!(format!("{e:#}").contains("llama-7b"), "{e:#}");
+        let e = plan(&[
+            "--preset",
+            "gpt2-small",
+            "--world-size",
+            "4",
+            "--stage",
+            "4",
+        ])
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("stage"), "{e:#}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

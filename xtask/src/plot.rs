@@ -64,10 +64,11 @@ pub(crate) fn line_charts_svg(
     Ok(())
 }
 
-/// Draws `lines` on the left and `bars` on the right into an SVG file of `width × height`.
+/// Draws the `lines` panels left to right, then `bars`, side by side into an SVG file of
+/// `width × height`.
 pub(crate) fn lines_and_bars_svg(
     path: &Path,
-    lines: &Panel,
+    lines: &[Panel],
     bars: &Bars,
     width: u32,
     height: u32,
@@ -75,9 +76,13 @@ pub(crate) fn lines_and_bars_svg(
     let err = |e: &dyn std::fmt::Display| anyhow!("cannot draw {}: {e}", path.display());
     let root = SVGBackend::new(path, (width, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let (left, right) = root.split_horizontally(width / 2);
-    draw_lines(&left, lines, SeriesLabelPosition::UpperRight).map_err(|e| err(&e))?;
-    draw_bars(&right, bars).map_err(|e| err(&e))?;
+    let areas = root.split_evenly((1, lines.len() + 1));
+    for (area, p) in areas.iter().zip(lines) {
+        draw_lines(area, p, SeriesLabelPosition::UpperRight).map_err(|e| err(&e))?;
+    }
+    if let Some(area) = areas.last() {
+        draw_bars(area, bars).map_err(|e| err(&e))?;
+    }
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }

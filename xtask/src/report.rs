@@ -70,8 +70,8 @@ fn memory_rows(r: &RunReport) -> [(&'static str, &'static str, u64, u64); 7] {
     ]
 }
 
-/// The report's figure: the loss per step (rank mean) with the entropy floor, and measured
-/// against planned memory per category on rank 0, in MiB; the caption gives tokens/s.
+/// The report's figure: the loss per step (rank mean) with the entropy floor, the tokens/s of
+/// each step, and measured against planned memory per category on rank 0, in MiB.
 fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
     use crate::plot::{Bars, Panel, Series};
     let x0 = r.first_step as f64 + 1.0;
@@ -102,6 +102,21 @@ fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
         x_names: None,
         series,
     };
+    let speed = Panel {
+        title: "throughput per step".into(),
+        x_label: "optimizer step".into(),
+        y_label: "tokens/s".into(),
+        x_names: None,
+        series: vec![Series {
+            name: "tokens/s (slowest rank)".into(),
+            points: r
+                .step_tokens_per_sec
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| (x0 + i as f64, t))
+                .collect(),
+        }],
+    };
     let rows = memory_rows(r);
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     let bars = Bars {
@@ -113,7 +128,7 @@ fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
             ("planned".into(), rows.iter().map(|r| mib(r.3)).collect()),
         ],
     };
-    crate::plot::lines_and_bars_svg(path, &lines, &bars, 1100, 420)
+    crate::plot::lines_and_bars_svg(path, &[lines, speed], &bars, 1500, 420)
 }
 
 fn print_report(r: &RunReport) {

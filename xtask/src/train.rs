@@ -631,7 +631,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
-    /// report.svg is well-formed XML (SVG) holding the loss line, its legend and the memory bars.
+    /// report.svg is well-formed XML (SVG) holding the loss line, its legend, the tokens/s of
+    /// each step and the memory bars; report.json has one tokens/s figure per step.
     #[test]
     fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
         let out = std::env::temp_dir().join(format!("zero-rs-train-svg-{}", std::process::id()));
@@ -660,6 +661,8 @@ mod tests {
         for want in [
             "loss per step",
             "entropy floor",
+            "throughput per step",
+            "tokens/s (slowest rank)",
             "measured",
             "planned",
             "gradients",
@@ -671,7 +674,15 @@ mod tests {
         }
         // 7 categories x 2 bars, plus legend boxes and the background.
         assert!(rects >= 14, "{rects} rectangles");
-        assert!(lines >= 2, "{lines} lines");
+        assert!(lines >= 3, "{lines} lines");
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        let per_step = v["step_tokens_per_sec"].as_array().unwrap();
+        assert_eq!(per_step.len(), 3);
+        assert!(
+            per_step.iter().all(|t| t.as_f64().is_some_and(|t| t > 0.0)),
+            "{per_step:?}"
+        );
         let _ = std::fs::remove_dir_all(&out);
     }
 }

@@ -6,17 +6,16 @@ use std::time::{Duration, Instant};
 use burn::tensor::Device;
 use serde::Serialize;
 use zero_comm::Communicator;
-use zero_core::{MemoryModel, Plan, Topology, TrafficTable, ZeroConfig};
+use zero_core::{Plan, Topology, ZeroConfig};
 
+use super::report::report;
+pub use super::report::{Compared, RunReport};
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::GptConfig;
-use crate::demo::run::{
-    Checkpointing, HostRun, RankSummary, SaveRecord, TrainOptions, train_host, train_rank,
-};
+use crate::demo::run::{Checkpointing, HostRun, RankSummary, TrainOptions, train_host, train_rank};
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
-use crate::trainer::MeasuredMemory;
 
 /// Where the data comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -126,54 +125,6 @@ impl JobConfig {
         (self.world_size * self.micro_batch * self.model.context) as u64
             * u64::from(self.zero.gradient_accumulation_steps)
     }
-}
-
-/// Measured next to planned.
-#[derive(Clone, Debug, Serialize)]
-pub struct Compared<M, P> {
-    /// Measured, per rank.
-    pub measured: Vec<M>,
-    /// Planned, per rank (communication: for all steps; a skipped fp16 step without its post-step
-    /// all-gathers).
-    pub planned: Vec<P>,
-}
-
-/// The result of a job.
-#[derive(Clone, Debug, Serialize)]
-pub struct RunReport {
-    /// The job.
-    pub job: JobConfig,
-    /// Mean loss over ranks, one value per step (nats per token).
-    pub loss: Vec<f32>,
-    /// The data's entropy rate if known: the loss floor.
-    pub loss_floor: Option<f64>,
-    /// Steps (0-based) skipped because fp16 gradients overflowed: every rank skipped them
-    /// together, leaving weights and optimizer state unchanged. Empty in fp32 and bf16.
-    pub skipped_steps: Vec<u64>,
-    /// The loss scale each step's backward used (1 in fp32 and bf16).
-    pub loss_scale: Vec<f32>,
-    /// Wall time of the training loop.
-    pub wall_secs: f64,
-    /// Global tokens per second.
-    pub tokens_per_sec: f64,
-    /// Bytes moved, measured and planned, per rank, over all steps.
-    pub comm: Compared<TrafficTable, TrafficTable>,
-    /// Peak bytes per rank by category, measured and planned.
-    pub memory: Compared<MeasuredMemory, MemoryModel>,
-    /// Whether measured traffic equals the plan on every rank.
-    pub comm_matches_plan: bool,
-    /// Whether measured model-state bytes equal the plan on every rank.
-    pub memory_matches_plan: bool,
-    /// The optimizer step the run started from: 0, or the resumed checkpoint's step. `loss`
-    /// holds the steps from there on.
-    pub first_step: u64,
-    /// The checkpoints saved (rank 0's bytes and seconds).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub saves: Vec<SaveRecord>,
-    /// Each rank's process peak resident set, when every rank is a process of its own
-    /// ([`run_job_rank`]); empty (and not written) when ranks are threads of one process.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub peak_rss_per_rank: Vec<u64>,
 }
 
 /// The shared wgpu device of the wgpu backend (`None`: the host backend).
@@ -409,86 +360,4 @@ fn host_run(job: &JobConfig) -> HostRun {
         checkpoint: job.checkpoint.clone(),
         ..HostRun::new(job.steps, job.timeout)
     }
-}
-
-/// The run report of `job` from every rank's summary.
-fn report(
-    job: &JobConfig,
-    plan: &Plan,
-    corpus: &dyn Corpus,
-    model_cfg: GptConfig,
-    zero: ZeroConfig,
-    results: &[RankSummary],
-    wall: f64,
-) -> Result<RunReport> {
-    // A resumed run reports the steps it ran.
-    let first = &results[0];
-    let steps = first.losses.len();
-    let first_step = first.first_step;
-    let loss = (0..steps)
-        .map(|s| results.iter().map(|r| r.losses[s]).sum::<f32>() / results.len() as f32)
-        .collect();
-    // A skipped fp16 step issues no post-step all-gathers (the weights did not change).
-    let planned_comm: Vec<TrafficTable> = results
-        .iter()
-        .map(|r| {
-            let per_step = plan.comm(r.rank).by_collective;
-            let skipped = plan.comm_skipped_step(r.rank).by_collective;
-            let mut t = TrafficTable::new();
-            for info in &r.step_info {
-                t.merge(if info.skipped { &skipped } else { &per_step });
-            }
-            t
-        })
-        .collect();
-    for r in &results[1..] {
-        if r.step_info != first.step_info {
-            return Err(Error::Internal(format!(
-                "rank {} skipped different steps or used different loss scales than rank 0",
-                r.rank
-            )));
-        }
-    }
-    let skipped_steps = (0..steps)
-        .filter(|&s| first.step_info[s].skipped)
-        .map(|s| first_step + s as u64)
-        .collect();
-    let loss_scale = first.step_info.iter().map(|i| i.loss_scale).collect();
-    let measured_comm: Vec<TrafficTable> = results.iter().map(|r| r.traffic.clone()).collect();
-    let planned_mem = plan.memory();
-    let measured_mem: Vec<MeasuredMemory> = results.iter().map(|r| r.memory).collect();
-    let comm_matches_plan = measured_comm == planned_comm;
-    let memory_matches_plan = measured_mem
-        .iter()
-        .all(|m| m.model_states() == MeasuredMemory::planned_model_states(&planned_mem));
-    Ok(RunReport {
-        loss,
-        loss_floor: corpus.entropy_floor(),
-        skipped_steps,
-        loss_scale,
-        wall_secs: wall,
-        tokens_per_sec: (job.tokens_per_step() * steps as u64) as f64 / wall.max(1e-9),
-        first_step,
-        saves: first.saves.clone(),
-        comm: Compared {
-            measured: measured_comm,
-            planned: planned_comm,
-        },
-        memory: Compared {
-            measured: measured_mem,
-            planned: vec![planned_mem; results.len()],
-        },
-        comm_matches_plan,
-        memory_matches_plan,
-        peak_rss_per_rank: results
-            .iter()
-            .map(|r| r.peak_rss_bytes)
-            .collect::<Option<Vec<u64>>>()
-            .unwrap_or_default(),
-        job: JobConfig {
-            model: model_cfg,
-            zero,
-            ..job.clone()
-        },
-    })
 }

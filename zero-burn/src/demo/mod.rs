@@ -5,4 +5,5 @@
 pub mod data;
 pub mod gpt;
 pub mod job;
+mod report;
 pub mod run;

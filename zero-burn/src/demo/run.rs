@@ -52,6 +52,9 @@ pub struct RankResult<M> {
     pub micro_losses: Vec<Vec<f32>>,
     /// Per step: skipped (fp16 overflow) or not, and the loss scale.
     pub step_info: Vec<crate::StepInfo>,
+    /// Per step: this rank's wall time of the optimizer step, its batches' preparation included
+    /// and checkpoint saves excluded, in seconds.
+    pub step_seconds: Vec<f64>,
     /// Traffic measured over all steps.
     pub traffic: TrafficTable,
     /// Peak measured memory.
@@ -193,6 +196,8 @@ pub struct RankSummary {
     pub losses: Vec<f32>,
     /// Per step: skipped or not, and the loss scale.
     pub step_info: Vec<crate::StepInfo>,
+    /// Per step: its wall time in seconds (see [`RankResult::step_seconds`]).
+    pub step_seconds: Vec<f64>,
     /// Traffic measured over all steps.
     pub traffic: TrafficTable,
     /// Peak measured memory.
@@ -213,6 +218,7 @@ impl RankSummary {
             rank: r.rank,
             losses: r.losses.clone(),
             step_info: r.step_info.clone(),
+            step_seconds: r.step_seconds.clone(),
             traffic: r.traffic.clone(),
             memory: r.memory,
             peak_rss_bytes: None,
@@ -315,9 +321,12 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     let mut losses = Vec::with_capacity(todo);
     let mut micro_losses = Vec::with_capacity(todo);
     let mut step_info = Vec::with_capacity(todo);
+    let mut step_seconds = Vec::with_capacity(todo);
     let mut saves = Vec::new();
     for s in first_step..run.steps {
+        let t0 = std::time::Instant::now();
         let out = corpus_step(t, corpus, &options)?;
+        step_seconds.push(t0.elapsed().as_secs_f64());
         if t.rank() == 0 {
             on_step(s, out.loss);
         }
@@ -352,6 +361,7 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         losses,
         micro_losses,
         step_info,
+        step_seconds,
         traffic: report.traffic,
         memory: report.memory,
         device_grad_bytes: report.device_grad_bytes,
