@@ -214,8 +214,15 @@ fn mixed() -> Error {
     )
 }
 
-/// Runs a micro-step's collectives: see the module docs.
-pub(crate) enum Exec<C: Communicator> {
+/// Runs a micro-step's collectives (see the module docs), each submitted with a ticket of the
+/// caller's that says what to do with its result: the executor owns what is in flight.
+pub(crate) struct Exec<C: Communicator, T> {
+    mode: Mode<C>,
+    /// The tickets of the collectives submitted and not yet returned, oldest first.
+    tickets: VecDeque<T>,
+}
+
+enum Mode<C: Communicator> {
     Inline {
         comms: Box<Comms<C>>,
         done: VecDeque<Result<Out<C>>>,
@@ -227,30 +234,44 @@ pub(crate) enum Exec<C: Communicator> {
     },
 }
 
-impl<C: Communicator> Exec<C> {
-    /// Submits a collective; its result comes back from [`Self::wait`] after those submitted
-    /// before it.
-    pub(crate) fn submit(&mut self, job: Job<C>) -> Result<()> {
-        match self {
-            Exec::Inline { comms, done } => {
-                let r = comms.run(job);
-                done.push_back(r);
-                Ok(())
-            }
-            Exec::Thread { rank, jobs, .. } => jobs.send(job).map_err(|_| stopped(*rank)),
+impl<C: Communicator, T> Exec<C, T> {
+    fn new(mode: Mode<C>) -> Self {
+        Exec {
+            mode,
+            tickets: VecDeque::new(),
         }
     }
 
-    /// The result of the oldest collective not yet waited for.
-    pub(crate) fn wait(&mut self) -> Result<Out<C>> {
-        match self {
-            Exec::Inline { done, .. } => done.pop_front().unwrap_or_else(|| {
+    /// Submits a collective with its ticket; both come back from [`Self::next`] after those
+    /// submitted before them.
+    pub(crate) fn submit(&mut self, job: Job<C>, ticket: T) -> Result<()> {
+        match &mut self.mode {
+            Mode::Inline { comms, done } => done.push_back(comms.run(job)),
+            Mode::Thread { rank, jobs, .. } => jobs.send(job).map_err(|_| stopped(*rank))?,
+        }
+        self.tickets.push_back(ticket);
+        Ok(())
+    }
+
+    /// The oldest collective in flight, waited for, with its ticket; `None` when none is.
+    pub(crate) fn next(&mut self) -> Result<Option<(T, Out<C>)>> {
+        let Some(ticket) = self.tickets.pop_front() else {
+            return Ok(None);
+        };
+        let out = match &mut self.mode {
+            Mode::Inline { done, .. } => done.pop_front().unwrap_or_else(|| {
                 Err(Error::Internal(
                     "waited for a collective that was never submitted".into(),
                 ))
-            }),
-            Exec::Thread { rank, results, .. } => results.recv().map_err(|_| stopped(*rank))?,
-        }
+            })?,
+            Mode::Thread { rank, results, .. } => results.recv().map_err(|_| stopped(*rank))??,
+        };
+        Ok(Some((ticket, out)))
+    }
+
+    /// The tickets in flight, oldest first.
+    pub(crate) fn in_flight(&self) -> impl Iterator<Item = &T> {
+        self.tickets.iter()
     }
 }
 
@@ -264,25 +285,25 @@ fn stopped(rank: usize) -> Error {
 
 /// Runs `f` with an executor over `comms`: inline, or (`overlap`) on a communication thread for
 /// the duration of `f`. Returns the communicators with `f`'s result.
-pub(crate) fn with_exec<C: Communicator, R>(
+pub(crate) fn with_exec<C: Communicator, T, R>(
     comms: Comms<C>,
     overlap: bool,
     rank: usize,
-    f: impl FnOnce(&mut Exec<C>) -> R,
+    f: impl FnOnce(&mut Exec<C, T>) -> R,
 ) -> (Comms<C>, R) {
-    let inline = |comms: Comms<C>, f: &mut dyn FnMut(&mut Exec<C>) -> R| {
-        let mut exec = Exec::Inline {
+    let inline = |comms: Comms<C>, f: &mut dyn FnMut(&mut Exec<C, T>) -> R| {
+        let mut exec = Exec::new(Mode::Inline {
             comms: Box::new(comms),
             done: VecDeque::new(),
-        };
+        });
         let r = f(&mut exec);
-        let Exec::Inline { comms, .. } = exec else {
+        let Mode::Inline { comms, .. } = exec.mode else {
             unreachable!("the inline executor stays inline")
         };
         (*comms, r)
     };
     let mut f = Some(f);
-    let mut call = move |e: &mut Exec<C>| (f.take().expect("called once"))(e);
+    let mut call = move |e: &mut Exec<C, T>| (f.take().expect("called once"))(e);
     if !overlap {
         return inline(comms, &mut call);
     }
@@ -315,11 +336,11 @@ pub(crate) fn with_exec<C: Communicator, R>(
             // channel): the same collectives, inline.
             return inline(back.0, &mut call);
         }
-        let mut exec = Exec::Thread {
+        let mut exec = Exec::new(Mode::Thread {
             rank,
             jobs: job_tx,
             results: res_rx,
-        };
+        });
         let r = call(&mut exec);
         // Closing the job channel ends the worker once it has finished what it holds.
         drop(exec);
@@ -368,13 +389,17 @@ mod tests {
                             thread::sleep(Duration::from_millis(1));
                         }
                     }
-                    exec.submit(Job::AllReduce {
-                        data: Words::F32(vec![rank as f32 + 1.0; 5]),
-                        op: ReduceOp::Sum,
-                    })?;
+                    exec.submit(
+                        Job::AllReduce {
+                            data: Words::F32(vec![rank as f32 + 1.0; 5]),
+                            op: ReduceOp::Sum,
+                        },
+                        "the all-reduce",
+                    )?;
                     submitted.store(true, Ordering::SeqCst);
-                    match exec.wait()? {
-                        Words::F32(v) => Ok(v),
+                    assert_eq!(exec.in_flight().count(), 1);
+                    match exec.next()? {
+                        Some(("the all-reduce", Words::F32(v))) => Ok(v),
                         _ => Err(mixed()),
                     }
                 });

@@ -1,6 +1,6 @@
 //! Building an engine: every check, the layout, the initial shards.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::ParamId;
@@ -155,7 +155,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
             fetching: vec![false; units.len()],
-            inflight: VecDeque::new(),
             step: 0,
             micro: 0,
             micro_losses: Vec::new(),

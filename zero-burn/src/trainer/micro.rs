@@ -24,7 +24,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(loss)
     }
 
-    pub(super) fn micro_step_with(&mut self, exec: &mut Exec<C>, batch: &M::Batch) -> Result<f32> {
+    pub(super) fn micro_step_with(
+        &mut self,
+        exec: &mut Exec<C, Ticket>,
+        batch: &M::Batch,
+    ) -> Result<f32> {
         let plan = self.plan.clone();
         let stage3 = plan.stage() == 3;
         let segments = self.model.num_segments();
@@ -77,7 +81,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// `max_reduces` in flight.
     pub(super) fn reduce_completed(
         &mut self,
-        exec: &mut Exec<C>,
+        exec: &mut Exec<C, Ticket>,
         i: usize,
         pending: &mut [Option<Pending<C::Buffer<f32>>>],
         max_reduces: usize,
@@ -87,7 +91,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 .take()
                 .unwrap_or_else(|| Pending::Host(vec![0.0; self.plan.units()[u].len as usize]));
             self.submit_reduce(exec, u, g)?;
-            while self.reductions_in_flight().0 > max_reduces {
+            while reductions_in_flight(exec).0 > max_reduces {
                 self.complete_one(exec)?;
             }
         }
@@ -100,7 +104,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// issues them (last segment first).
     pub(super) fn micro_step_one_graph(
         &mut self,
-        exec: &mut Exec<C>,
+        exec: &mut Exec<C, Ticket>,
         batch: &M::Batch,
         scale: f32,
         max_reduces: usize,
@@ -147,7 +151,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// activations.
     pub(super) fn forward(
         &mut self,
-        exec: &mut Exec<C>,
+        exec: &mut Exec<C, Ticket>,
         batch: &M::Batch,
     ) -> Result<(f32, Vec<M::Act>)> {
         let stage3 = self.plan.stage() == 3;
@@ -239,7 +243,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// applied to the accumulator by [`Self::complete_one`].
     pub(super) fn submit_reduce(
         &mut self,
-        exec: &mut Exec<C>,
+        exec: &mut Exec<C, Ticket>,
         u: usize,
         g: Pending<C::Buffer<f32>>,
     ) -> Result<()> {
@@ -252,7 +256,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
         let w = if self.half.is_some() { 2 } else { 4 };
         let bytes = len as u64 * w;
-        self.track_comm_buffer(self.reductions_in_flight().1 + bytes);
+        self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
         let op = match (self.options.reduction, self.half) {
@@ -263,7 +267,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Pending::Host(g) => g,
             // Packed on the device (fp32, reduced every micro-step, no qgZ): reduce it there.
             Pending::Device(data) => {
-                exec.submit(if stage == 0 {
+                let job = if stage == 0 {
                     Job::AllReduceDevice { data, op }
                 } else {
                     Job::ReduceScatterDevice {
@@ -271,9 +275,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         op,
                         qgz: unit.kind == UnitKind::Gather,
                     }
-                })?;
-                self.reduce_submitted(off, false, bytes);
-                return Ok(());
+                };
+                let overwrite = false;
+                return exec.submit(
+                    job,
+                    Ticket::Reduce {
+                        off,
+                        overwrite,
+                        bytes,
+                    },
+                );
             }
         };
         let data = if defer {
@@ -297,7 +308,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Some(h) => Words::U16(h.round_all(&g)),
             }
         };
-        exec.submit(if stage == 0 {
+        let job = if stage == 0 {
             Job::AllReduce { data, op }
         } else {
             Job::ReduceScatter {
@@ -305,38 +316,24 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 op,
                 qgz: !defer && unit.kind == UnitKind::Gather,
             }
-        })?;
-        self.reduce_submitted(off, defer, bytes);
-        Ok(())
-    }
-
-    /// The reductions in flight: how many, and the bytes of their gradient buffers.
-    pub(super) fn reductions_in_flight(&self) -> (usize, u64) {
-        self.inflight
-            .iter()
-            .filter_map(|t| match t {
-                Ticket::Reduce { bytes, .. } => Some(*bytes),
-                Ticket::Gather { .. } => None,
-            })
-            .fold((0, 0), |(n, b), x| (n + 1, b + x))
-    }
-
-    /// Books a submitted reduction (its ticket also records its gradient buffer in flight).
-    pub(super) fn reduce_submitted(&mut self, off: usize, overwrite: bool, bytes: u64) {
-        self.inflight.push_back(Ticket::Reduce {
-            off,
-            overwrite,
-            bytes,
-        });
+        };
+        let overwrite = defer;
+        exec.submit(
+            job,
+            Ticket::Reduce {
+                off,
+                overwrite,
+                bytes,
+            },
+        )
     }
 
     /// Waits for the oldest collective in flight and applies its result: a gathered unit is
     /// installed in the model, a reduced gradient goes into the accumulator.
-    pub(super) fn complete_one(&mut self, exec: &mut Exec<C>) -> Result<()> {
-        let Some(ticket) = self.inflight.pop_front() else {
+    pub(super) fn complete_one(&mut self, exec: &mut Exec<C, Ticket>) -> Result<()> {
+        let Some((ticket, words)) = exec.next()? else {
             return Ok(());
         };
-        let words = exec.wait()?;
         match ticket {
             Ticket::Gather { u, backward } => self.install(u, backward, words)?,
             Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
@@ -366,8 +363,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// Applies everything in flight.
-    pub(super) fn settle_all(&mut self, exec: &mut Exec<C>) -> Result<()> {
-        while !self.inflight.is_empty() {
+    pub(super) fn settle_all(&mut self, exec: &mut Exec<C, Ticket>) -> Result<()> {
+        while exec.in_flight().next().is_some() {
             self.complete_one(exec)?;
         }
         Ok(())
@@ -386,7 +383,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// within the hpZ group. Its elements count as gathered from here on.
     pub(super) fn submit_gather(
         &mut self,
-        exec: &mut Exec<C>,
+        exec: &mut Exec<C, Ticket>,
         u: usize,
         backward: bool,
     ) -> Result<()> {
@@ -408,20 +405,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // from there.
         let device = self.device_tensors.is_some()
             && (self.device_quant || !plan.config().quantized_weights);
-        exec.submit(match piece {
+        let job = match piece {
             Words::F32(piece) if device => Job::GatherDevice {
                 piece,
                 hpz,
                 qwz: true,
             },
             piece => Job::Gather { piece, hpz },
-        })?;
-        self.inflight.push_back(Ticket::Gather { u, backward });
+        };
+        exec.submit(job, Ticket::Gather { u, backward })?;
         self.fetching[u] = true;
         let w = if self.half.is_some() { 2 } else { 4 };
-        let fetching: u64 = self
-            .inflight
-            .iter()
+        let fetching: u64 = exec
+            .in_flight()
             .map(|t| match t {
                 Ticket::Gather { u, .. } => plan.units()[*u].len,
                 Ticket::Reduce { .. } => 0,
@@ -437,7 +433,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// segment computes).
     pub(super) fn gather_segment(
         &mut self,
-        exec: &mut Exec<C>,
+        exec: &mut Exec<C, Ticket>,
         seg: usize,
         backward: bool,
     ) -> Result<()> {
@@ -478,4 +474,14 @@ fn add_into(dst: &mut [f32], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d += s;
     }
+}
+
+/// The reductions in flight: how many, and the bytes of their gradient buffers.
+fn reductions_in_flight<C: Communicator>(exec: &Exec<C, Ticket>) -> (usize, u64) {
+    exec.in_flight()
+        .filter_map(|t| match t {
+            Ticket::Reduce { bytes, .. } => Some(*bytes),
+            Ticket::Gather { .. } => None,
+        })
+        .fold((0, 0), |(n, b), x| (n + 1, b + x))
 }

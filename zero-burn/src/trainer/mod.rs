@@ -30,7 +30,6 @@
 //! summed unscaled over the canonical pairwise tree instead, and divided once by `N·A` before
 //! step 3, which makes the bits independent of the world size too (see [`crate::reduction`]).
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -167,8 +166,6 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     gathered: Vec<bool>,
     /// Stage 3: units whose all-gather is submitted but not yet installed.
     fetching: Vec<bool>,
-    /// Collectives submitted this micro-step whose results are not yet applied, oldest first.
-    inflight: VecDeque<Ticket>,
     step: u64,
     micro: u32,
     /// The unscaled loss of each micro-step of the last step.
@@ -391,20 +388,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// Runs `f` with the communicators lent to an executor (inline, or on the communication
-    /// thread with `overlap`), then applies what is still in flight, or after a failure forgets
-    /// it; the communicators are home again afterwards.
+    /// thread with `overlap`), then applies what is still in flight, or after a failure drops
+    /// it with the executor; the communicators are home again afterwards.
     fn with_exec<T>(
         &mut self,
         overlap: bool,
-        f: impl FnOnce(&mut Self, &mut Exec<C>) -> Result<T>,
+        f: impl FnOnce(&mut Self, &mut Exec<C, Ticket>) -> Result<T>,
     ) -> Result<T> {
         let comms = self.comms.take().expect(HOME);
-        let (comms, r) = comms::with_exec(comms, overlap, self.rank, |exec| match f(self, exec) {
-            Ok(v) => self.settle_all(exec).map(|()| v),
-            Err(e) => {
-                self.inflight.clear();
-                Err(e)
-            }
+        let (comms, r) = comms::with_exec(comms, overlap, self.rank, |exec| {
+            let v = f(self, exec)?;
+            self.settle_all(exec).map(|()| v)
         });
         self.comms = Some(comms);
         if r.is_err() {
