@@ -77,7 +77,7 @@ impl OptimState {
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        4 * (self.m.len() + self.v.len()) as u64
+        4 * (self.m.capacity() + self.v.capacity()) as u64
     }
 }
 

@@ -74,37 +74,30 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     pub(super) fn sample_memory(&mut self) {
         let stage3 = self.plan.stage() == 3;
-        let gathered: u64 = if stage3 { self.live_gathered } else { 0 };
+        let gathered: u64 = if stage3 { self.gathered_elems } else { 0 };
         let model_elems = params::resident_elems(&self.model);
         let resident = model_elems - gathered;
         // The working weights' bytes per element: 4 in fp32, 2 in bf16/fp16 (where burn's f32
         // copies hold 2 more, reported as `f32_compute_copies`).
         let w = if self.half.is_some() { 2 } else { 4 };
         let p = &mut self.peak;
+        // The engine's own buffers count as allocated (capacities); burn's tensors by elements.
+        let cap32 = |v: &Vec<f32>| v.capacity() as u64 * 4;
+        let cap16 = |v: &Vec<u16>| v.capacity() as u64 * 2;
         p.parameters = p
             .parameters
-            .max(resident * w + self.shard.len() as u64 * 4 + self.shard16.len() as u64 * 2);
+            .max(resident * w + cap32(&self.shard) + cap16(&self.shard16));
         // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
         p.gradients = p
             .gradients
-            .max((self.acc.len() + self.tree.len()) as u64 * 4 + self.acc16.len() as u64 * 2);
+            .max(cap32(&self.acc) + self.tree.len() as u64 * 4 + cap16(&self.acc16));
         p.optimizer_states = p.optimizer_states.max(self.opt.bytes());
-        p.master_weights = p.master_weights.max(self.master.len() as u64 * 4);
+        p.master_weights = p.master_weights.max(cap32(&self.master));
         if self.half.is_some() {
             p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
         }
-        let sec: u64 = self
-            .secondary
-            .iter()
-            .flatten()
-            .map(|s| s.len() as u64 * 4)
-            .sum::<u64>()
-            + self
-                .secondary16
-                .iter()
-                .flatten()
-                .map(|s| s.len() as u64 * 2)
-                .sum::<u64>();
+        let sec: u64 = self.secondary.iter().flatten().map(cap32).sum::<u64>()
+            + self.secondary16.iter().flatten().map(cap16).sum::<u64>();
         p.hpz_secondary = p.hpz_secondary.max(sec);
     }
 }

@@ -254,9 +254,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let stage = plan.stage();
         let defer = stage <= 1 && plan.config().accumulate_before_reduce;
         let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
-        let w = if self.half.is_some() { 2 } else { 4 };
-        let bytes = len as u64 * w;
-        self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
         let op = match (self.options.reduction, self.half) {
@@ -267,6 +264,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Pending::Host(g) => g,
             // Packed on the device (fp32, reduced every micro-step, no qgZ): reduce it there.
             Pending::Device(data) => {
+                // Allocated by the hook with the unit's length.
+                let bytes = len as u64 * 4;
+                self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
                 let job = if stage == 0 {
                     Job::AllReduceDevice { data, op }
                 } else {
@@ -308,6 +308,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Some(h) => Words::U16(h.round_all(&g)),
             }
         };
+        // The gradient buffer in reduction, as allocated.
+        let bytes = match &data {
+            Words::F32(v) => v.capacity() as u64 * 4,
+            Words::U16(v) => v.capacity() as u64 * 2,
+            Words::Device(_) => len as u64 * 4,
+        };
+        self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
         let job = if stage == 0 {
             Job::AllReduce { data, op }
         } else {
@@ -415,6 +422,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         };
         exec.submit(job, Ticket::Gather { u, backward })?;
         self.fetching[u] = true;
+        // In flight: the buffer each collective will return (the unit's length).
         let w = if self.half.is_some() { 2 } else { 4 };
         let fetching: u64 = exec
             .in_flight()
@@ -423,8 +431,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Ticket::Reduce { .. } => 0,
             })
             .sum();
-        let live = self.live_gathered + fetching;
-        self.peak.gathered_working_set = self.peak.gathered_working_set.max(live * w);
+        let live = self.gathered_bytes + fetching * w;
+        self.peak.gathered_working_set = self.peak.gathered_working_set.max(live);
         Ok(())
     }
 

@@ -171,7 +171,12 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     /// The unscaled loss of each micro-step of the last step.
     micro_losses: Vec<f32>,
     peak: MeasuredMemory,
-    live_gathered: u64,
+    /// Stage 3: real elements of the gathered units installed in the model.
+    gathered_elems: u64,
+    /// Stage 3: bytes of the buffers the installed units were gathered into (their capacities).
+    gathered_bytes: u64,
+    /// Stage 3: per unit, the bytes of the buffer it was installed from (0 when released).
+    unit_gathered_bytes: Vec<u64>,
     traffic_base: TrafficTable,
     /// `(steps, skipped)` when the traffic count started: 0 at build, the checkpoint's after a load.
     pub(crate) steps_base: (u64, u64),

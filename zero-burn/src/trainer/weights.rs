@@ -114,6 +114,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let g = self.rank % layout.size;
             g * s..(g + 1) * s
         });
+        // The buffer the unit arrived in, as allocated (the device path's is sized by the hook).
+        let bytes = match &full {
+            Words::F32(v) => v.capacity() as u64 * 4,
+            Words::U16(v) => v.capacity() as u64 * 2,
+            Words::Device(_) => len as u64 * 4,
+        };
         match (full, self.half) {
             (Words::Device(buf), _) => self.install_device(u, &buf, slice)?,
             (Words::F32(full), _) => {
@@ -132,7 +138,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         self.fetching[u] = false;
         self.gathered[u] = true;
-        self.live_gathered += len as u64;
+        self.gathered_elems += plan.unit_entries(u).iter().map(|e| e.numel).sum::<u64>();
+        self.gathered_bytes += bytes;
+        self.unit_gathered_bytes[u] = bytes;
         Ok(())
     }
 
@@ -200,7 +208,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if self.gathered[u] {
                 self.release(u);
                 self.gathered[u] = false;
-                self.live_gathered -= self.plan.units()[u].len;
+                let real: u64 = self.plan.unit_entries(u).iter().map(|e| e.numel).sum();
+                self.gathered_elems -= real;
+                self.gathered_bytes -= std::mem::take(&mut self.unit_gathered_bytes[u]);
             }
         }
     }
