@@ -30,6 +30,10 @@
 //!    `ZERO_REQUIRE_WGPU=1` on the GPU's Vulkan driver: NVIDIA's ICD manifest is passed as
 //!    `VK_DRIVER_FILES`, and a machine without a Vulkan loader gets Debian's, unpacked from the
 //!    bundle's `debs/` into `<work>/vulkan`. No loader at all skips the step.
+//! 7. **launch**: one rank per process over NCCL, as a user runs it (see [`launch`]): a release
+//!    xtask with `--features nccl` (built here, or the bundle's `xtask-nccl`) runs `launch
+//!    --nproc-per-node <GPUs> -- train --launcher nccl` on the tiny model; rank 0's report must
+//!    show the measured bytes equal to the plan.
 //!
 //! A GPU machine without cargo (the lent ones have none) runs a bundle: `cargo xtask gpu-check
 //! --bundle DIR` builds the programs here and copies them, stripped and gzipped, with the xtask
@@ -48,6 +52,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
+
+mod launch;
 
 #[derive(Args, Debug)]
 pub(crate) struct GpuCheckArgs {
@@ -595,9 +601,11 @@ fn bundle(
     dir: &Path,
     programs: &[(usize, PathBuf)],
     wgpu: &[(usize, PathBuf)],
+    nccl_xtask: &Path,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut total = pack(dir, "xtask", &std::env::current_exe()?, false)?;
+    total += pack(dir, launch::PROGRAM, nccl_xtask, true)?;
     for (i, exe) in programs {
         total += pack(dir, PROGRAMS[*i].name, exe, true)?;
     }
@@ -790,7 +798,8 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
                 WGPU_PROGRAMS.len()
             );
         }
-        return bundle(dir, &programs, &wgpu);
+        let nccl_xtask = launch::build(&root, &target, limit)?;
+        return bundle(dir, &programs, &wgpu, &nccl_xtask);
     }
 
     // 1. The GPU, or a clear reason to stop.
@@ -1026,6 +1035,24 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         secs: None,
         detail: format!("{e:#}"),
     }));
+
+    // 7. One rank per process over NCCL, from the command line.
+    let nccl_xtask = match &a.prebuilt {
+        Some(dir) => match unpack(dir, &work, launch::PROGRAM) {
+            Ok(Some(exe)) => Ok(exe),
+            Ok(None) => Err(format!("the bundle has no {}", launch::PROGRAM)),
+            Err(e) => Err(format!("{e:#}")),
+        },
+        None => launch::build(&root, &work, limit).map_err(|e| format!("{e:#}")),
+    };
+    steps.push(launch::step(
+        nccl_xtask,
+        &root,
+        &work,
+        &ld_path,
+        gpus.len(),
+        limit,
+    ));
 
     print_report(&steps);
     let failed: Vec<&str> = steps
