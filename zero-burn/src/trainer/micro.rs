@@ -1,8 +1,6 @@
 //! One micro-step: forward and backward over the segments, the gathers and the reductions.
 //! The only code that talks to the executor.
 
-use std::collections::HashMap;
-
 use burn::optim::GradientsParams;
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::UnitKind;
@@ -10,7 +8,6 @@ use zero_core::UnitKind;
 use super::{Pending, Ticket, ZeroEngine};
 use crate::comms::{Exec, Job, Words};
 use crate::error::{Error, Result};
-use crate::params;
 use crate::reduction::Reduction;
 use crate::segmented::{Activation, SegmentOut, Segmented};
 
@@ -178,63 +175,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
         }
         Ok((loss, acts))
-    }
-
-    pub(super) fn collect_grads(
-        &mut self,
-        seg: usize,
-        gp: &GradientsParams,
-        pending: &mut [Option<Pending<C::Buffer<f32>>>],
-    ) -> Result<()> {
-        let plan = self.plan.clone();
-        let mut want = HashMap::new();
-        let mut slots = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
-            if self.layout.param_segment[i] == seg && p.trainable {
-                want.insert(p.id, slots.len());
-                slots.push(i);
-            }
-        }
-        let device: Vec<bool> = (0..plan.units().len())
-            .map(|u| self.device_unit(u))
-            .collect();
-        let hook = self.device_tensors.as_deref();
-        let mut failed = None;
-        let mut packed = 0u64;
-        params::for_each_grad_tensor(&self.model, gp, &want, |slot, g| {
-            let Some((u, off)) = plan.locate(slots[slot]) else {
-                return;
-            };
-            let (len, off) = (plan.units()[u].len as usize, off as usize);
-            let r = match (hook, device[u]) {
-                // Each parameter lives in one segment, so its slot is written once: a copy.
-                (Some(hook), true) => (|| {
-                    if pending[u].is_none() {
-                        pending[u] = Some(Pending::Device(hook.zeros(len)?));
-                    }
-                    packed += 4 * g.shape().num_elements() as u64;
-                    match &mut pending[u] {
-                        Some(Pending::Device(buf)) => hook.copy_in(buf, off, &g),
-                        _ => Ok(()),
-                    }
-                })(),
-                _ => match g.into_data().try_into_vec_as::<f32>() {
-                    Ok(g) => {
-                        let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
-                        if let Pending::Host(buf) = p {
-                            add_into(&mut buf[off..off + g.len()], &g);
-                        }
-                        Ok(())
-                    }
-                    Err(e) => Err(Error::Tensor(format!("gradient: {e:?}"))),
-                },
-            };
-            if let Err(e) = r {
-                failed.get_or_insert(e);
-            }
-        });
-        self.device_grad_bytes += packed;
-        failed.map_or(Ok(()), Err)
     }
 
     /// Submits the reduction of unit `u`'s gradients `g` of this micro-step (stage 0: an

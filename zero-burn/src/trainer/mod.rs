@@ -48,6 +48,7 @@ use layout::RankLayout;
 
 mod build;
 mod ckpt;
+mod grads;
 mod layout;
 mod memory;
 mod micro;
