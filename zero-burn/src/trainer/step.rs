@@ -22,6 +22,7 @@ use super::{HOME, ZeroEngine};
 use crate::comms::Words;
 use crate::error::{Error, Result};
 use crate::optim;
+use crate::params;
 use crate::precision::{Half, LossScaler, StepInfo};
 use crate::reduction::Reduction;
 use crate::segmented::Segmented;
@@ -212,6 +213,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             self.secondary.iter_mut().for_each(|s| *s = None);
             self.secondary16.iter_mut().for_each(|s| *s = None);
         }
+        // Every unit written back in one pass over the model.
+        let mut values = params::NewValues::new();
         for (u, publish) in updates {
             let publish = match publish {
                 Publish::Gather(piece) => Publish::Gathered(self.post_step_gather(piece)?),
@@ -223,7 +226,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             };
             match publish {
                 Publish::Write(full) | Publish::Gathered(Words::F32(full)) => {
-                    self.write_unit(u, &full);
+                    self.unit_values(u, &full, &mut values);
                 }
                 Publish::Gathered(Words::Device(buf)) => self.install_tensors(u, &buf)?,
                 Publish::InPlace => {}
@@ -233,6 +236,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     ));
                 }
             }
+        }
+        if !values.is_empty() {
+            self.set_params(values);
         }
         self.end_step();
         Ok(())

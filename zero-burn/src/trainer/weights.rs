@@ -68,6 +68,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     pub(super) fn write_unit(&mut self, u: usize, full: &[f32]) {
         let mut values = HashMap::new();
+        self.unit_values(u, full, &mut values);
+        self.set_params(values);
+    }
+
+    /// Adds unit `u`'s parameters, from its flat values `full`, to `values` (one
+    /// [`Self::set_params`] can then write many units in one pass over the model).
+    pub(super) fn unit_values(&self, u: usize, full: &[f32], values: &mut params::NewValues) {
         for e in self.plan.unit_entries(u) {
             let p = &self.params[e.param];
             let o = e.offset as usize;
@@ -80,7 +87,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 ),
             );
         }
-        self.set_params(values);
     }
 
     /// Replaces the values of the parameters in `values` (burn's mapper consumes the module, so
