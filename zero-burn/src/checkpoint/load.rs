@@ -7,7 +7,9 @@ use std::ops::Range;
 
 use zero_comm::Communicator;
 use zero_core::CheckpointError;
-use zero_core::checkpoint::{CkptLayout, CopyRun, LatestPointer, Manifest, copies, fingerprint};
+use zero_core::checkpoint::{
+    CkptLayout, CopyRun, FileRecord, LatestPointer, Manifest, copies, fingerprint,
+};
 
 use super::shard::{self, Expect, ShardFile};
 use super::storage::{Storage, join};
@@ -352,6 +354,30 @@ pub(super) fn open_file(
     mpath: &str,
     k: usize,
 ) -> Result<ShardFile> {
+    let (path, rec) = locate_file(store, tag, m, mpath, k)?;
+    let bytes = read(store, &path)?;
+    ShardFile::verify(path, bytes, rec, &expect_of(m, k))
+}
+
+/// What saved rank `k`'s file of `m` must carry in its header.
+pub(super) fn expect_of(m: &Manifest, k: usize) -> Expect<'_> {
+    Expect {
+        save_id: &m.save_id,
+        fingerprint: &m.plan_fingerprint,
+        rank: k,
+        world_size: m.layout.world_size,
+    }
+}
+
+/// Saved rank `k`'s file of `tag`: its path and manifest record, after checking that the record
+/// names it and that the file exists with the recorded size.
+pub(super) fn locate_file<'m>(
+    store: &dyn Storage,
+    tag: &str,
+    m: &'m Manifest,
+    mpath: &str,
+    k: usize,
+) -> Result<(String, &'m FileRecord)> {
     let sn = m.layout.world_size;
     let rec = m.files.get(k).ok_or_else(|| CheckpointError::Layout {
         file: mpath.into(),
@@ -376,12 +402,5 @@ pub(super) fn open_file(
         }
         .into());
     }
-    let bytes = read(store, &path)?;
-    let expect = Expect {
-        save_id: &m.save_id,
-        fingerprint: &m.plan_fingerprint,
-        rank: k,
-        world_size: sn,
-    };
-    ShardFile::verify(path, bytes, rec, &expect)
+    Ok((path, rec))
 }

@@ -38,6 +38,7 @@ mod export;
 mod import;
 mod load;
 mod mem;
+mod ranged;
 mod save;
 mod shard;
 mod storage;

@@ -48,6 +48,46 @@ pub(crate) struct Expect<'a> {
     pub(crate) world_size: usize,
 }
 
+/// The first header field of `h` that differs from `expect`: `(field, expected, found)`.
+pub(crate) fn identity(
+    h: &ShardHeader,
+    expect: &Expect<'_>,
+) -> Option<(&'static str, String, String)> {
+    let checks = [
+        (
+            "format_version",
+            FORMAT_VERSION.to_string(),
+            h.format_version.to_string(),
+        ),
+        ("save_id", expect.save_id.to_string(), h.save_id.clone()),
+        (
+            "plan_fingerprint",
+            expect.fingerprint.to_string(),
+            h.plan_fingerprint.clone(),
+        ),
+        ("rank", expect.rank.to_string(), h.rank.to_string()),
+        (
+            "world_size",
+            expect.world_size.to_string(),
+            h.world_size.to_string(),
+        ),
+    ];
+    checks.into_iter().find(|(_, a, b)| a != b)
+}
+
+/// The error for a file whose header names another save, rank, world or plan.
+pub(crate) fn foreign(
+    file: String,
+    (field, expected, found): (&str, String, String),
+) -> CheckpointError {
+    CheckpointError::Foreign {
+        file,
+        field: field.into(),
+        expected,
+        found,
+    }
+}
+
 /// A rank file whose every byte has been checked against its record.
 pub(crate) struct ShardFile {
     file: String,
@@ -85,36 +125,7 @@ impl ShardFile {
             }
             .into());
         }
-        let identity = |h: &ShardHeader| -> Option<(&'static str, String, String)> {
-            let checks = [
-                (
-                    "format_version",
-                    FORMAT_VERSION.to_string(),
-                    h.format_version.to_string(),
-                ),
-                ("save_id", expect.save_id.to_string(), h.save_id.clone()),
-                (
-                    "plan_fingerprint",
-                    expect.fingerprint.to_string(),
-                    h.plan_fingerprint.clone(),
-                ),
-                ("rank", expect.rank.to_string(), h.rank.to_string()),
-                (
-                    "world_size",
-                    expect.world_size.to_string(),
-                    h.world_size.to_string(),
-                ),
-            ];
-            checks.into_iter().find(|(_, a, b)| a != b)
-        };
-        let foreign = |file: String, (field, expected, found): (&str, String, String)| {
-            CheckpointError::Foreign {
-                file,
-                field: field.into(),
-                expected,
-                found,
-            }
-        };
+        let identity = |h: &ShardHeader| identity(h, expect);
         for (i, (chunk, &want)) in bytes
             .chunks(block as usize)
             .zip(&rec.block_crc32c)
@@ -166,13 +177,6 @@ impl ShardFile {
             data,
             tensors,
         })
-    }
-
-    /// Tensor `name`, which must hold exactly `len` elements.
-    pub(crate) fn tensor(&self, name: &str, len: u64) -> Result<Vec<f32>> {
-        let mut v = vec![0.0; len as usize];
-        self.read_into(name, len, 0..len as usize, &mut v)?;
-        Ok(v)
     }
 
     /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.

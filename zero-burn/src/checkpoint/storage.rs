@@ -29,6 +29,42 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     fn exists(&self, path: &str) -> Result<bool>;
     /// The names in directory `dir`, sorted (empty when it does not exist).
     fn list(&self, dir: &str) -> Result<Vec<String>>;
+
+    /// Bytes `offset..offset + len` of `path`; `Ok(None)` when it does not exist, an error when
+    /// it is shorter. The default reads the whole file; a store that can seek reads only those.
+    fn read_range(&self, path: &str, offset: u64, len: u64) -> Result<Option<Vec<u8>>> {
+        let Some(bytes) = self.read(path)? else {
+            return Ok(None);
+        };
+        let end = offset.checked_add(len).filter(|&e| e <= bytes.len() as u64);
+        match end {
+            Some(end) => Ok(Some(bytes[offset as usize..end as usize].to_vec())),
+            None => Err(short(path, offset, len)),
+        }
+    }
+
+    /// Appends `bytes` to the file `path` (which [`Storage::write`] created). The default
+    /// rewrites the whole file; a store that can append writes only `bytes`.
+    fn append(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        let mut all = self.read(path)?.unwrap_or_default();
+        all.extend_from_slice(bytes);
+        self.write(path, &all)
+    }
+}
+
+/// The error for a ranged read past the end of `path`.
+fn short(path: &str, offset: u64, len: u64) -> Error {
+    Error::Storage {
+        op: "read",
+        path: path.into(),
+        source: io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "bytes {offset}..{} are past the end of the file",
+                offset + len
+            ),
+        ),
+    }
 }
 
 /// Joins a directory and a name (`""` is the root).
@@ -133,6 +169,33 @@ impl Storage for DirStorage {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io_err("read", &p, e)),
         }
+    }
+
+    fn read_range(&self, path: &str, offset: u64, len: u64) -> Result<Option<Vec<u8>>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let p = self.path(path)?;
+        let mut f = match fs::File::open(&p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err("open", &p, e)),
+        };
+        let mut buf = vec![0u8; usize::try_from(len).map_err(|_| short(path, offset, len))?];
+        f.seek(SeekFrom::Start(offset))
+            .map_err(|e| io_err("seek", &p, e))?;
+        match f.read_exact(&mut buf) {
+            Ok(()) => Ok(Some(buf)),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Err(short(path, offset, len)),
+            Err(e) => Err(io_err("read", &p, e)),
+        }
+    }
+
+    fn append(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        let p = self.path(path)?;
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .map_err(|e| io_err("open", &p, e))?;
+        f.write_all(bytes).map_err(|e| io_err("write", &p, e))
     }
 
     fn size(&self, path: &str) -> Result<Option<u64>> {
