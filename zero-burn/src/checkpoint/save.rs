@@ -6,10 +6,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use zero_comm::Communicator;
 use zero_core::checkpoint::{
     ClientState, FORMAT, FORMAT_VERSION, FileRecord, FrozenRecord, LatestPointer, Manifest,
-    ShardHeader, fingerprint,
+    ShardHeader, TensorRecord, fingerprint,
 };
 
-use super::storage::{Storage, put};
+use super::storage::{Storage, join, put};
 use super::{COMMIT, SaveReport, all_gather_bytes, engine_scalars, shard, status_bytes, statuses};
 use crate::error::{Error, Result};
 use crate::segmented::Segmented;
@@ -169,32 +169,68 @@ fn write_rank_file<C: Communicator, M: Segmented>(
     let plan = e.plan();
     let (rank, n) = (e.rank(), plan.world_size());
     store.create_dir(staging)?;
+    // The tensor table from the lengths alone, so the header goes first and the tensors stream
+    // after it, one at a time, with the block checksums computed on the way.
+    let units = plan.units().len();
+    let lens: Vec<[usize; 3]> = (0..units).map(|u| e.ckpt_unit_lens(u)).collect();
     let mut tensors = Vec::new();
-    for u in 0..plan.units().len() {
-        let [w, m, v] = e.ckpt_unit_state(u)?;
-        for (s, t) in [("w", w), ("m", m), ("v", v)] {
-            if !t.is_empty() {
-                tensors.push((shard::name(s, u), t));
+    let mut offset = 0u64;
+    for (u, l) in lens.iter().enumerate() {
+        for (s, &len) in ["w", "m", "v"].into_iter().zip(l) {
+            if len > 0 {
+                tensors.push(TensorRecord {
+                    name: shard::name(s, u),
+                    offset,
+                    len: len as u64,
+                });
+                offset += 4 * len as u64;
             }
         }
     }
-    let header = ShardHeader {
+    let head = ShardHeader {
         format_version: FORMAT_VERSION,
         save_id: save_id.into(),
         plan_fingerprint: fp.into(),
         rank,
         world_size: n,
-        tensors: Vec::new(),
-    };
-    let bytes = shard::encode(header, tensors);
+        tensors,
+    }
+    .encode();
     let name = Manifest::rank_file(rank, n);
-    put(store, staging, &name, &bytes)?;
+    // The crash-safe recipe of `put`, streamed: temp name, fsync, rename, fsync of the directory.
+    let tmp = join(staging, &format!("{name}.tmp"));
+    let mut sums = shard::BlockSums::new(shard::BLOCK);
+    store.write(&tmp, &head)?;
+    sums.feed(&head);
+    for (u, l) in lens.iter().enumerate() {
+        for (s, &len) in l.iter().enumerate() {
+            if len == 0 {
+                continue;
+            }
+            let t = e.ckpt_unit_state(u, s)?;
+            if t.len() != len {
+                return Err(Error::Internal(format!(
+                    "unit {u}'s saved state has {} elements, its record {len}",
+                    t.len()
+                )));
+            }
+            let mut bytes = Vec::with_capacity(4 * len);
+            for x in &t {
+                bytes.extend_from_slice(&x.to_le_bytes());
+            }
+            sums.feed(&bytes);
+            store.append(&tmp, &bytes)?;
+        }
+    }
+    store.sync_file(&tmp)?;
+    store.rename(&tmp, &join(staging, &name))?;
+    store.sync_dir(staging)?;
     Ok(FileRecord {
         path: name,
         rank,
-        bytes: bytes.len() as u64,
+        bytes: sums.total,
         block_size: shard::BLOCK,
-        block_crc32c: shard::block_crcs(&bytes, shard::BLOCK),
+        block_crc32c: sums.finish(),
     })
 }
 

@@ -3,41 +3,58 @@
 use std::collections::HashMap;
 
 use zero_core::CheckpointError;
-use zero_core::checkpoint::{FORMAT_VERSION, FileRecord, ShardHeader, TensorRecord};
+use zero_core::checkpoint::{FORMAT_VERSION, FileRecord, ShardHeader};
 
 use crate::error::Result;
 
 /// Bytes per checksum block.
 pub(crate) const BLOCK: u64 = 1 << 20;
 
-/// crc32c of every `block`-byte block of `bytes` (the last may be shorter).
-pub(crate) fn block_crcs(bytes: &[u8], block: u64) -> Vec<u32> {
-    bytes.chunks(block as usize).map(crc32c::crc32c).collect()
+/// The per-block crc32c of a byte stream fed in pieces: what [`block_crcs`] gives for the
+/// concatenation.
+pub(crate) struct BlockSums {
+    block: u64,
+    crcs: Vec<u32>,
+    cur: u32,
+    filled: u64,
+    /// Bytes fed so far.
+    pub(crate) total: u64,
 }
 
-/// Encodes the named f32 tensors behind `header` (whose `tensors` this fills in).
-pub(crate) fn encode(mut header: ShardHeader, tensors: Vec<(String, Vec<f32>)>) -> Vec<u8> {
-    let mut offset = 0u64;
-    header.tensors = tensors
-        .iter()
-        .map(|(name, t)| {
-            let r = TensorRecord {
-                name: name.clone(),
-                offset,
-                len: t.len() as u64,
-            };
-            offset += 4 * t.len() as u64;
-            r
-        })
-        .collect();
-    let mut out = header.encode();
-    out.reserve(offset as usize);
-    for (_, t) in &tensors {
-        for x in t {
-            out.extend_from_slice(&x.to_le_bytes());
+impl BlockSums {
+    pub(crate) fn new(block: u64) -> Self {
+        BlockSums {
+            block: block.max(1),
+            crcs: Vec::new(),
+            cur: 0,
+            filled: 0,
+            total: 0,
         }
     }
-    out
+
+    /// Feeds the next bytes of the stream.
+    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let room = (self.block - self.filled) as usize;
+            let (now, rest) = bytes.split_at(room.min(bytes.len()));
+            self.cur = crc32c::crc32c_append(self.cur, now);
+            self.filled += now.len() as u64;
+            self.total += now.len() as u64;
+            if self.filled == self.block {
+                self.crcs.push(self.cur);
+                (self.cur, self.filled) = (0, 0);
+            }
+            bytes = rest;
+        }
+    }
+
+    /// The crc32c of every block (the last may be shorter).
+    pub(crate) fn finish(mut self) -> Vec<u32> {
+        if self.filled > 0 {
+            self.crcs.push(self.cur);
+        }
+        self.crcs
+    }
 }
 
 /// What a verified rank file must carry.
@@ -249,4 +266,34 @@ impl ShardFile {
 /// The tensor name of `state` of unit `u`.
 pub(crate) fn name(state: &str, u: usize) -> String {
     format!("{state}/u{u:05}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// crc32c of every `block`-byte block of `bytes` (the last may be shorter).
+    fn block_crcs(bytes: &[u8], block: u64) -> Vec<u32> {
+        bytes.chunks(block as usize).map(crc32c::crc32c).collect()
+    }
+
+    #[test]
+    fn block_sums_fed_in_pieces_equal_the_whole_streams() {
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        for block in [1u64, 7, 64, 4096, 20_000] {
+            for cut in [1usize, 3, 100, 4095, 9_999] {
+                let mut s = BlockSums::new(block);
+                for piece in bytes.chunks(cut) {
+                    s.feed(piece);
+                }
+                assert_eq!(s.total, bytes.len() as u64);
+                assert_eq!(
+                    s.finish(),
+                    block_crcs(&bytes, block),
+                    "block {block}, cut {cut}"
+                );
+            }
+        }
+        assert!(BlockSums::new(8).finish().is_empty());
+    }
 }

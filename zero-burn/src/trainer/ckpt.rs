@@ -52,10 +52,21 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         &mut self.comms().world
     }
 
-    /// This rank's saved state of unit `u`: the real elements of its chunk of the fp32 weights
-    /// (the master in bf16/fp16; the widened 16-bit shard for a frozen stage-3 unit in
-    /// bf16/fp16), and of the optimizer's `m` and `v` (empty when absent or frozen).
-    pub(crate) fn ckpt_unit_state(&self, u: usize) -> Result<[Vec<f32>; 3]> {
+    /// The lengths of what [`Self::ckpt_unit_state`] returns for unit `u`, without copying it.
+    pub(crate) fn ckpt_unit_lens(&self, u: usize) -> [usize; 3] {
+        let real = self.plan.real_in_chunk(u, self.rank) as usize;
+        let state = |buf: &[f32]| match self.layout.opt_offset[u] {
+            Some(_) if !buf.is_empty() => real,
+            _ => 0,
+        };
+        [real, state(&self.opt.m), state(&self.opt.v)]
+    }
+
+    /// This rank's saved state `s` of unit `u` (0: weights, 1: `m`, 2: `v`): the real elements
+    /// of its chunk of the fp32 weights (the master in bf16/fp16; the widened 16-bit shard for a
+    /// frozen stage-3 unit in bf16/fp16), or of the optimizer's `m` or `v` (empty when absent or
+    /// frozen). One at a time, so a save holds one copy.
+    pub(crate) fn ckpt_unit_state(&self, u: usize, s: usize) -> Result<Vec<f32>> {
         let plan = &self.plan;
         let unit = &plan.units()[u];
         let c = plan.chunk_len(u) as usize;
@@ -63,22 +74,25 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let stage = plan.stage();
         // Start of this rank's chunk in the optimizer layout of the unit.
         let opt_at = |oo: usize| if stage == 0 { oo + self.rank * c } else { oo };
-        let w = match (self.layout.opt_offset[u], self.half) {
-            (Some(oo), Some(_)) => self.master[opt_at(oo)..opt_at(oo) + real].to_vec(),
-            _ if stage == 3 => {
-                let so = unit.shard_offset as usize;
-                match self.half {
-                    None => self.shard[so..so + real].to_vec(),
-                    Some(h) => h.widen_all(&self.shard16[so..so + real]),
-                }
-            }
-            _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
-        };
         let state = |buf: &[f32]| match self.layout.opt_offset[u] {
             Some(oo) if !buf.is_empty() => buf[opt_at(oo)..opt_at(oo) + real].to_vec(),
             _ => Vec::new(),
         };
-        Ok([w, state(&self.opt.m), state(&self.opt.v)])
+        Ok(match s {
+            1 => state(&self.opt.m),
+            2 => state(&self.opt.v),
+            _ => match (self.layout.opt_offset[u], self.half) {
+                (Some(oo), Some(_)) => self.master[opt_at(oo)..opt_at(oo) + real].to_vec(),
+                _ if stage == 3 => {
+                    let so = unit.shard_offset as usize;
+                    match self.half {
+                        None => self.shard[so..so + real].to_vec(),
+                        Some(h) => h.widen_all(&self.shard16[so..so + real]),
+                    }
+                }
+                _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
+            },
+        })
     }
 
     /// The parts of unit `u` (as element ranges of the unit) this rank needs back: the weights
