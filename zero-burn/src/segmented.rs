@@ -113,16 +113,20 @@ impl Activation for Infallible {
     }
 }
 
-/// The output of one segment: the next activation, or (last segment) the mean loss, shape `[1]`.
+/// The output of one segment: the next activation, or (last segment) the mean loss, shape `[1]`,
+/// with or without an output of the model's own (`O`, [`Segmented::Output`]: logits, predictions;
+/// returned by [`ZeroEngine::eval_output`](crate::ZeroEngine::eval_output), dropped in training).
 // Both variants hold tensors in practice (a burn tensor is 640 bytes); only a model without an
 // activation (`Infallible`) makes `Next` small, and that enum is never stored.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
-pub enum SegmentOut<A> {
+pub enum SegmentOut<A, O = ()> {
     /// The activation for the next segment.
     Next(A),
     /// The last segment's mean loss over its micro-batch, shape `[1]`.
     Loss(Tensor<1>),
+    /// The last segment's mean loss, shape `[1]`, and the model's output for the micro-batch.
+    LossAnd(Tensor<1>, O),
 }
 
 /// A burn module the engine can run segment by segment.
@@ -136,6 +140,9 @@ pub trait Segmented: Module + 'static {
     type Batch;
     /// What flows between segments ([`Infallible`] for a single segment).
     type Act: Activation;
+    /// What the last segment may return besides the loss ([`SegmentOut::LossAnd`]): logits for
+    /// an accuracy, predictions, anything a caller's evaluation needs; `()` for none.
+    type Output: Send + 'static;
 
     /// Number of segments (at least 1).
     fn num_segments(&self) -> usize;
@@ -144,13 +151,14 @@ pub trait Segmented: Module + 'static {
     fn visit_segment<V: ModuleVisitor>(&self, i: usize, visitor: &mut V);
 
     /// Runs segment `i`. Segment 0 receives `None` and reads the batch; the others receive the
-    /// previous segment's activation; the last returns [`SegmentOut::Loss`].
+    /// previous segment's activation; the last returns [`SegmentOut::Loss`] (or
+    /// [`SegmentOut::LossAnd`] with its output).
     fn forward_segment(
         &self,
         i: usize,
         batch: &Self::Batch,
         x: Option<Self::Act>,
-    ) -> SegmentOut<Self::Act>;
+    ) -> SegmentOut<Self::Act, Self::Output>;
 }
 
 /// Any burn module plus a loss closure, as a model of one segment: nothing to implement.
@@ -257,6 +265,7 @@ where
 {
     type Batch = B;
     type Act = Infallible;
+    type Output = ();
 
     fn num_segments(&self) -> usize {
         1

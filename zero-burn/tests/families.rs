@@ -144,6 +144,8 @@ impl Mlp {
 impl Segmented for Mlp {
     type Batch = PointBatch;
     type Act = Tensor<2>;
+    /// The logits, for an accuracy.
+    type Output = Tensor<2>;
 
     fn num_segments(&self) -> usize {
         3
@@ -162,11 +164,14 @@ impl Segmented for Mlp {
         i: usize,
         batch: &PointBatch,
         x: Option<Tensor<2>>,
-    ) -> SegmentOut<Tensor<2>> {
+    ) -> SegmentOut<Tensor<2>, Tensor<2>> {
         match (i, x) {
             (0, _) => SegmentOut::Next(relu(self.l1.forward(batch.x.clone()))),
             (1, Some(x)) => SegmentOut::Next(relu(self.l2.forward(x))),
-            (_, Some(x)) => SegmentOut::Loss(cross_entropy(self.head.forward(x), batch.y.clone())),
+            (_, Some(x)) => {
+                let logits = self.head.forward(x);
+                SegmentOut::LossAnd(cross_entropy(logits.clone(), batch.y.clone()), logits)
+            }
             (_, None) => unreachable!("the engine hands segments after the first their input"),
         }
     }
@@ -539,6 +544,59 @@ fn eval_is_the_forward_of_the_next_step() {
         .unwrap();
 }
 
+/// `eval_output` returns what the last segment returned besides the loss (the MLP's logits):
+/// bit-identical at stages 0 and 3 (hpZ on), equal to the plain forward of the consolidated
+/// model, with the loss `eval` gives.
+#[test]
+fn eval_output_returns_the_last_segment_s_output_at_every_stage() {
+    let model = Mlp::new(&Device::flex().autodiff());
+    let topo = topo();
+    let n = topo.world_size();
+    let items = points(2 * n * B);
+    let loader = loader(&items);
+    let mut per_stage = Vec::new();
+    for (stage, hpz) in [(0u8, 1usize), (3, 2)] {
+        let cfg = ZeroConfig {
+            stage,
+            hpz_partition_size: hpz,
+            ..Default::default()
+        };
+        let out = Launch::new(topo)
+            .run_with(&model, |comm, model| {
+                let rank = zero_comm::Communicator::rank(&comm);
+                let mut engine = ZeroEngine::builder(comm, model)
+                    .config(cfg.clone())
+                    .build()?;
+                let batches = rank_batches(loader.as_ref(), rank, n, 1);
+                engine.step(1e-2, &batches[0])?;
+                let b = &batches[1][0];
+                let (loss, logits) = engine.eval_output(b)?;
+                let logits = logits.expect("the MLP returns its logits");
+                assert_eq!(logits.dims(), [B, CLASSES]);
+                assert_eq!(loss.to_bits(), engine.eval(b)?.to_bits());
+                let m = engine.consolidated_model()?.valid();
+                let plain = m
+                    .head
+                    .forward(relu(m.l2.forward(relu(m.l1.forward(b.x.clone())))));
+                let got = logits.into_data().try_into_vec_as::<f32>().unwrap();
+                let want = plain.into_data().try_into_vec_as::<f32>().unwrap();
+                assert_eq!(
+                    bits(std::slice::from_ref(&got)),
+                    bits(&[want]),
+                    "rank {rank}, stage {stage}"
+                );
+                Ok(got)
+            })
+            .unwrap();
+        per_stage.push(out);
+    }
+    assert_eq!(
+        bits(&per_stage[0]),
+        bits(&per_stage[1]),
+        "stage 0 and stage 3 logits differ"
+    );
+}
+
 /// A model whose segments miss a parameter, or visit one twice, is refused at `build` with the
 /// parameter named.
 #[test]
@@ -553,6 +611,7 @@ fn segments_must_cover_every_parameter_once() {
     impl Segmented for Bad {
         type Batch = PointBatch;
         type Act = Tensor<2>;
+        type Output = ();
         fn num_segments(&self) -> usize {
             2
         }

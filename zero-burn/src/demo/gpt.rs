@@ -101,6 +101,7 @@ impl Block {
 impl Segmented for Gpt {
     type Batch = TokenBatch;
     type Act = Tensor<3>;
+    type Output = ();
 
     /// The embeddings, each block, and the head with the loss.
     fn num_segments(&self) -> usize {

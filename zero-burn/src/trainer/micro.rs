@@ -43,7 +43,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if !plan.config().recompute() {
             return self.micro_step_one_graph(exec, batch, scale, max_reduces);
         }
-        let (loss, acts) = self.forward(exec, batch)?;
+        let (loss, acts, _) = self.forward(exec, batch)?;
         // Backward, recomputing each segment.
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
             (0..plan.units().len()).map(|_| None).collect();
@@ -54,7 +54,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
             let x = (i > 0).then(|| acts[i - 1].leaf());
             let surrogate = match (self.model.forward_segment(i, batch, x.clone()), &grad_out) {
-                (SegmentOut::Loss(l), None) => l.mul_scalar(scale).sum(),
+                (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), None) => {
+                    l.mul_scalar(scale).sum()
+                }
                 (SegmentOut::Next(y), Some(g)) => y.dot(g),
                 (_, g) => return Err(crate::segmented::wrong_output(i, segments, g.is_none())),
             };
@@ -119,7 +121,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.model.forward_segment(i, batch, x.take()),
                 i + 1 == segments,
             ) {
-                (SegmentOut::Loss(l), true) => loss = Some(l),
+                (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), true) => loss = Some(l),
                 (SegmentOut::Next(y), false) => x = Some(y),
                 (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
             }
@@ -150,11 +152,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         &mut self,
         exec: &mut Exec<C, Ticket>,
         batch: &M::Batch,
-    ) -> Result<(f32, Vec<M::Act>)> {
+    ) -> Result<Forward<M>> {
         let stage3 = self.plan.stage() == 3;
         let segments = self.model.num_segments();
         let mut acts: Vec<M::Act> = Vec::with_capacity(segments);
         let mut loss = 0.0f32;
+        let mut output = None;
         for i in 0..segments {
             if stage3 {
                 self.gather_segment(exec, i, false)?;
@@ -167,6 +170,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 i + 1 == segments,
             ) {
                 (SegmentOut::Loss(l), true) => loss = crate::segmented::loss_value(l)?,
+                (SegmentOut::LossAnd(l, o), true) => {
+                    loss = crate::segmented::loss_value(l)?;
+                    output = Some(o);
+                }
                 (SegmentOut::Next(y), false) => acts.push(y),
                 (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
             }
@@ -174,7 +181,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.release_segment(i);
             }
         }
-        Ok((loss, acts))
+        Ok((loss, acts, output))
     }
 
     /// Submits the reduction of unit `u`'s gradients `g` of this micro-step (stage 0: an
@@ -433,3 +440,11 @@ fn reductions_in_flight<C: Communicator>(exec: &Exec<C, Ticket>) -> (usize, u64)
         })
         .fold((0, 0), |(n, b), x| (n + 1, b + x))
 }
+
+/// What the forward pass keeps: the loss, the activations between segments, and the last
+/// segment's output when it returned one.
+type Forward<M> = (
+    f32,
+    Vec<<M as Segmented>::Act>,
+    Option<<M as Segmented>::Output>,
+);

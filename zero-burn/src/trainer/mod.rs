@@ -288,9 +288,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// no optimizer state touched (stage 3 gathers each segment's units and releases them). Its
     /// traffic is booked as [`Self::other_traffic`]. Collective at stage 3: every rank must call it.
     pub fn eval(&mut self, batch: &M::Batch) -> Result<f32> {
+        self.eval_output(batch).map(|(loss, _)| loss)
+    }
+
+    /// [`Self::eval`] with the model's output for `batch` (what its last segment returned with
+    /// [`SegmentOut::LossAnd`](crate::SegmentOut::LossAnd); `None` when it returned only the
+    /// loss), computed without autodiff: logits for an accuracy, predictions for a metric.
+    pub fn eval_output(&mut self, batch: &M::Batch) -> Result<(f32, Option<M::Output>)> {
         self.untracked(|e| {
             let r = e.with_exec(false, |e, exec| {
-                e.forward(exec, batch).map(|(loss, _)| loss)
+                e.forward(exec, batch).map(|(loss, _, out)| (loss, out))
             });
             // Nothing of an eval's gathers outlives it: no hpZ secondary (kept for a backward).
             e.secondary.iter_mut().for_each(|s| *s = None);
