@@ -50,14 +50,14 @@ pub(crate) struct Comms<C: Communicator> {
 /// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns), in host memory; or f32 in the
 /// communicator's memory (`B`, its buffer type).
 #[derive(Debug)]
-pub(crate) enum Words<B> {
+pub(crate) enum Elems<B> {
     F32(Vec<f32>),
     U16(Vec<u16>),
     Device(B),
 }
 
 /// A job's result on communicator `C`.
-pub(crate) type Out<C> = Words<<C as Communicator>::Buffer<f32>>;
+pub(crate) type Out<C> = Elems<<C as Communicator>::Buffer<f32>>;
 
 /// One collective.
 pub(crate) enum Job<C: Communicator> {
@@ -112,11 +112,11 @@ impl<C: Communicator> Comms<C> {
                     (true, Some(_), None) => return Err(no_device_codec("qwZ")),
                     _ => comm.all_gather(&send, &mut full)?,
                 }
-                Ok(Words::Device(full))
+                Ok(Elems::Device(full))
             }
             Job::AllReduceDevice { mut data, op } => {
                 self.world.all_reduce(&mut data, op)?;
-                Ok(Words::F32(self.world.download_vec(&data)?))
+                Ok(Elems::F32(self.world.download_vec(&data)?))
             }
             Job::ReduceScatterDevice { data, op, qgz } => {
                 let n = self.world.world_size();
@@ -128,18 +128,18 @@ impl<C: Communicator> Comms<C> {
                     (true, Some(_), Some(_), None) => return Err(no_device_codec("qgZ")),
                     _ => self.world.reduce_scatter(&data, &mut out, op)?,
                 }
-                Ok(Words::F32(self.world.download_vec(&out)?))
+                Ok(Elems::F32(self.world.download_vec(&out)?))
             }
             Job::AllReduce { data, op } => match (data, self.half) {
-                (Words::F32(mut g), _) => {
+                (Elems::F32(mut g), _) => {
                     self.world.all_reduce_host(&mut g, op)?;
-                    Ok(Words::F32(g))
+                    Ok(Elems::F32(g))
                 }
-                (Words::U16(mut g), Some(h)) => {
+                (Elems::U16(mut g), Some(h)) => {
                     h.all_reduce(&mut self.world, &mut g, op)?;
-                    Ok(Words::U16(g))
+                    Ok(Elems::U16(g))
                 }
-                (Words::U16(_), None) | (Words::Device(_), _) => Err(mixed()),
+                (Elems::U16(_), None) | (Elems::Device(_), _) => Err(mixed()),
             },
             Job::ReduceScatter { data, op, qgz } => {
                 let quant = match (qgz, &mut self.qgroups, &self.qgz) {
@@ -147,16 +147,16 @@ impl<C: Communicator> Comms<C> {
                     _ => None,
                 };
                 match (data, self.half, quant) {
-                    (Words::F32(g), _, Some((groups, codec))) => {
+                    (Elems::F32(g), _, Some((groups, codec))) => {
                         let mut chunk = vec![0.0f32; g.len() / self.world.world_size()];
                         qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qgz_scratch)?;
-                        Ok(Words::F32(chunk))
+                        Ok(Elems::F32(chunk))
                     }
-                    (Words::F32(g), _, None) => {
-                        Ok(Words::F32(self.world.reduce_scatter_host(&g, op)?))
+                    (Elems::F32(g), _, None) => {
+                        Ok(Elems::F32(self.world.reduce_scatter_host(&g, op)?))
                     }
                     // qgZ quantizes the 16-bit gradient (widened) and dequantizes into f32.
-                    (Words::U16(g), Some(h), Some((groups, codec))) => {
+                    (Elems::U16(g), Some(h), Some((groups, codec))) => {
                         let mut chunk = vec![0.0f32; g.len() / self.world.world_size()];
                         qgz_reduce_scatter(
                             groups,
@@ -165,12 +165,12 @@ impl<C: Communicator> Comms<C> {
                             &mut chunk,
                             &mut self.qgz_scratch,
                         )?;
-                        Ok(Words::U16(h.round_all(&chunk)))
+                        Ok(Elems::U16(h.round_all(&chunk)))
                     }
-                    (Words::U16(g), Some(h), None) => {
-                        Ok(Words::U16(h.reduce_scatter(&mut self.world, &g, op)?))
+                    (Elems::U16(g), Some(h), None) => {
+                        Ok(Elems::U16(h.reduce_scatter(&mut self.world, &g, op)?))
                     }
-                    (Words::U16(_), None, _) | (Words::Device(_), _, _) => Err(mixed()),
+                    (Elems::U16(_), None, _) | (Elems::Device(_), _, _) => Err(mixed()),
                 }
             }
             Job::Gather { piece, hpz } => {
@@ -179,21 +179,21 @@ impl<C: Communicator> Comms<C> {
                     _ => &mut self.world,
                 };
                 match (piece, self.half, &self.qwz) {
-                    (Words::F32(p), _, Some(codec)) => {
+                    (Elems::F32(p), _, Some(codec)) => {
                         let mut full = vec![0.0f32; p.len() * comm.world_size()];
                         qwz_all_gather(comm, codec, &p, &mut full, &mut self.qwz_scratch)?;
-                        Ok(Words::F32(full))
+                        Ok(Elems::F32(full))
                     }
-                    (Words::F32(p), _, None) => Ok(Words::F32(comm.all_gather_host(&p)?)),
+                    (Elems::F32(p), _, None) => Ok(Elems::F32(comm.all_gather_host(&p)?)),
                     // qwZ on 16-bit weights: widened, int8 on the wire, rounded back.
-                    (Words::U16(p), Some(h), Some(codec)) => {
+                    (Elems::U16(p), Some(h), Some(codec)) => {
                         let p = h.widen_all(&p);
                         let mut full = vec![0.0f32; p.len() * comm.world_size()];
                         qwz_all_gather(comm, codec, &p, &mut full, &mut self.qwz_scratch)?;
-                        Ok(Words::U16(h.round_all(&full)))
+                        Ok(Elems::U16(h.round_all(&full)))
                     }
-                    (Words::U16(p), Some(h), None) => Ok(Words::U16(h.all_gather(comm, &p)?)),
-                    (Words::U16(_), None, _) | (Words::Device(_), _, _) => Err(mixed()),
+                    (Elems::U16(p), Some(h), None) => Ok(Elems::U16(h.all_gather(comm, &p)?)),
+                    (Elems::U16(_), None, _) | (Elems::Device(_), _, _) => Err(mixed()),
                 }
             }
         }
@@ -391,7 +391,7 @@ mod tests {
                     }
                     exec.submit(
                         Job::AllReduce {
-                            data: Words::F32(vec![rank as f32 + 1.0; 5]),
+                            data: Elems::F32(vec![rank as f32 + 1.0; 5]),
                             op: ReduceOp::Sum,
                         },
                         "the all-reduce",
@@ -399,7 +399,7 @@ mod tests {
                     submitted.store(true, Ordering::SeqCst);
                     assert_eq!(exec.in_flight().count(), 1);
                     match exec.next()? {
-                        Some(("the all-reduce", Words::F32(v))) => Ok(v),
+                        Some(("the all-reduce", Elems::F32(v))) => Ok(v),
                         _ => Err(mixed()),
                     }
                 });

@@ -31,7 +31,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
         }
         let device: Vec<bool> = (0..plan.units().len())
-            .map(|u| self.device_unit(u))
+            .map(|u| self.packs_grads_on_device(u))
             .collect();
         let hook = self.device_tensors.as_deref();
         let mut failed = None;

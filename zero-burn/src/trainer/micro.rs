@@ -6,7 +6,7 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::UnitKind;
 
 use super::{Pending, Ticket, ZeroEngine};
-use crate::comms::{Exec, Job, Words};
+use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::reduction::Reduction;
 use crate::segmented::{Activation, SegmentOut, Segmented};
@@ -245,21 +245,21 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 return Ok(());
             }
             match self.half {
-                None => Words::F32(self.acc[off..off + len].to_vec()),
-                Some(h) if self.acc32 => Words::U16(h.round_all(&self.acc[off..off + len])),
-                Some(_) => Words::U16(self.acc16[off..off + len].to_vec()),
+                None => Elems::F32(self.acc[off..off + len].to_vec()),
+                Some(h) if self.acc32 => Elems::U16(h.round_all(&self.acc[off..off + len])),
+                Some(_) => Elems::U16(self.acc16[off..off + len].to_vec()),
             }
         } else {
             match self.half {
-                None => Words::F32(g),
-                Some(h) => Words::U16(h.round_all(&g)),
+                None => Elems::F32(g),
+                Some(h) => Elems::U16(h.round_all(&g)),
             }
         };
         // The gradient buffer in reduction, as allocated.
         let bytes = match &data {
-            Words::F32(v) => v.capacity() as u64 * 4,
-            Words::U16(v) => v.capacity() as u64 * 2,
-            Words::Device(_) => len as u64 * 4,
+            Elems::F32(v) => v.capacity() as u64 * 4,
+            Elems::U16(v) => v.capacity() as u64 * 2,
+            Elems::Device(_) => len as u64 * 4,
         };
         self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
         let job = if stage == 0 {
@@ -291,9 +291,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         match ticket {
             Ticket::Gather { u, backward } => self.install(u, backward, words)?,
             Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
-                (Words::F32(r), _) if overwrite => self.acc[off..off + r.len()].copy_from_slice(&r),
-                (Words::F32(r), _) => self.accumulate(off, r),
-                (Words::U16(r), Some(h)) if self.acc32 => {
+                (Elems::F32(r), _) if overwrite => self.acc[off..off + r.len()].copy_from_slice(&r),
+                (Elems::F32(r), _) => self.accumulate(off, r),
+                (Elems::U16(r), Some(h)) if self.acc32 => {
                     let acc = &mut self.acc[off..off + r.len()];
                     for (a, &b) in acc.iter_mut().zip(&r) {
                         *a = if overwrite {
@@ -303,12 +303,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         };
                     }
                 }
-                (Words::U16(r), _) if overwrite => {
+                (Elems::U16(r), _) if overwrite => {
                     self.acc16[off..off + r.len()].copy_from_slice(&r)
                 }
-                (Words::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
-                (Words::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
-                (Words::Device(_), _) => {
+                (Elems::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
+                (Elems::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
+                (Elems::Device(_), _) => {
                     unreachable!("reductions download the rank's chunk")
                 }
             },
@@ -350,17 +350,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let so = unit.shard_offset as usize;
         let hpz = backward && (self.secondary[u].is_some() || self.secondary16[u].is_some());
         let piece = match (self.half, hpz) {
-            (None, true) => Words::F32(self.secondary[u].clone().unwrap_or_default()),
-            (None, false) => Words::F32(self.shard[so..so + cl].to_vec()),
-            (Some(_), true) => Words::U16(self.secondary16[u].clone().unwrap_or_default()),
-            (Some(_), false) => Words::U16(self.shard16[so..so + cl].to_vec()),
+            (None, true) => Elems::F32(self.secondary[u].clone().unwrap_or_default()),
+            (None, false) => Elems::F32(self.shard[so..so + cl].to_vec()),
+            (Some(_), true) => Elems::U16(self.secondary16[u].clone().unwrap_or_default()),
+            (Some(_), false) => Elems::U16(self.shard16[so..so + cl].to_vec()),
         };
         // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
         // from there.
         let device = self.device_tensors.is_some()
             && (self.device_quant || !plan.config().quantized_weights);
         let job = match piece {
-            Words::F32(piece) if device => Job::GatherDevice {
+            Elems::F32(piece) if device => Job::GatherDevice {
                 piece,
                 hpz,
                 qwz: true,

@@ -217,7 +217,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
-    fn device_unit(&self, u: usize) -> bool {
+    fn packs_grads_on_device(&self, u: usize) -> bool {
         let plan = &self.plan;
         let c = plan.config();
         self.device_tensors.is_some()

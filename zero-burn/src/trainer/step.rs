@@ -19,7 +19,7 @@ use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
 use super::{HOME, ZeroEngine};
-use crate::comms::Words;
+use crate::comms::Elems;
 use crate::error::{Error, Result};
 use crate::optim;
 use crate::params;
@@ -36,7 +36,7 @@ enum Publish<B> {
     /// The rank's updated 16-bit chunk, all-gathered (stages 1–2 in bf16/fp16).
     Gather16(Half, Vec<u16>),
     /// Already gathered into the communicator's memory.
-    Gathered(Words<B>),
+    Gathered(Elems<B>),
     /// Updated in place in the stage-3 shard.
     InPlace,
 }
@@ -225,12 +225,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 p => p,
             };
             match publish {
-                Publish::Write(full) | Publish::Gathered(Words::F32(full)) => {
+                Publish::Write(full) | Publish::Gathered(Elems::F32(full)) => {
                     self.unit_values(u, &full, &mut values);
                 }
-                Publish::Gathered(Words::Device(buf)) => self.install_tensors(u, &buf)?,
+                Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
                 Publish::InPlace => {}
-                Publish::Gathered(Words::U16(_)) | Publish::Gather(_) | Publish::Gather16(..) => {
+                Publish::Gathered(Elems::U16(_)) | Publish::Gather(_) | Publish::Gather16(..) => {
                     return Err(Error::Internal(
                         "a post-step gather returned 16-bit or ungathered elements".into(),
                     ));

@@ -6,7 +6,7 @@ use burn::module::ParamId;
 use zero_comm::Communicator;
 
 use super::{HOME, ZeroEngine};
-use crate::comms::{Job, Out, Words};
+use crate::comms::{Elems, Job, Out};
 use crate::device::DeviceTensors;
 use crate::error::{Error, Result};
 use crate::params;
@@ -111,7 +111,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         &mut self,
         u: usize,
         backward: bool,
-        full: Words<C::Buffer<f32>>,
+        full: Elems<C::Buffer<f32>>,
     ) -> Result<()> {
         let plan = self.plan.clone();
         let len = plan.units()[u].len as usize;
@@ -122,25 +122,25 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         });
         // The buffer the unit arrived in, as allocated (the device path's is sized by the hook).
         let bytes = match &full {
-            Words::F32(v) => v.capacity() as u64 * 4,
-            Words::U16(v) => v.capacity() as u64 * 2,
-            Words::Device(_) => len as u64 * 4,
+            Elems::F32(v) => v.capacity() as u64 * 4,
+            Elems::U16(v) => v.capacity() as u64 * 2,
+            Elems::Device(_) => len as u64 * 4,
         };
         match (full, self.half) {
-            (Words::Device(buf), _) => self.install_device(u, &buf, slice)?,
-            (Words::F32(full), _) => {
+            (Elems::Device(buf), _) => self.install_device(u, &buf, slice)?,
+            (Elems::F32(full), _) => {
                 if let Some(r) = slice {
                     self.secondary[u] = Some(full[r].to_vec());
                 }
                 self.write_unit(u, &full);
             }
-            (Words::U16(full), Some(h)) => {
+            (Elems::U16(full), Some(h)) => {
                 if let Some(r) = slice {
                     self.secondary16[u] = Some(full[r].to_vec());
                 }
                 self.write_unit(u, &h.widen_all(&full));
             }
-            (Words::U16(_), None) => unreachable!("fp32 trainers gather f32 weights"),
+            (Elems::U16(_), None) => unreachable!("fp32 trainers gather f32 weights"),
         }
         self.fetching[u] = false;
         self.gathered[u] = true;
@@ -205,7 +205,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 qwz: false,
             })
         } else {
-            Ok(Words::F32(comms.world.all_gather_host(&piece)?))
+            Ok(Elems::F32(comms.world.all_gather_host(&piece)?))
         }
     }
 
