@@ -14,7 +14,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use zero_comm::host::HostWorld;
+use zero_comm::host::{HostWorld, probe};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::Topology;
 
@@ -180,8 +180,45 @@ fn main() {
             );
         }
     }
+    host_path_probe();
     #[cfg(feature = "mpi")]
     mpi::run(mib, iters, copy_bw);
     #[cfg(feature = "wgpu")]
     wgpu_loopback::run(mib, iters);
+}
+
+/// The trainer's path on the default job's topology (4 ranks as 2 nodes of 2): medians of
+/// `all_gather_host` over the world and over both node pairs at once, of 0 B and 1 MiB
+/// ([`probe::all_gather_medians`], what `simulate --validate-host` measures in-process), and the
+/// α-β values of the simulator's `host-loopback` cluster fitted to them (α_node = base + h,
+/// α_world = base + 3h; B = f·S / (t_S − t_0) with f = (n−1)/n).
+fn host_path_probe() {
+    let reps = env("ZERO_COMM_BENCH_PROBE_REPS", 200);
+    let topo = Topology::new(4, 2).unwrap();
+    let m = probe::all_gather_medians(topo, 1 << 20, reps, Duration::from_secs(600)).unwrap();
+    let us = |s: f64| s * 1e6;
+    println!();
+    println!("host path probe: all_gather_host, 4 ranks as 2 x 2, median of {reps}, rank 0 (µs)");
+    println!("| group | 0 B | 1 MiB |");
+    println!("|---|---|---|");
+    println!(
+        "| world (4) | {:.1} | {:.1} |",
+        us(m.world_empty),
+        us(m.world_full)
+    );
+    println!(
+        "| both node pairs at once | {:.1} | {:.1} |",
+        us(m.node_empty),
+        us(m.node_full)
+    );
+    let h = ((m.world_empty - m.node_empty) / 2.0).clamp(0.0, m.node_empty);
+    let s = m.bytes as f64;
+    println!(
+        "host-loopback.toml: base_us = {:.1}, intra_hop_us = inter_hop_us = {:.1}, \
+         inter nic_gbps = {:.1}, intra gbytes_per_s = {:.2}",
+        us(m.node_empty - h),
+        us(h),
+        0.75 * s / (m.world_full - m.world_empty) * 8.0 / 1e9,
+        0.5 * s / (m.node_full - m.node_empty) / 1e9
+    );
 }

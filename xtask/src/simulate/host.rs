@@ -14,7 +14,7 @@ use anyhow::{Context, bail};
 use burn::tensor::Device;
 use zero_burn::demo::gpt::GptConfig;
 use zero_burn::demo::job::JobConfig;
-use zero_comm::host::HostWorld;
+use zero_comm::host::{HostWorld, probe};
 use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_all_gather};
 use zero_comm::{Communicator, ReduceOp};
 use zero_core::comm_model::{GroupKind, Payload, Phase};
@@ -142,36 +142,24 @@ pub(crate) fn validate(cluster: &Cluster, steps: usize, json: bool) -> anyhow::R
 /// codec fractions read as GB/s).
 fn calibrate(base: &Cluster, topo: Topology, reps: usize) -> anyhow::Result<Cluster> {
     const S: usize = 1 << 18;
+    let ag = probe::all_gather_medians(topo, S * 4, reps, Duration::from_secs(120))
+        .context("the calibration's collectives")?;
     let (q8, q4) = (Int8Block::default(), Int4Block::default());
+    // The codecs on every rank thread at once, as in a step.
     let results = HostWorld::new(topo, Duration::from_secs(120)).launch(|mut world| {
-        let rank = world.global_rank();
-        let mut pair = world.split(rank / topo.ranks_per_node(), rank)?;
-        let (n, k) = (world.world_size(), pair.world_size());
         let data: Vec<f32> = (0..S).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut wire8 = vec![0u8; q8.encoded_len(S)];
         let mut wire4 = vec![0u8; q4.encoded_len(S)];
         let mut out = vec![0f32; S];
-        let mut t: Vec<Vec<f64>> = (0..8).map(|_| Vec::with_capacity(reps)).collect();
+        let mut t: Vec<Vec<f64>> = (0..4).map(|_| Vec::with_capacity(reps)).collect();
         for _ in 0..reps {
-            for (i, len) in [(0, 0), (1, S / n)] {
-                world.barrier()?;
-                let s = Instant::now();
-                world.all_gather_host(&data[..len])?;
-                t[i].push(s.elapsed().as_secs_f64());
-            }
-            for (i, len) in [(2, 0), (3, S / k)] {
-                world.barrier()?;
-                let s = Instant::now();
-                pair.all_gather_host(&data[..len])?;
-                t[i].push(s.elapsed().as_secs_f64());
-            }
-            for (i, ti) in t.iter_mut().enumerate().skip(4) {
+            for (i, ti) in t.iter_mut().enumerate() {
                 world.barrier()?;
                 let s = Instant::now();
                 let r = match i {
-                    4 => q8.encode(&data, &mut wire8),
-                    5 => q8.decode(&wire8, &mut out),
-                    6 => q4.encode(&data, &mut wire4),
+                    0 => q8.encode(&data, &mut wire8),
+                    1 => q8.decode(&wire8, &mut out),
+                    2 => q4.encode(&data, &mut wire4),
                     _ => q4.decode(&wire4, &mut out),
                 };
                 ti.push(s.elapsed().as_secs_f64());
@@ -187,7 +175,7 @@ fn calibrate(base: &Cluster, topo: Topology, reps: usize) -> anyhow::Result<Clus
         .next()
         .expect("rank 0")
         .map_err(|_| anyhow::anyhow!("rank 0 panicked in the calibration"))?
-        .context("the calibration's collectives")?
+        .context("the calibration's codecs")?
         .map_err(|e| anyhow::anyhow!("the calibration's codecs: {e}"))?;
     let med: Vec<f64> = t
         .iter_mut()
@@ -197,25 +185,36 @@ fn calibrate(base: &Cluster, topo: Topology, reps: usize) -> anyhow::Result<Clus
         })
         .collect();
     let bytes = (S * 4) as f64;
-    let (n, k) = (topo.world_size() as f64, topo.ranks_per_node() as f64);
-    let h = ((med[0] - med[2]) / 2.0).max(0.0);
-    let mut c = base.clone();
+    let mut c = fit(base, topo, &ag);
     c.name = "host-loopback (in-process calibration)".into();
+    c.gpu.hbm_gbytes_per_s = 1.0;
+    c.codec.int8_encode = bytes / med[0] / 1e9;
+    c.codec.int8_decode = bytes / med[1] / 1e9;
+    c.codec.int4_encode = bytes / med[2] / 1e9;
+    c.codec.int4_decode = bytes / med[3] / 1e9;
+    Ok(c.validated()?)
+}
+
+/// The α-β fit of `base` to the probe's medians, with `f = (n−1)/n`: α_node = base + h,
+/// α_world = base + 3h (2 intra hops, 1 inter); B_node = f₄·S / (t_world − α_world) for the
+/// world's link; B_intra = f₂·S / (t_node − α_node).
+pub(crate) fn fit(base: &Cluster, topo: Topology, ag: &probe::AllGatherMedians) -> Cluster {
+    let bytes = ag.bytes as f64;
+    let (n, k) = (topo.world_size() as f64, topo.ranks_per_node() as f64);
+    // A hop costs at most the whole node latency (base ≥ 0): under load the world's latency can
+    // exceed three node latencies, and then the node's is kept exact.
+    let h = ((ag.world_empty - ag.node_empty) / 2.0).clamp(0.0, ag.node_empty);
+    let mut c = base.clone();
     c.protocols.truncate(1);
-    c.protocols[0].base_us = (med[2] - h) * 1e6;
+    c.protocols[0].base_us = (ag.node_empty - h) * 1e6;
     c.protocols[0].intra_hop_us = h * 1e6;
     c.protocols[0].inter_hop_us = h * 1e6;
     c.inter.nics_per_node = 1;
     c.inter.efficiency = 1.0;
-    c.inter.nic_gbps = (n - 1.0) / n * bytes / (med[1] - med[0]) * 8.0 / 1e9;
+    c.inter.nic_gbps = (n - 1.0) / n * bytes / (ag.world_full - ag.world_empty) * 8.0 / 1e9;
     c.intra.efficiency = 1.0;
-    c.intra.gbytes_per_s = (k - 1.0) / k * bytes / (med[3] - med[2]) / 1e9;
-    c.gpu.hbm_gbytes_per_s = 1.0;
-    c.codec.int8_encode = bytes / med[4] / 1e9;
-    c.codec.int8_decode = bytes / med[5] / 1e9;
-    c.codec.int4_encode = bytes / med[6] / 1e9;
-    c.codec.int4_decode = bytes / med[7] / 1e9;
-    Ok(c.validated()?)
+    c.intra.gbytes_per_s = (k - 1.0) / k * bytes / (ag.node_full - ag.node_empty) / 1e9;
+    c
 }
 
 /// Replays `plan`'s schedule `steps + 1` times (the first is a warm-up) and returns rank 0's

@@ -38,6 +38,7 @@
 
 pub(crate) mod kernels;
 pub(crate) mod loopback;
+pub mod probe;
 pub(crate) mod rendezvous;
 
 use std::cell::Cell;
