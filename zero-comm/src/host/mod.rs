@@ -335,6 +335,29 @@ impl Loopback for HostComm {
     }
 }
 
+/// The host-slice collectives of a communicator whose buffers are [`HostBuffer`]s, without the
+/// trait's copy out: the output buffer is host memory already, so it is returned as it is (one
+/// allocation and one pass over the output fewer per call than `download_vec`).
+macro_rules! host_buffer_paths {
+    () => {
+        fn all_gather_host<E: Element>(&mut self, send: &[E]) -> Result<Vec<E>> {
+            let s = self.upload(send)?;
+            let mut r = self.alloc(send.len() * self.world_size())?;
+            self.all_gather(&s, &mut r)?;
+            Ok(r.into_vec())
+        }
+
+        fn reduce_scatter_host<E: Element>(&mut self, send: &[E], op: ReduceOp) -> Result<Vec<E>> {
+            let s = self.upload(send)?;
+            let mut r = self.alloc(send.len() / self.world_size())?;
+            self.reduce_scatter(&s, &mut r, op)?;
+            Ok(r.into_vec())
+        }
+    };
+}
+#[cfg_attr(not(feature = "mpi"), allow(unused_imports))]
+pub(crate) use host_buffer_paths;
+
 impl Communicator for HostComm {
     type Buffer<E: Element> = HostBuffer<E>;
 
@@ -380,22 +403,7 @@ impl Communicator for HostComm {
         buf.len()
     }
 
-    /// The trait's path without the copy out: the output buffer is host memory already, so it is
-    /// returned as it is (one allocation and one pass over the output fewer per call).
-    fn all_gather_host<E: Element>(&mut self, send: &[E]) -> Result<Vec<E>> {
-        let s = self.upload(send)?;
-        let mut r = self.alloc(send.len() * self.world_size())?;
-        self.all_gather(&s, &mut r)?;
-        Ok(r.into_vec())
-    }
-
-    /// Like [`Self::all_gather_host`]: the reduced chunk is returned without a copy.
-    fn reduce_scatter_host<E: Element>(&mut self, send: &[E], op: ReduceOp) -> Result<Vec<E>> {
-        let s = self.upload(send)?;
-        let mut r = self.alloc(send.len() / self.world_size())?;
-        self.reduce_scatter(&s, &mut r, op)?;
-        Ok(r.into_vec())
-    }
+    host_buffer_paths!();
 
     fn all_gather<E: Element>(
         &mut self,

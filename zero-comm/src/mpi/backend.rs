@@ -471,6 +471,8 @@ impl Communicator for MpiComm {
         buf.len()
     }
 
+    crate::host::host_buffer_paths!();
+
     fn all_gather<E: Element>(
         &mut self,
         send: &HostBuffer<E>,
