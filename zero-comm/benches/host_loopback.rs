@@ -190,8 +190,8 @@ fn main() {
 /// The trainer's path on the default job's topology (4 ranks as 2 nodes of 2): medians of
 /// `all_gather_host` over the world and over both node pairs at once, of 0 B and 1 MiB
 /// ([`probe::all_gather_medians`], what `simulate --validate-host` measures in-process), and the
-/// α-β values of the simulator's `host-loopback` cluster fitted to them (α_node = base + h,
-/// α_world = base + 3h; B = f·S / (t_S − t_0) with f = (n−1)/n).
+/// α-β values of the simulator's `host-loopback` cluster fitted to them
+/// ([`probe::AllGatherMedians::fit`]).
 fn host_path_probe() {
     let reps = env("ZERO_COMM_BENCH_PROBE_REPS", 200);
     let topo = Topology::new(4, 2).unwrap();
@@ -211,14 +211,13 @@ fn host_path_probe() {
         us(m.node_empty),
         us(m.node_full)
     );
-    let h = ((m.world_empty - m.node_empty) / 2.0).clamp(0.0, m.node_empty);
-    let s = m.bytes as f64;
+    let f = m.fit(topo);
     println!(
         "host-loopback.toml: base_us = {:.1}, intra_hop_us = inter_hop_us = {:.1}, \
          inter nic_gbps = {:.1}, intra gbytes_per_s = {:.2}",
-        us(m.node_empty - h),
-        us(h),
-        0.75 * s / (m.world_full - m.world_empty) * 8.0 / 1e9,
-        0.5 * s / (m.node_full - m.node_empty) / 1e9
+        f.base_us,
+        f.hop_us,
+        f.world_bytes_per_s * 8.0 / 1e9,
+        f.node_bytes_per_s / 1e9
     );
 }

@@ -133,13 +133,10 @@ pub(crate) fn validate(cluster: &Cluster, steps: usize, json: bool) -> anyhow::R
     Ok(())
 }
 
-/// Calibrates the host loopback in-process, on the job's topology: median times (over `reps`)
-/// of plain all-gathers through `all_gather_host` (the trainer's path: upload, gather,
-/// download) over the world and over both node pairs at once, of 0 B and 1 MiB buffers, and of
-/// the codecs on every rank thread at once (1 MiB of f32). Fits, with `f = (n−1)/n`:
-/// α_pair = base + h, α_world = base + 3h (2 intra hops, 1 inter); B_node = f₄·S / (t_world −
-/// α_world); B_intra = f₂·S / (t_pair − α_pair); codec rates S / t (HBM set to 1 GB/s so the
-/// codec fractions read as GB/s).
+/// Calibrates the host loopback in-process, on the job's topology: zero-comm's probe of the
+/// trainer's path (`probe::all_gather_medians`: 0 B and 1 MiB over the world and over both node
+/// pairs at once) fitted by [`fit`], and the codecs on every rank thread at once (1 MiB of f32)
+/// as rates S / t (HBM set to 1 GB/s so the codec fractions read as GB/s).
 fn calibrate(base: &Cluster, topo: Topology, reps: usize) -> anyhow::Result<Cluster> {
     const S: usize = 1 << 18;
     let ag = probe::all_gather_medians(topo, S * 4, reps, Duration::from_secs(120))
@@ -195,25 +192,19 @@ fn calibrate(base: &Cluster, topo: Topology, reps: usize) -> anyhow::Result<Clus
     Ok(c.validated()?)
 }
 
-/// The α-β fit of `base` to the probe's medians, with `f = (n−1)/n`: α_node = base + h,
-/// α_world = base + 3h (2 intra hops, 1 inter); B_node = f₄·S / (t_world − α_world) for the
-/// world's link; B_intra = f₂·S / (t_node − α_node).
-pub(crate) fn fit(base: &Cluster, topo: Topology, ag: &probe::AllGatherMedians) -> Cluster {
-    let bytes = ag.bytes as f64;
-    let (n, k) = (topo.world_size() as f64, topo.ranks_per_node() as f64);
-    // A hop costs at most the whole node latency (base ≥ 0): under load the world's latency can
-    // exceed three node latencies, and then the node's is kept exact.
-    let h = ((ag.world_empty - ag.node_empty) / 2.0).clamp(0.0, ag.node_empty);
+/// `base` with the α-β values of the probe's medians ([`probe::AllGatherMedians::fit`]).
+fn fit(base: &Cluster, topo: Topology, ag: &probe::AllGatherMedians) -> Cluster {
+    let f = ag.fit(topo);
     let mut c = base.clone();
     c.protocols.truncate(1);
-    c.protocols[0].base_us = (ag.node_empty - h) * 1e6;
-    c.protocols[0].intra_hop_us = h * 1e6;
-    c.protocols[0].inter_hop_us = h * 1e6;
+    c.protocols[0].base_us = f.base_us;
+    c.protocols[0].intra_hop_us = f.hop_us;
+    c.protocols[0].inter_hop_us = f.hop_us;
     c.inter.nics_per_node = 1;
     c.inter.efficiency = 1.0;
-    c.inter.nic_gbps = (n - 1.0) / n * bytes / (ag.world_full - ag.world_empty) * 8.0 / 1e9;
+    c.inter.nic_gbps = f.world_bytes_per_s * 8.0 / 1e9;
     c.intra.efficiency = 1.0;
-    c.intra.gbytes_per_s = (k - 1.0) / k * bytes / (ag.node_full - ag.node_empty) / 1e9;
+    c.intra.gbytes_per_s = f.node_bytes_per_s / 1e9;
     c
 }
 

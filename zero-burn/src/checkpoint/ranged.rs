@@ -2,25 +2,20 @@
 //! with the checksum blocks that cover it and verified before a byte is used. The export streams
 //! through it, so it never holds more than a header, a tensor and two blocks per piece.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use zero_core::CheckpointError;
 use zero_core::checkpoint::{FileRecord, Manifest, ShardHeader};
 
 use super::load::{expect_of, locate_file};
-use super::shard::{foreign, identity};
+use super::shard::{TensorTable, check_block_count, decode_f32, foreign, identity};
 use super::storage::Storage;
 use crate::error::Result;
 
 /// Saved rank `k`'s file: where its tensors are, its header verified.
 pub(crate) struct RankIndex {
-    path: String,
     rec: FileRecord,
-    /// Byte offset of the data section.
-    data: u64,
-    /// Tensor name → (byte offset in the data section, elements).
-    tensors: HashMap<String, (u64, u64)>,
+    table: TensorTable,
 }
 
 impl RankIndex {
@@ -34,17 +29,7 @@ impl RankIndex {
         k: usize,
     ) -> Result<RankIndex> {
         let (path, rec) = locate_file(store, tag, m, mpath, k)?;
-        let block = rec.block_size.max(1);
-        if rec.block_crc32c.len() as u64 != rec.bytes.div_ceil(block) {
-            return Err(layout(
-                &path,
-                format!(
-                    "the manifest lists {} block checksums for {} bytes in blocks of {block}",
-                    rec.block_crc32c.len(),
-                    rec.bytes
-                ),
-            ));
-        }
+        check_block_count(&path, rec)?;
         let head = read_verified(store, &path, rec, 0..16.min(rec.bytes))?;
         let len = head
             .get(8..16)
@@ -71,26 +56,9 @@ impl RankIndex {
         if let Some(d) = identity(&h, &expect_of(m, k)) {
             return Err(foreign(path, d).into());
         }
-        let room = rec.bytes.saturating_sub(data as u64);
-        let mut tensors = HashMap::new();
-        for t in &h.tensors {
-            let end = t.len.checked_mul(4).and_then(|b| b.checked_add(t.offset));
-            if end.is_none_or(|e| e > room) {
-                return Err(layout(
-                    &path,
-                    format!(
-                        "tensor {} ({} elements at {}) exceeds the file",
-                        t.name, t.len, t.offset
-                    ),
-                ));
-            }
-            tensors.insert(t.name.clone(), (t.offset, t.len));
-        }
         Ok(RankIndex {
-            path,
+            table: TensorTable::new(path, &h, data as u64, rec.bytes)?,
             rec: rec.clone(),
-            data: data as u64,
-            tensors,
         })
     }
 
@@ -104,39 +72,12 @@ impl RankIndex {
         range: Range<usize>,
         dst: &mut [f32],
     ) -> Result<()> {
-        let Some(&(offset, n)) = self.tensors.get(name) else {
-            return Err(layout(&self.path, format!("tensor {name} is missing")));
-        };
-        if n != len || range.end as u64 > n || dst.len() != range.len() {
-            return Err(layout(
-                &self.path,
-                format!(
-                    "elements {range:?} of tensor {name} ({n} elements, expected {len}) do not \
-                     fit {} slots",
-                    dst.len()
-                ),
-            ));
-        }
-        let start = self.data + offset + 4 * range.start as u64;
-        let bytes = read_verified(
-            store,
-            &self.path,
-            &self.rec,
-            start..start + 4 * range.len() as u64,
-        )?;
-        for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if let Some(at) = self.table.locate(name, len, &range, dst.len())? {
+            let bytes = read_verified(store, self.table.file(), &self.rec, at)?;
+            decode_f32(&bytes, dst);
         }
         Ok(())
     }
-}
-
-fn layout(path: &str, what: String) -> crate::Error {
-    CheckpointError::Layout {
-        file: path.into(),
-        what,
-    }
-    .into()
 }
 
 /// Bytes `range` of `path`, read with the whole checksum blocks that cover them, each block

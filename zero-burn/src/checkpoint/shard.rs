@@ -105,12 +105,117 @@ pub(crate) fn foreign(
     }
 }
 
+/// Where a rank file's tensors are: its header's table, each tensor checked to lie inside the
+/// file. Shared by the whole-file reader ([`ShardFile`]) and the ranged one (`ranged.rs`).
+pub(crate) struct TensorTable {
+    file: String,
+    /// Byte offset of the data section.
+    data: u64,
+    /// Tensor name → (byte offset in the data section, elements).
+    tensors: HashMap<String, (u64, u64)>,
+}
+
+impl TensorTable {
+    /// The table of header `h` of `file`, whose data section starts at `data` and whose size is
+    /// `file_bytes`.
+    pub(crate) fn new(file: String, h: &ShardHeader, data: u64, file_bytes: u64) -> Result<Self> {
+        let room = file_bytes.saturating_sub(data);
+        let mut tensors = HashMap::new();
+        for t in &h.tensors {
+            let end = t.len.checked_mul(4).and_then(|b| b.checked_add(t.offset));
+            if end.is_none_or(|e| e > room) {
+                return Err(CheckpointError::Layout {
+                    file,
+                    what: format!(
+                        "tensor {} ({} elements at {}) exceeds the file",
+                        t.name, t.len, t.offset
+                    ),
+                }
+                .into());
+            }
+            tensors.insert(t.name.clone(), (t.offset, t.len));
+        }
+        Ok(TensorTable {
+            file,
+            data,
+            tensors,
+        })
+    }
+
+    /// The file's name (for errors).
+    pub(crate) fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// The file's byte range of elements `range` of tensor `name` (`None`: an absent tensor of
+    /// no elements, which a save omits), after checking that it holds exactly `len` elements and
+    /// that `range` fits `dst_len` slots.
+    pub(crate) fn locate(
+        &self,
+        name: &str,
+        len: u64,
+        range: &std::ops::Range<usize>,
+        dst_len: usize,
+    ) -> Result<Option<std::ops::Range<u64>>> {
+        let layout = |what: String| {
+            Err(CheckpointError::Layout {
+                file: self.file.clone(),
+                what,
+            }
+            .into())
+        };
+        if dst_len != range.len() {
+            return layout(format!(
+                "elements {range:?} of tensor {name} do not fit {dst_len} slots"
+            ));
+        }
+        let Some(&(offset, n)) = self.tensors.get(name) else {
+            if len == 0 && range.is_empty() {
+                return Ok(None);
+            }
+            return layout(format!("tensor {name} is missing"));
+        };
+        if n != len {
+            return layout(format!("tensor {name} has {n} elements, expected {len}"));
+        }
+        if range.start > range.end || range.end as u64 > n {
+            return layout(format!(
+                "elements {range:?} of tensor {name} ({n} elements) are out of range"
+            ));
+        }
+        let start = self.data + offset + 4 * range.start as u64;
+        Ok(Some(start..start + 4 * range.len() as u64))
+    }
+}
+
+/// Checks that a file record lists one checksum per block.
+pub(crate) fn check_block_count(file: &str, rec: &FileRecord) -> Result<()> {
+    let block = rec.block_size.max(1);
+    if rec.block_crc32c.len() as u64 == rec.bytes.div_ceil(block) {
+        return Ok(());
+    }
+    Err(CheckpointError::Layout {
+        file: file.into(),
+        what: format!(
+            "the manifest lists {} block checksums for {} bytes in blocks of {block}",
+            rec.block_crc32c.len(),
+            rec.bytes
+        ),
+    }
+    .into())
+}
+
+/// Decodes little-endian f32s from `src` into `dst`.
+pub(crate) fn decode_f32(src: &[u8], dst: &mut [f32]) {
+    for (d, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
+
 /// A rank file whose every byte has been checked against its record.
 pub(crate) struct ShardFile {
-    file: String,
     bytes: Vec<u8>,
-    data: usize,
-    tensors: HashMap<String, (u64, u64)>,
+    table: TensorTable,
 }
 
 impl ShardFile {
@@ -130,18 +235,8 @@ impl ShardFile {
             }
             .into());
         }
+        check_block_count(&file, rec)?;
         let block = rec.block_size.max(1);
-        if rec.block_crc32c.len() as u64 != rec.bytes.div_ceil(block) {
-            return Err(CheckpointError::Layout {
-                file,
-                what: format!(
-                    "the manifest lists {} block checksums for {} bytes in blocks of {block}",
-                    rec.block_crc32c.len(),
-                    rec.bytes
-                ),
-            }
-            .into());
-        }
         let identity = |h: &ShardHeader| identity(h, expect);
         for (i, (chunk, &want)) in bytes
             .chunks(block as usize)
@@ -172,33 +267,14 @@ impl ShardFile {
         if let Some(d) = identity(&h) {
             return Err(foreign(file, d).into());
         }
-        let room = (bytes.len() - data) as u64;
-        let mut tensors = HashMap::new();
-        for t in &h.tensors {
-            let end = t.len.checked_mul(4).and_then(|b| b.checked_add(t.offset));
-            if end.is_none_or(|e| e > room) {
-                return Err(CheckpointError::Layout {
-                    file,
-                    what: format!(
-                        "tensor {} ({} elements at {}) exceeds the file",
-                        t.name, t.len, t.offset
-                    ),
-                }
-                .into());
-            }
-            tensors.insert(t.name.clone(), (t.offset, t.len));
-        }
-        Ok(ShardFile {
-            file,
-            bytes,
-            data,
-            tensors,
-        })
+        let table = TensorTable::new(file, &h, data as u64, bytes.len() as u64)?;
+        Ok(ShardFile { bytes, table })
     }
 
     /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
     pub(crate) fn check(&self, name: &str, len: u64, range: std::ops::Range<usize>) -> Result<()> {
-        self.locate(name, len, &range).map(|_| ())
+        let n = range.len();
+        self.table.locate(name, len, &range, n).map(|_| ())
     }
 
     /// Decodes elements `range` of tensor `name`, which must hold exactly `len` elements, into
@@ -210,56 +286,10 @@ impl ShardFile {
         range: std::ops::Range<usize>,
         dst: &mut [f32],
     ) -> Result<()> {
-        if dst.len() != range.len() {
-            return Err(CheckpointError::Layout {
-                file: self.file.clone(),
-                what: format!(
-                    "elements {range:?} of tensor {name} do not fit {} slots",
-                    dst.len()
-                ),
-            }
-            .into());
-        }
-        let Some(at) = self.locate(name, len, &range)? else {
-            return Ok(());
-        };
-        let src = &self.bytes[at..at + 4 * range.len()];
-        for (d, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
-            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if let Some(at) = self.table.locate(name, len, &range, dst.len())? {
+            decode_f32(&self.bytes[at.start as usize..at.end as usize], dst);
         }
         Ok(())
-    }
-
-    /// The byte offset of element `range.start` of tensor `name` (`None`: an absent tensor of
-    /// no elements, which a save omits), after checking its length and the range.
-    fn locate(
-        &self,
-        name: &str,
-        len: u64,
-        range: &std::ops::Range<usize>,
-    ) -> Result<Option<usize>> {
-        let layout = |what: String| {
-            Err(CheckpointError::Layout {
-                file: self.file.clone(),
-                what,
-            }
-            .into())
-        };
-        let Some(&(offset, n)) = self.tensors.get(name) else {
-            if len == 0 && range.is_empty() {
-                return Ok(None);
-            }
-            return layout(format!("tensor {name} is missing"));
-        };
-        if n != len {
-            return layout(format!("tensor {name} has {n} elements, expected {len}"));
-        }
-        if range.start > range.end || range.end as u64 > n {
-            return layout(format!(
-                "elements {range:?} of tensor {name} ({n} elements) are out of range"
-            ));
-        }
-        Ok(Some(self.data + offset as usize + 4 * range.start))
     }
 }
 

@@ -150,12 +150,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 plan.chunk_len(u) as usize
             };
             // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
-            let grads = GradView {
-                acc: &self.acc,
-                acc16: &self.acc16,
-                half: half.filter(|_| !self.acc32),
-                inv,
-            };
             let g = grads.slice(off, len, coef);
             let (opt, n) = (&self.options.optimizer, self.opt_steps);
             let publish = match (half, stage) {

@@ -335,11 +335,32 @@ impl Loopback for HostComm {
     }
 }
 
-/// The host-slice collectives of a communicator whose buffers are [`HostBuffer`]s, without the
-/// trait's copy out: the output buffer is host memory already, so it is returned as it is (one
-/// allocation and one pass over the output fewer per call than `download_vec`).
-macro_rules! host_buffer_paths {
+/// The buffer methods of a communicator whose buffers are [`HostBuffer`]s (the host loopback, MPI),
+/// and its host-slice collectives without the trait's copy out: the output buffer is host memory
+/// already, so it is returned as it is (one allocation and one pass over the output fewer per
+/// call than `download_vec`).
+macro_rules! host_buffer_methods {
     () => {
+        fn alloc<E: Element>(&self, len: usize) -> Result<HostBuffer<E>> {
+            Ok(HostBuffer::from_vec(vec![E::zeroed(); len]))
+        }
+
+        fn upload<E: Element>(&self, src: &[E]) -> Result<HostBuffer<E>> {
+            Ok(HostBuffer::from_vec(src.to_vec()))
+        }
+
+        fn download<E: Element>(&self, buf: &HostBuffer<E>, dst: &mut [E]) -> Result<()> {
+            buf.copy_to(dst)
+        }
+
+        fn upload_into<E: Element>(&self, src: &[E], dst: &mut HostBuffer<E>) -> Result<()> {
+            dst.copy_from(src)
+        }
+
+        fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {
+            buf.len()
+        }
+
         fn all_gather_host<E: Element>(&mut self, send: &[E]) -> Result<Vec<E>> {
             let s = self.upload(send)?;
             let mut r = self.alloc(send.len() * self.world_size())?;
@@ -356,7 +377,7 @@ macro_rules! host_buffer_paths {
     };
 }
 #[cfg_attr(not(feature = "mpi"), allow(unused_imports))]
-pub(crate) use host_buffer_paths;
+pub(crate) use host_buffer_methods;
 
 impl Communicator for HostComm {
     type Buffer<E: Element> = HostBuffer<E>;
@@ -381,29 +402,7 @@ impl Communicator for HostComm {
         &self.world.topology
     }
 
-    fn alloc<E: Element>(&self, len: usize) -> Result<HostBuffer<E>> {
-        Ok(HostBuffer {
-            data: vec![E::zeroed(); len],
-        })
-    }
-
-    fn upload<E: Element>(&self, src: &[E]) -> Result<HostBuffer<E>> {
-        Ok(HostBuffer { data: src.to_vec() })
-    }
-
-    fn download<E: Element>(&self, buf: &HostBuffer<E>, dst: &mut [E]) -> Result<()> {
-        buf.copy_to(dst)
-    }
-
-    fn upload_into<E: Element>(&self, src: &[E], dst: &mut HostBuffer<E>) -> Result<()> {
-        dst.copy_from(src)
-    }
-
-    fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {
-        buf.len()
-    }
-
-    host_buffer_paths!();
+    host_buffer_methods!();
 
     fn all_gather<E: Element>(
         &mut self,

@@ -27,6 +27,37 @@ pub struct AllGatherMedians {
     pub bytes: usize,
 }
 
+/// The α-β values [`AllGatherMedians::fit`] derives, in the simulator's terms.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AlphaBeta {
+    /// Latency of a call besides its hops, µs.
+    pub base_us: f64,
+    /// Latency per hop (intra- and inter-node alike), µs.
+    pub hop_us: f64,
+    /// The world ring's bandwidth, bytes/s (a node's NIC in the simulator).
+    pub world_bytes_per_s: f64,
+    /// A node group's bandwidth with every group busy at once, bytes/s.
+    pub node_bytes_per_s: f64,
+}
+
+impl AllGatherMedians {
+    /// The α-β fit on `topo`, with `f = (n−1)/n`: α_node = base + h, α_world = base + 3h (two
+    /// intra-node hops, one inter-node), a hop costing at most the whole node latency (under load
+    /// the world's latency can exceed three node latencies; the node's is then kept exact);
+    /// B_world = f_world·S / (t_world − α_world), B_node = f_node·S / (t_node − α_node).
+    pub fn fit(&self, topo: Topology) -> AlphaBeta {
+        let s = self.bytes as f64;
+        let (n, k) = (topo.world_size() as f64, topo.ranks_per_node() as f64);
+        let h = ((self.world_empty - self.node_empty) / 2.0).clamp(0.0, self.node_empty);
+        AlphaBeta {
+            base_us: (self.node_empty - h) * 1e6,
+            hop_us: h * 1e6,
+            world_bytes_per_s: (n - 1.0) / n * s / (self.world_full - self.world_empty),
+            node_bytes_per_s: (k - 1.0) / k * s / (self.node_full - self.node_empty),
+        }
+    }
+}
+
 /// Medians over `reps` calls of each kind (after one warm-up), with a `bytes` output; every
 /// collective has `timeout`.
 pub fn all_gather_medians(

@@ -451,27 +451,7 @@ impl Communicator for MpiComm {
         &self.topology
     }
 
-    fn alloc<E: Element>(&self, len: usize) -> Result<HostBuffer<E>> {
-        Ok(HostBuffer::from_vec(vec![E::zeroed(); len]))
-    }
-
-    fn upload<E: Element>(&self, src: &[E]) -> Result<HostBuffer<E>> {
-        Ok(HostBuffer::from_vec(src.to_vec()))
-    }
-
-    fn download<E: Element>(&self, buf: &HostBuffer<E>, dst: &mut [E]) -> Result<()> {
-        buf.copy_to(dst)
-    }
-
-    fn upload_into<E: Element>(&self, src: &[E], dst: &mut HostBuffer<E>) -> Result<()> {
-        dst.copy_from(src)
-    }
-
-    fn buffer_len<E: Element>(&self, buf: &HostBuffer<E>) -> usize {
-        buf.len()
-    }
-
-    crate::host::host_buffer_paths!();
+    crate::host::host_buffer_methods!();
 
     fn all_gather<E: Element>(
         &mut self,

@@ -1,0 +1,244 @@
+//! How [`NcclComm`] issues a collective: the cross-rank descriptor check, the call on the
+//! stream, the pending queue and its polled drain against the timeout, the mean's division.
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+impl NcclComm {
+    /// Pops completed collectives; with `block`, waits for all of them. A collective still
+    /// running `timeout` after it was issued aborts the communicator with [`Error::Timeout`].
+    pub(super) fn drain(&self, block: bool) -> Result<()> {
+        let mut backoff = Backoff::default();
+        loop {
+            let (op, issued, done) = {
+                let st = self.state.borrow();
+                match st.pending.front() {
+                    None => return Ok(()),
+                    Some(p) => (p.op, p.issued, p.event.try_is_complete()),
+                }
+            };
+            match done {
+                Ok(true) => {
+                    self.state.borrow_mut().pending.pop_front();
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => return Err(self.fail_driver(op, "waiting for completion", e)),
+            }
+            // Still running: an asynchronous NCCL error (a peer died) ends the wait early.
+            let h = match self.state.borrow().raw.as_ref() {
+                Some(r) => r.ptr(),
+                None => return Ok(()),
+            };
+            match ffi::async_state(h) {
+                Ok(sys::ncclResult_t::ncclSuccess) | Ok(sys::ncclResult_t::ncclInProgress) => {}
+                Ok(e) => {
+                    let m = ffi::describe("ncclCommGetAsyncError", e, h);
+                    return Err(self.fail(op, Fail::Nccl(m)));
+                }
+                Err(f) => return Err(self.fail(op, f)),
+            }
+            let waited = issued.elapsed();
+            if waited >= self.opts.timeout {
+                return Err(self.fail(op, Fail::Timeout(waited)));
+            }
+            if !block {
+                return Ok(());
+            }
+            backoff.pause();
+        }
+    }
+
+    /// Calls NCCL (`f(comm, stream)`) and settles the result; any failure aborts.
+    pub(super) fn call(
+        &self,
+        op: Op,
+        name: &str,
+        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+    ) -> Result<()> {
+        let h = self.handle(op)?;
+        self.bind()?;
+        let started = Instant::now();
+        let code = f(h, self.cu_stream());
+        ffi::settle(code, name, h, started, self.opts.timeout).map_err(|e| self.fail(op, e))
+    }
+
+    /// Validation before anything moves: with [`NcclOptions::check_peers`] (outside groups) every
+    /// rank's descriptor, so every rank reaches the host loopback's verdict; else this rank's own.
+    pub(super) fn begin(&self, d: &Desc) -> Result<()> {
+        self.ensure_usable(d.op)?;
+        let n = self.members.len();
+        let in_group = self.state.borrow().group_depth > 0;
+        // Also at n = 1, where it is cheap, so that one GPU exercises the path.
+        if self.opts.check_peers && !in_group {
+            let all = self.exchange_descs(d)?;
+            validate(&all, &self.members, n)
+        } else {
+            validate(std::slice::from_ref(d), &[self.me()], n)
+        }
+    }
+
+    /// All-gathers every rank's descriptor (control traffic, not counted in the table).
+    pub(super) fn exchange_descs(&self, d: &Desc) -> Result<Vec<Desc>> {
+        let op = d.op;
+        let n = self.members.len();
+        // The upload below synchronises the stream, so first wait (with the timeout) for whatever
+        // is still running on it.
+        self.drain(true)?;
+        let send = self
+            .stream
+            .clone_htod(&d.to_bytes()[..])
+            .map_err(|e| self.fail_driver(op, "uploading the call descriptor", e))?;
+        let mut recv = self
+            .stream
+            .alloc_zeros::<u8>(DESC_BYTES * n)
+            .map_err(|e| self.fail_driver(op, "allocating the descriptor exchange", e))?;
+        {
+            let (sp, _gs) = send.device_ptr(&self.stream);
+            let (rp, _gr) = recv.device_ptr_mut(&self.stream);
+            self.call(op, "ncclAllGather (call descriptors)", |h, s| {
+                // SAFETY: `send` holds DESC_BYTES bytes and `recv` n times that, both on this
+                // communicator's device and alive until the wait below completes.
+                unsafe {
+                    sys::ncclAllGather(
+                        sp as *const c_void,
+                        rp as *mut c_void,
+                        DESC_BYTES,
+                        sys::ncclDataType_t::ncclUint8,
+                        h,
+                        s,
+                    )
+                }
+            })?;
+        }
+        self.push_pending(op)?;
+        self.drain(true)?;
+        let host = self
+            .stream
+            .clone_dtoh(&recv)
+            .map_err(|e| self.fail_driver(op, "downloading the call descriptors", e))?;
+        host.chunks_exact(DESC_BYTES)
+            .enumerate()
+            .map(|(j, b)| Desc::from_bytes(b, self.global_rank_of(j)))
+            .collect::<Result<Vec<_>>>()
+            .inspect_err(|e| self.abort_with(&e.to_string()))
+    }
+
+    pub(super) fn push_pending(&self, op: Op) -> Result<()> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| self.fail_driver(op, "recording the completion event", e))?;
+        self.state.borrow_mut().pending.push_back(Pending {
+            op,
+            event,
+            issued: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// After an op was enqueued: records its traffic, then (outside groups) its completion event,
+    /// waiting for it in [`WaitMode::Eager`].
+    pub(super) fn finish<E: Element>(&mut self, d: &Desc) -> Result<()> {
+        if let Some(c) = d.op.collective() {
+            let t = measure(&self.topology, &self.members, self.rank, d, size_of::<E>());
+            self.traffic.record(c, t);
+        }
+        self.issued(d.op)
+    }
+
+    pub(super) fn issued(&self, op: Op) -> Result<()> {
+        {
+            let mut st = self.state.borrow_mut();
+            if st.group_depth > 0 {
+                st.group_first_op.get_or_insert(op);
+                return Ok(());
+            }
+        }
+        self.push_pending(op)?;
+        let many = self.state.borrow().pending.len() > MAX_PENDING;
+        match self.opts.wait {
+            WaitMode::Eager => self.drain(true),
+            WaitMode::Lazy => self.drain(many),
+        }
+    }
+
+    /// `Mean` = NCCL `Sum`, then this division, in stream order (after the group inside one).
+    pub(super) fn divide(&self, op: Op, ptr: CUdeviceptr, len: usize, dtype: DType) -> Result<()> {
+        {
+            let mut st = self.state.borrow_mut();
+            if st.group_depth > 0 {
+                st.deferred.push(Deferred { ptr, len, dtype });
+                return Ok(());
+            }
+        }
+        let n = self.members.len() as f32;
+        self.kernels
+            .divide(&self.ctx, &self.stream, ptr, len, dtype, n)
+            .map_err(|e| {
+                let e = Error::Backend(format!("{op} on rank {}: {e}", self.me()));
+                self.abort_with(&e.to_string());
+                e
+            })
+    }
+
+    pub(super) fn check_buffer<E: Element>(&self, op: Op, b: &NcclBuffer<E>) -> Result<()> {
+        if b.bytes.ordinal() != self.ctx.ordinal() {
+            return Err(Error::Backend(format!(
+                "nccl: {op} on rank {}: a buffer lives on cuda:{}, the communicator on cuda:{}",
+                self.me(),
+                b.bytes.ordinal(),
+                self.ctx.ordinal()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn all_gather_impl<E: Element>(
+        &mut self,
+        send: Option<&NcclBuffer<E>>,
+        recv: &mut NcclBuffer<E>,
+    ) -> Result<()> {
+        let op = Op::from(Collective::AllGather);
+        let n = self.members.len();
+        let in_place = send.is_none();
+        let chunk = match send {
+            Some(s) => s.len,
+            None => recv.len / n,
+        };
+        let d = Desc {
+            dtype: Some(E::DTYPE),
+            send_len: chunk,
+            recv_len: recv.len,
+            in_place,
+            ..Desc::new(op)
+        };
+        self.begin(&d)?;
+        if let Some(s) = send {
+            self.check_buffer(op, s)?;
+        }
+        self.check_buffer(op, recv)?;
+        if chunk > 0 {
+            let offset = (self.rank * chunk * size_of::<E>()) as u64;
+            let guard_s = send.map(|s| s.bytes.device_ptr(&self.stream));
+            let (rp, _gr) = recv.bytes.device_ptr_mut(&self.stream);
+            let sp = guard_s.as_ref().map_or(rp + offset, |(p, _)| *p);
+            self.call(op, "ncclAllGather", |h, s| {
+                // SAFETY: lengths validated: `send` holds `chunk` elements (in place: at
+                // `rank · chunk` inside `recv`, NCCL's in-place layout) and `recv` `n · chunk`;
+                // both stay alive and stream-ordered on this communicator's stream.
+                unsafe {
+                    sys::ncclAllGather(
+                        sp as *const c_void,
+                        rp as *mut c_void,
+                        chunk,
+                        nccl_dtype(E::DTYPE),
+                        h,
+                        s,
+                    )
+                }
+            })?;
+        }
+        self.finish::<E>(&d)
+    }
+}
