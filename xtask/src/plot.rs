@@ -1,10 +1,11 @@
-//! Charts as SVG with plotters: line panels side by side, one line (with markers) per series
+//! Charts as SVG or PNG with plotters: line panels side by side, one line (with markers) per series
 //! (`simulate`'s sweeps), and `train`'s report figure (the loss per step beside grouped bars of
 //! measured against planned memory).
 
 use std::path::Path;
 
 use anyhow::anyhow;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 /// One line.
@@ -44,52 +45,119 @@ pub(crate) struct Bars {
     pub(crate) series: Vec<(String, Vec<f64>)>,
 }
 
-type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
-
-/// Draws `panels` side by side into an SVG file of `width × height` pixels.
-pub(crate) fn line_charts_svg(
+/// Draws `panels` side by side into `path` (SVG, or PNG for `.png`) of `width × height` pixels.
+pub(crate) fn line_charts(
     path: &Path,
     panels: &[Panel],
     width: u32,
     height: u32,
 ) -> anyhow::Result<()> {
-    let err = |e: &dyn std::fmt::Display| anyhow!("cannot draw {}: {e}", path.display());
-    let root = SVGBackend::new(path, (width, height)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let areas = root.split_evenly((1, panels.len().max(1)));
-    for (area, p) in areas.iter().zip(panels) {
-        draw_lines(area, p, SeriesLabelPosition::LowerRight).map_err(|e| err(&e))?;
-    }
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+    render(path, (width, height), &LineCharts(panels))
 }
 
-/// Draws the `lines` panels left to right, then `bars`, side by side into an SVG file of
-/// `width × height`.
-pub(crate) fn lines_and_bars_svg(
+/// Draws the `lines` panels left to right, then `bars`, side by side into `path` (SVG, or PNG for
+/// `.png`) of `width × height`.
+pub(crate) fn lines_and_bars(
     path: &Path,
     lines: &[Panel],
     bars: &Bars,
     width: u32,
     height: u32,
 ) -> anyhow::Result<()> {
-    let err = |e: &dyn std::fmt::Display| anyhow!("cannot draw {}: {e}", path.display());
-    let root = SVGBackend::new(path, (width, height)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let areas = root.split_evenly((1, lines.len() + 1));
-    for (area, p) in areas.iter().zip(lines) {
-        draw_lines(area, p, SeriesLabelPosition::UpperRight).map_err(|e| err(&e))?;
-    }
-    if let Some(area) = areas.last() {
-        draw_bars(area, bars).map_err(|e| err(&e))?;
-    }
-    root.present().map_err(|e| err(&e))?;
+    render(path, (width, height), &LinesAndBars(lines, bars))
+}
+
+/// Whether a figure goes to a PNG (the path ends in `.png`) rather than an SVG.
+fn is_png(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("png"))
+}
+
+/// The font every figure's text is drawn with, shipped with xtask (`assets/`: DejaVu Sans cut to
+/// Latin-1 and a few signs), registered with plotters once per process. SVG needs it too: text
+/// is laid out with its metrics.
+fn register_font() -> anyhow::Result<()> {
+    static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *FONT.get_or_init(|| {
+        let bytes = include_bytes!("../assets/DejaVuSans-subset.ttf");
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+    });
+    anyhow::ensure!(
+        ok,
+        "the shipped font assets/DejaVuSans-subset.ttf does not parse"
+    );
     Ok(())
 }
 
-type DrawResult = Result<(), DrawingAreaErrorKind<std::io::Error>>;
+/// A figure any plotters backend can draw.
+trait Figure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB>;
+}
 
-fn draw_lines(area: &Area<'_>, p: &Panel, legend: SeriesLabelPosition) -> DrawResult {
+type DrawResult<DB> = Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+struct LineCharts<'a>(&'a [Panel]);
+
+impl Figure for LineCharts<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
+        let areas = root.split_evenly((1, self.0.len().max(1)));
+        for (area, p) in areas.iter().zip(self.0) {
+            draw_lines(area, p, SeriesLabelPosition::LowerRight)?;
+        }
+        Ok(())
+    }
+}
+
+struct LinesAndBars<'a>(&'a [Panel], &'a Bars);
+
+impl Figure for LinesAndBars<'_> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
+        let areas = root.split_evenly((1, self.0.len() + 1));
+        for (area, p) in areas.iter().zip(self.0) {
+            draw_lines(area, p, SeriesLabelPosition::UpperRight)?;
+        }
+        match areas.last() {
+            Some(area) => draw_bars(area, self.1),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Draws `figure` on a white `width × height` canvas into `path`: SVG, or PNG (8-bit RGB, drawn
+/// into a buffer, then encoded) when `path` ends in `.png`.
+fn render(path: &Path, (width, height): (u32, u32), figure: &impl Figure) -> anyhow::Result<()> {
+    fn paint<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, f: &impl Figure) -> DrawResult<DB> {
+        root.fill(&WHITE)?;
+        f.draw(&root)?;
+        root.present()
+    }
+    register_font()?;
+    let err = |e: &dyn std::fmt::Display| anyhow!("cannot draw {}: {e}", path.display());
+    if !is_png(path) {
+        let root = SVGBackend::new(path, (width, height)).into_drawing_area();
+        return paint(root, figure).map_err(|e| err(&e));
+    }
+    let mut rgb = vec![0u8; width as usize * height as usize * 3];
+    paint(
+        BitMapBackend::with_buffer(&mut rgb, (width, height)).into_drawing_area(),
+        figure,
+    )
+    .map_err(|e| err(&e))?;
+    let file = std::fs::File::create(path).map_err(|e| err(&e))?;
+    let mut png = png::Encoder::new(std::io::BufWriter::new(file), width, height);
+    png.set_color(png::ColorType::Rgb);
+    png.set_depth(png::BitDepth::Eight);
+    let mut w = png.write_header().map_err(|e| err(&e))?;
+    w.write_image_data(&rgb).map_err(|e| err(&e))?;
+    w.finish().map_err(|e| err(&e))
+}
+
+fn draw_lines<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    p: &Panel,
+    legend: SeriesLabelPosition,
+) -> DrawResult<DB> {
     let pts = || p.series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), q| {
         (a.min(q.0), b.max(q.0))
@@ -147,7 +215,7 @@ fn draw_lines(area: &Area<'_>, p: &Panel, legend: SeriesLabelPosition) -> DrawRe
         .draw()
 }
 
-fn draw_bars(area: &Area<'_>, b: &Bars) -> DrawResult {
+fn draw_bars<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, b: &Bars) -> DrawResult<DB> {
     let n = b.categories.len().max(1);
     let y1 = b
         .series
@@ -218,7 +286,7 @@ fn format_si(y: f64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -237,12 +305,71 @@ mod tests {
             x_names: None,
             series: vec![s("ZeRO-3", 1000.0), s("ZeRO++", 2500.0)],
         };
-        line_charts_svg(&path, &[panel("a"), panel("b")], 800, 300).unwrap();
+        line_charts(&path, &[panel("a"), panel("b")], 800, 300).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..40.min(svg.len())]);
         assert!(svg.contains("ZeRO++") && svg.contains("tokens/s"));
         assert_eq!(svg.matches("<circle").count(), 16);
         assert_eq!(format_si(2.5e6), "2.5M");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Decodes a PNG: `(width, height, RGB bytes)`.
+    pub(crate) fn decode_png(path: &Path) -> (u32, u32, Vec<u8>) {
+        let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
+        let mut reader = png::Decoder::new(file).read_info().unwrap();
+        let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        buf.truncate(info.buffer_size());
+        (info.width, info.height, buf)
+    }
+
+    /// A `.png` path gets a PNG that decodes to the asked size, with the lines in their colours
+    /// and the text drawn: a longer caption darkens more of the caption's strip.
+    #[test]
+    fn draws_a_png_with_its_text() {
+        let dir = std::env::temp_dir().join(format!("zero-plot-png-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let panel = |t: &str| Panel {
+            title: t.into(),
+            x_label: "step".into(),
+            y_label: "loss".into(),
+            x_names: None,
+            series: vec![Series {
+                name: "loss".into(),
+                points: (0..10)
+                    .map(|i| (f64::from(i), 10.0 - f64::from(i)))
+                    .collect(),
+            }],
+        };
+        let line = Palette99::pick(0).to_rgba().rgb();
+        let dark_in_caption = |title: &str| {
+            let path = dir.join(format!("{}.png", title.len()));
+            line_charts(&path, &[panel(title)], 400, 300).unwrap();
+            let (w, h, rgb) = decode_png(&path);
+            assert_eq!((w, h), (400, 300));
+            let px = |x: usize, y: usize| &rgb[(y * w as usize + x) * 3..][..3];
+            let coloured = (0..h as usize)
+                .flat_map(|y| (0..w as usize).map(move |x| (x, y)))
+                .filter(|&(x, y)| px(x, y) == [line.0, line.1, line.2])
+                .count();
+            assert!(coloured > 200, "{coloured} pixels in the line's colour");
+            // The caption's strip: the top 30 rows.
+            (0..30)
+                .flat_map(|y| (0..w as usize).map(move |x| (x, y)))
+                .filter(|&(x, y)| px(x, y).iter().all(|&c| c < 128))
+                .count()
+        };
+        let (short, long) = (
+            dark_in_caption("a"),
+            dark_in_caption("a much longer caption"),
+        );
+        assert!(short > 0, "no caption drawn");
+        assert!(
+            long > 3 * short,
+            "caption pixels: {short} for 1 letter, {long} for 21"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

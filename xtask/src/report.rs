@@ -1,5 +1,6 @@
 //! The run report of `cargo xtask train`: printed (loss, throughput, memory and bytes measured
-//! against planned, checkpoints saved), written as `report.json`, and drawn as `report.svg`.
+//! against planned, checkpoints saved), written as `report.json`, and drawn as
+//! `report.svg` and `report.png`.
 
 use std::path::Path;
 
@@ -8,8 +9,8 @@ use zero_burn::demo::job::RunReport;
 use zero_core::report::human_bytes;
 use zero_core::{Collective, LinkClass, Precision};
 
-/// Prints the report, writes `report.json` (with the process's peak RSS when known) and
-/// `report.svg` into `out`, and fails when measured bytes differ from the plan.
+/// Prints the report, writes `report.json` (with the process's peak RSS when known),
+/// `report.svg` and `report.png` into `out`, and fails when measured bytes differ from the plan.
 pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> anyhow::Result<()> {
     print_report(report);
     let json = out.join("report.json");
@@ -20,9 +21,11 @@ pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> a
     }
     std::fs::write(&json, serde_json::to_string_pretty(&value)?)
         .with_context(|| format!("cannot write {}", json.display()))?;
-    report_svg(report, &out.join("report.svg"))?;
+    for figure in ["report.svg", "report.png"] {
+        report_figure(report, &out.join(figure))?;
+    }
     println!(
-        "\nrun directory: {}  (report.json, report.svg)",
+        "\nrun directory: {}  (report.json, report.svg, report.png)",
         out.display()
     );
     if !report.comm_matches_plan || !report.memory_matches_plan {
@@ -71,8 +74,9 @@ fn memory_rows(r: &RunReport) -> [(&'static str, &'static str, u64, u64); 7] {
 }
 
 /// The report's figure: the loss per step (rank mean) with the entropy floor, the tokens/s of
-/// each step, and measured against planned memory per category on rank 0, in MiB.
-fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
+/// each step, and measured against planned memory per category on rank 0, in MiB; SVG, or PNG
+/// for a `.png` path.
+fn report_figure(r: &RunReport, path: &Path) -> anyhow::Result<()> {
     use crate::plot::{Bars, Panel, Series};
     let x0 = r.first_step as f64 + 1.0;
     let mut series = vec![Series {
@@ -128,7 +132,7 @@ fn report_svg(r: &RunReport, path: &Path) -> anyhow::Result<()> {
             ("planned".into(), rows.iter().map(|r| mib(r.3)).collect()),
         ],
     };
-    crate::plot::lines_and_bars_svg(path, &[lines, speed], &bars, 1500, 420)
+    crate::plot::lines_and_bars(path, &[lines, speed], &bars, 1500, 420)
 }
 
 fn print_report(r: &RunReport) {

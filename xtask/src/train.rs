@@ -632,7 +632,8 @@ mod tests {
     }
 
     /// report.svg is well-formed XML (SVG) holding the loss line, its legend, the tokens/s of
-    /// each step and the memory bars; report.json has one tokens/s figure per step.
+    /// each step and the memory bars; report.png decodes; report.json has one tokens/s figure per
+    /// step.
     #[test]
     fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
         let out = std::env::temp_dir().join(format!("zero-rs-train-svg-{}", std::process::id()));
@@ -683,6 +684,11 @@ mod tests {
             per_step.iter().all(|t| t.as_f64().is_some_and(|t| t > 0.0)),
             "{per_step:?}"
         );
+        // The same figure as a PNG, at the SVG's size, not blank.
+        let (w, h, rgb) = crate::plot::tests::decode_png(&out.join("report.png"));
+        assert_eq!((w, h), (1500, 420));
+        let inked = rgb.chunks(3).filter(|p| p.iter().any(|&c| c < 200)).count();
+        assert!(inked > 5_000, "{inked} inked pixels of {}", w * h);
         let _ = std::fs::remove_dir_all(&out);
     }
 }

@@ -15,7 +15,7 @@ use zero_core::{ModelDesc, Plan};
 use crate::plan::{ModelArgs, ZeroArgs, load_model, parse_count};
 
 mod host;
-use crate::plot::{Panel, Series, line_charts_svg};
+use crate::plot::{Panel, Series, line_charts};
 
 #[derive(Args, Debug)]
 pub(crate) struct SimulateArgs {
@@ -80,7 +80,7 @@ pub(crate) struct SimulateArgs {
     /// Variants of a sweep, comma-separated (default: zero-3,zero++; all for `variants`).
     #[arg(long)]
     variants: Option<String>,
-    /// Where a sweep's plot goes.
+    /// Where a sweep's plot goes (SVG; PNG when the name ends in `.png`).
     #[arg(long, default_value = "runs/simulate.svg")]
     plot: PathBuf,
     /// Print the cluster description (TOML) and exit.
@@ -356,7 +356,7 @@ fn plot_sweep(path: &Path, t: &SweepTable, model: &str, c: &Cluster) -> anyhow::
             series: series(|r| r.tflops_per_gpu),
         },
     ];
-    line_charts_svg(path, &panels, 1200, 450)
+    line_charts(path, &panels, 1200, 450)
 }
 
 #[cfg(test)]
