@@ -29,10 +29,24 @@ pub(crate) struct TestArgs {
 const TEST_FEATURES: &str =
     "zero-comm/mpi,zero-comm/wgpu,zero-quant/wgpu,zero-burn/mpi,zero-burn/wgpu";
 
+/// The burn-train adapter's tests, in a build of their own: burn-train asks for burn-flex's
+/// default features (SIMD kernels, rayon), which change flex's float results for everything in
+/// the build, so the other tests (and their snapshots) keep the build `cargo xtask train` uses.
+const BURN_TRAIN_TESTS: [&str; 7] = [
+    "test",
+    "-p",
+    "zero-burn",
+    "--features",
+    "burn-train",
+    "--test",
+    "burn_train",
+];
+
 /// Clippy's features: the test features, NCCL and CUDA, and the GPU tests (compiled here, run
 /// only by `cargo xtask gpu-check`), so GPU-only code is linted without a GPU.
 const LINT_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
-                             zero-quant/cuda,zero-quant/gpu-tests,zero-burn/mpi,zero-burn/wgpu,zero-burn/nccl,xtask/mpi,xtask/nccl";
+                             zero-quant/cuda,zero-quant/gpu-tests,zero-burn/mpi,zero-burn/wgpu,zero-burn/nccl,zero-burn/burn-train,\
+                             xtask/mpi,xtask/nccl";
 
 /// Where the test gates record a test that did not run: one line `<crate>/<binary>::<test>\t<why>`
 /// (`record_skip` in zero-comm/tests/comm/common.rs, zero-quant/tests/common/mod.rs and
@@ -202,6 +216,10 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
         eprintln!("\n==> {}\n", not_run_summary(&skips));
     }
     tests?;
+    let mut learner = cargo();
+    learner.args(BURN_TRAIN_TESTS);
+    insta_strictness(&mut learner, a.accept_snapshots);
+    run_step("tests (burn-train, a build of its own)", learner)?;
     if !skips.is_empty() && !a.allow_device_skips {
         bail!(
             "{} tests did not run; every test must run here (pass --allow-device-skips to accept \

@@ -14,6 +14,9 @@
 //!   model; [`ZeroEngine::report`] compares measured traffic and memory with the plan.
 //! - [`Launch`] runs one closure per rank on threads of this process (host loopback; wgpu
 //!   loopback with feature `wgpu`); a failing rank fails the others fast.
+//! - With feature `burn-train`, `learner::Sharded` lets burn-train's `Learner` and
+//!   `SupervisedTraining` drive the loop (metrics, validation, early stopping, checkpoints) while
+//!   the engine runs the sharded optimizer step ([`ZeroEngine::step_grads`]; stages 0–2).
 //!
 //! The demo (a GPT-style decoder, corpora and the job `cargo xtask train` runs) lives in
 //! [`demo`] and uses this API alone.
@@ -70,6 +73,8 @@ pub mod device;
 mod engine;
 pub mod error;
 mod launch;
+#[cfg(feature = "burn-train")]
+pub mod learner;
 pub mod optim;
 pub mod params;
 pub mod precision;

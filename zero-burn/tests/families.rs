@@ -5,90 +5,27 @@
 //! burn (burn's own SGD and AdamW on the same global batch, one process, no zero-rs code), and so
 //! is the gradient norm that clipping reports.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
+use burn::data::dataloader::DataLoader;
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
-use burn::data::dataset::InMemDataset;
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, SgdConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use zero_burn::demo::gpt::deterministic_init;
 use zero_burn::{
     Launch, Optimizer, RankReport, SegmentOut, Segmented, StepOutput, Whole, ZeroEngine,
 };
 use zero_core::{Topology, ZeroConfig};
 
-const FEATURES: usize = 6;
-const CLASSES: usize = 3;
-/// Points per micro-batch.
-const B: usize = 4;
-
-/// One labelled point of a deterministic synthetic task: the label is the largest of three
-/// fixed linear scores.
-#[derive(Clone, Debug)]
-struct Point {
-    x: [f32; FEATURES],
-    label: i64,
-}
-
-fn points(n: usize) -> Vec<Point> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut uniform = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    };
-    let w: Vec<[f32; FEATURES]> = (0..CLASSES)
-        .map(|_| std::array::from_fn(|_| uniform()))
-        .collect();
-    (0..n)
-        .map(|_| {
-            let x: [f32; FEATURES] = std::array::from_fn(|_| uniform());
-            let score = |c: usize| w[c].iter().zip(&x).map(|(a, b)| a * b).sum::<f32>();
-            let label = (0..CLASSES)
-                .max_by(|&a, &b| score(a).total_cmp(&score(b)))
-                .expect("classes") as i64;
-            Point { x, label }
-        })
-        .collect()
-}
-
-/// A micro-batch: features `[B, FEATURES]` and labels `[B]`, without autodiff.
-#[derive(Clone, Debug)]
-struct PointBatch {
-    x: Tensor<2>,
-    y: Tensor<1, Int>,
-}
-
-#[derive(Clone, Debug)]
-struct PointBatcher;
-
-impl Batcher<Point, PointBatch> for PointBatcher {
-    fn batch(&self, items: Vec<Point>, device: &Device) -> PointBatch {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|p| p.x).collect();
-        let y: Vec<i64> = items.iter().map(|p| p.label).collect();
-        PointBatch {
-            x: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
-            y: Tensor::from_data(TensorData::new(y, [n]), device),
-        }
-    }
-}
-
-/// The loader every rank reads: `B` points a batch, in order. Global micro-batch `k` (numbered
-/// step-major, then micro-step, then rank) is the loader's batch `k`.
-fn loader(items: &[Point]) -> Arc<dyn DataLoader<PointBatch>> {
-    DataLoaderBuilder::new(PointBatcher)
-        .batch_size(B)
-        .set_device(Device::flex())
-        .build(InMemDataset::new(items.to_vec()))
-}
+use common::points::{
+    B, CLASSES, FEATURES, PointBatch, PointBatcher, ResMlp, bits, cross_entropy, loader, points,
+    values,
+};
 
 /// Rank `rank`'s micro-batches of every step: loader batch `(s·A + m)·N + rank`.
 fn rank_batches(
@@ -104,12 +41,6 @@ fn rank_batches(
         .map(|(_, b)| b.expect("the in-memory dataset never fails"))
         .collect();
     mine.chunks_exact(a).map(<[PointBatch]>::to_vec).collect()
-}
-
-fn cross_entropy(logits: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
-    CrossEntropyLossConfig::new()
-        .init(&logits.device())
-        .forward(logits, y)
 }
 
 /// Family (a): three segments (two hidden layers, then the head with the loss).
@@ -175,70 +106,6 @@ impl Segmented for Mlp {
             (_, None) => unreachable!("the engine hands segments after the first their input"),
         }
     }
-}
-
-/// Family (b): a residual MLP with nothing zero-rs-specific about it.
-#[derive(Module, Debug)]
-struct ResMlp {
-    input: Linear,
-    blocks: Vec<ResBlock>,
-    out: Linear,
-}
-
-#[derive(Module, Debug)]
-struct ResBlock {
-    norm: LayerNorm,
-    fc: Linear,
-}
-
-impl ResMlp {
-    fn new(device: &Device) -> Self {
-        deterministic_init(
-            ResMlp {
-                input: LinearConfig::new(FEATURES, 16).init(device),
-                blocks: (0..2)
-                    .map(|_| ResBlock {
-                        norm: LayerNormConfig::new(16).init(device),
-                        fc: LinearConfig::new(16, 16).init(device),
-                    })
-                    .collect(),
-                out: LinearConfig::new(16, CLASSES).init(device),
-            },
-            11,
-        )
-    }
-
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let mut h = self.input.forward(x);
-        for b in &self.blocks {
-            h = h.clone() + relu(b.fc.forward(b.norm.forward(h)));
-        }
-        self.out.forward(h)
-    }
-}
-
-/// Every float parameter's values, in visit order (plain burn: a visitor).
-fn values<M: Module>(model: &M) -> Vec<Vec<f32>> {
-    struct Values(Vec<Vec<f32>>);
-    impl ModuleVisitor for Values {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let v = p
-                .val()
-                .into_data()
-                .try_into_vec_as::<f32>()
-                .expect("f32 parameters");
-            self.0.push(v);
-        }
-    }
-    let mut v = Values(Vec::new());
-    model.visit(&mut v);
-    v.0
-}
-
-fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    v.iter()
-        .map(|p| p.iter().map(|x| x.to_bits()).collect())
-        .collect()
 }
 
 /// What one rank saw: its losses per step, the consolidated model's values, its report.

@@ -1,18 +1,91 @@
 //! Collecting a segment's parameter gradients from burn into the units' gradient buffers: in
 //! host memory, or packed in the communicator's memory by a
-//! [`DeviceTensors`](crate::device::DeviceTensors) hook.
+//! [`DeviceTensors`](crate::device::DeviceTensors) hook; and the optimizer step from gradients
+//! the caller computed ([`ZeroEngine::step_grads`], what burn-train's `Learner` drives).
 
 use std::collections::HashMap;
 
 use burn::optim::GradientsParams;
 use zero_comm::Communicator;
 
-use super::{Pending, ZeroEngine};
+use super::{Pending, ZeroEngine, check_lr};
 use crate::error::{Error, Result};
 use crate::params;
+use crate::precision::StepInfo;
 use crate::segmented::Segmented;
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// One optimizer step from gradients computed outside the engine, by a forward and backward
+    /// over this rank's copy of the model (the engine's model, or a clone of it: the gradients
+    /// are found by [`ParamId`](burn::module::ParamId)), as burn-train's `TrainStep::step` does:
+    /// the reductions, the global norm and clipping, the sharded update, the new weights
+    /// published into the engine's model. Returns what the step did; the loss is the caller's.
+    ///
+    /// The gradients must be those of one micro-batch's mean loss, unscaled: the plan must have
+    /// `gradient_accumulation_steps = 1` (accumulate before, as burn's `GradientsAccumulator`
+    /// does). Refused at stage 3 (the engine gathers the weights for its own forward only; use
+    /// [`ZeroEngine::step`]) and in fp16 (the loss scale must multiply the loss before the
+    /// backward). A parameter without a gradient counts as zeros, as in [`ZeroEngine::step`].
+    pub fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<StepInfo> {
+        self.check_external_grads()?;
+        check_lr(lr)?;
+        let overlap = self.plan.config().overlap_comm;
+        let max_reduces = usize::from(overlap);
+        let segments = self.model.num_segments();
+        self.with_exec(overlap, |t, exec| {
+            let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
+                (0..t.plan.units().len()).map(|_| None).collect();
+            for i in (0..segments).rev() {
+                t.collect_grads(i, grads, &mut pending)?;
+            }
+            for i in (0..segments).rev() {
+                t.reduce_completed(exec, i, &mut pending, max_reduces)?;
+            }
+            Ok(())
+        })?;
+        self.micro += 1;
+        self.sample_memory();
+        self.micro_losses.clear();
+        self.optimizer_step(lr)?;
+        Ok(self.last_step)
+    }
+
+    /// Why [`ZeroEngine::step_grads`] cannot serve this engine, if it cannot.
+    pub(crate) fn check_external_grads(&self) -> Result<()> {
+        let cfg = self.plan.config();
+        let refuse = |field, got: String, expected: &str| {
+            Err(Error::Invalid {
+                field,
+                got,
+                expected: expected.into(),
+            })
+        };
+        if self.plan.stage() == 3 {
+            return refuse(
+                "stage",
+                "3".into(),
+                "0, 1 or 2 for gradients computed outside the engine (at stage 3 the engine \
+                 gathers the weights for its own forward: use step)",
+            );
+        }
+        if self.scaler.is_some() {
+            return refuse(
+                "precision",
+                "fp16".into(),
+                "fp32 or bf16 for gradients computed outside the engine (fp16's loss scale must \
+                 multiply the loss before the backward: use step)",
+            );
+        }
+        if cfg.gradient_accumulation_steps != 1 {
+            return refuse(
+                "gradient_accumulation_steps",
+                cfg.gradient_accumulation_steps.to_string(),
+                "1 for gradients computed outside the engine (accumulate them before the step)",
+            );
+        }
+        Ok(())
+    }
+
     /// Moves the gradients of segment `seg`'s trainable parameters in `gp` into their units'
     /// buffers in `pending` (created on first use), on the device where the unit is packed there.
     pub(super) fn collect_grads(

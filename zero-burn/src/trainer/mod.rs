@@ -370,13 +370,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 expected: format!("{a}, the plan's gradient_accumulation_steps"),
             });
         }
-        if !lr.is_finite() || lr < 0.0 {
-            return Err(Error::Invalid {
-                field: "lr",
-                got: lr.to_string(),
-                expected: "a finite learning rate >= 0".into(),
-            });
-        }
+        check_lr(lr)?;
         let mut loss = 0.0f64;
         self.micro_losses.clear();
         for batch in batches {
@@ -419,4 +413,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         r
     }
+}
+
+/// A learning rate the optimizer step accepts: finite and not negative.
+pub(super) fn check_lr(lr: f32) -> Result<()> {
+    if lr.is_finite() && lr >= 0.0 {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        field: "lr",
+        got: lr.to_string(),
+        expected: "a finite learning rate >= 0".into(),
+    })
 }

@@ -1,6 +1,8 @@
 //! The tiny model, data and options the trainer tests share.
 #![allow(dead_code)]
 
+pub(crate) mod points;
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -1,0 +1,272 @@
+//! burn-train's `Learner` over the engine's sharded optimizer step (`zero_burn::learner`): a
+//! classifier written for plain burn-train (its own `TrainStep`, `InferenceStep`, burn's
+//! `DataLoader`, `LossMetric`, the file metric logger, the model checkpointer) trains under
+//! `SupervisedTraining` on two in-process ranks at stages 0–2. Oracle: the same model, data
+//! order and optimizer through the engine's own loop (`ZeroEngine::step`): the weights are
+//! bit-identical, and the losses burn-train's metric logger wrote equal the engine's.
+#![cfg(feature = "burn-train")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use burn_train::logger::{FileMetricLogger, MetricLogger};
+use burn_train::metric::store::Split;
+use burn_train::metric::{LossMetric, NumericEntry};
+use burn_train::{ClassificationOutput, InferenceStep, SupervisedTraining, TrainOutput, TrainStep};
+use zero_burn::learner::Sharded;
+use zero_burn::{Error, Launch, Optimizer, Whole, ZeroEngine};
+use zero_core::{Precision, Topology, ZeroConfig};
+
+use common::points::{B, Point, PointBatch, ResMlp, bits, cross_entropy, loader, points, values};
+
+/// The user's model, written for plain burn-train: nothing zero-rs-specific.
+#[derive(Module, Debug)]
+struct Classifier {
+    net: ResMlp,
+}
+
+impl Classifier {
+    fn classify(&self, b: PointBatch) -> ClassificationOutput {
+        let logits = self.net.forward(b.x);
+        let loss = cross_entropy(logits.clone(), b.y.clone());
+        ClassificationOutput::new(loss, logits, b.y)
+    }
+}
+
+impl TrainStep for Classifier {
+    type Input = PointBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, b: PointBatch) -> TrainOutput<ClassificationOutput> {
+        let item = self.classify(b);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl InferenceStep for Classifier {
+    type Input = PointBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, b: PointBatch) -> ClassificationOutput {
+        self.classify(b)
+    }
+}
+
+/// The engine's view of the same model: one segment, the same loss.
+fn whole() -> Whole<
+    Classifier,
+    PointBatch,
+    impl Fn(&Classifier, &PointBatch) -> burn::tensor::Tensor<1> + Clone + Send + 'static,
+> {
+    let model = Classifier {
+        net: ResMlp::new(&Device::flex().autodiff()),
+    };
+    Whole::new(model, |m: &Classifier, b: &PointBatch| {
+        cross_entropy(m.net.forward(b.x.clone()), b.y.clone())
+    })
+}
+
+const N: usize = 2;
+const EPOCHS: usize = 2;
+/// Optimizer steps per epoch.
+const STEPS: usize = 4;
+const LR: f64 = 2e-2;
+
+/// Rank `rank`'s points: global batch `s·N + rank` of every step `s` of an epoch.
+fn rank_points(all: &[Point], rank: usize) -> Vec<Point> {
+    all.chunks_exact(B)
+        .enumerate()
+        .filter(|(k, _)| k % N == rank)
+        .flat_map(|(_, c)| c.to_vec())
+        .collect()
+}
+
+fn cfg(stage: u8) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        gradient_accumulation_steps: 1,
+        ..Default::default()
+    }
+}
+
+fn optimizer() -> Optimizer {
+    Optimizer::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    }
+}
+
+/// What a rank ended with: the weights, and its loss per optimizer step.
+struct Ran {
+    params: Vec<Vec<f32>>,
+    losses: Vec<f64>,
+    steps: u64,
+}
+
+fn dir(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("zero-burn-train-{tag}-{}", std::process::id()))
+}
+
+/// Every rank under burn-train's `SupervisedTraining`, the engine stepping the optimizer.
+fn with_learner(stage: u8, root: &Path) -> Vec<Ran> {
+    let all = points(STEPS * N * B);
+    let valid = points(2 * B);
+    Launch::new(Topology::new(N, N).unwrap())
+        .timeout(Duration::from_secs(60))
+        .run_with(&whole(), |comm, model| {
+            let rank = zero_comm::Communicator::rank(&comm);
+            let engine = ZeroEngine::builder(comm, model)
+                .config(cfg(stage))
+                .optimizer(optimizer())
+                .build()?;
+            let learner = Sharded::new(engine)?.learner(LR);
+            let out = root.join(format!("rank{rank}"));
+            let trained =
+                SupervisedTraining::new(&out, loader(&rank_points(&all, rank)), loader(&valid))
+                    .metrics((LossMetric::new(),))
+                    .num_epochs(EPOCHS)
+                    .with_default_checkpointers()
+                    .with_application_logger(None)
+                    .launch(learner);
+            assert!(trained.error.is_none(), "rank {rank}: {:?}", trained.error);
+            let model = trained.model;
+            let steps = model.engine().steps();
+            let mut logger = FileMetricLogger::new(&out);
+            let mut losses = Vec::new();
+            for epoch in 1..=EPOCHS {
+                let read = logger.read_numeric("Loss", epoch, &Split::Train);
+                // One entry per step, then the epoch's `Final` mean.
+                losses.extend(
+                    read.expect("the loss log")
+                        .iter()
+                        .filter(|e| !matches!(e, NumericEntry::Final(_)))
+                        .map(NumericEntry::current),
+                );
+            }
+            Ok(Ran {
+                params: values(model.model()),
+                losses,
+                steps,
+            })
+        })
+        .unwrap()
+}
+
+/// The oracle: the engine's own loop over the same batches, in the same order.
+fn with_engine(stage: u8) -> Vec<Ran> {
+    let all = points(STEPS * N * B);
+    Launch::new(Topology::new(N, N).unwrap())
+        .timeout(Duration::from_secs(60))
+        .run_with(&whole(), |comm, model| {
+            let rank = zero_comm::Communicator::rank(&comm);
+            let mut engine = ZeroEngine::builder(comm, model)
+                .config(cfg(stage))
+                .optimizer(optimizer())
+                .build()?;
+            let data = loader(&rank_points(&all, rank));
+            let mut losses = Vec::new();
+            for _ in 0..EPOCHS {
+                for b in data.iter() {
+                    let b = b.expect("in-memory data");
+                    losses.push(f64::from(engine.step(LR as f32, &[b])?.loss));
+                }
+            }
+            Ok(Ran {
+                params: values(&engine.consolidated_model()?.module),
+                losses,
+                steps: engine.steps(),
+            })
+        })
+        .unwrap()
+}
+
+#[test]
+fn learner_at_stages_0_to_2_equals_the_engine_loop_bit_for_bit() {
+    let root = dir("stages");
+    let mut first: Option<Vec<Vec<u32>>> = None;
+    for stage in 0..=2u8 {
+        let learned = with_learner(stage, &root.join(format!("s{stage}")));
+        let oracle = with_engine(stage);
+        for (rank, (l, o)) in learned.iter().zip(&oracle).enumerate() {
+            assert_eq!(
+                l.steps,
+                (EPOCHS * STEPS) as u64,
+                "stage {stage} rank {rank}"
+            );
+            assert_eq!(
+                bits(&l.params),
+                bits(&o.params),
+                "stage {stage} rank {rank}: burn-train's weights differ from the engine loop's"
+            );
+            // burn-train's loss metric, read back from its log: one entry per step, the rank's
+            // own batch loss (f32 widened, as the engine's).
+            assert_eq!(l.losses.len(), o.losses.len(), "stage {stage} rank {rank}");
+            for (s, (a, b)) in l.losses.iter().zip(&o.losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs(),
+                    "stage {stage} rank {rank} step {s}: logged loss {a}, engine {b}"
+                );
+            }
+        }
+        assert!(
+            learned[0].losses.last() < learned[0].losses.first(),
+            "the loss fell: {:?}",
+            learned[0].losses
+        );
+        // Bit-identical across stages too (the engine's invariant, through burn-train).
+        let b = bits(&learned[0].params);
+        match &first {
+            None => first = Some(b),
+            Some(f) => assert_eq!(f, &b, "stage {stage} differs from stage 0"),
+        }
+        // burn's model checkpointer wrote each epoch's full model.
+        for epoch in 1..=EPOCHS {
+            let file = root.join(format!("s{stage}/rank0/checkpoint/model-{epoch}.bpk"));
+            assert!(file.is_file(), "no {}", file.display());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Stage 3, fp16 and accumulation in the plan are refused when the adapter is built, naming
+/// the option, before any step.
+#[test]
+fn stage_3_fp16_and_accumulation_are_refused_up_front() {
+    let cases = [
+        (ZeroConfig { stage: 3, ..cfg(0) }, "stage"),
+        (
+            ZeroConfig {
+                precision: Precision::Fp16,
+                ..cfg(1)
+            },
+            "precision",
+        ),
+        (
+            ZeroConfig {
+                gradient_accumulation_steps: 2,
+                ..cfg(2)
+            },
+            "gradient_accumulation_steps",
+        ),
+    ];
+    for (cfg, want) in cases {
+        let got = Launch::new(Topology::new(1, 1).unwrap())
+            .run_with(&whole(), |comm, model| {
+                let engine = ZeroEngine::builder(comm, model)
+                    .config(cfg.clone())
+                    .build()?;
+                Ok(Sharded::new(engine).err())
+            })
+            .unwrap();
+        match &got[0] {
+            Some(Error::Invalid { field, .. }) => assert_eq!(*field, want),
+            other => panic!("{want}: {other:?}"),
+        }
+    }
+}
