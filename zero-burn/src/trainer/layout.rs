@@ -1,7 +1,8 @@
-//! Where one rank's state lives, derived once from the plan and the model's segments: pure (no
-//! burn, no communicator) and immutable after the engine is built.
+//! Where one rank's state lives and which collectives serve each unit, derived once from the
+//! plan (its units and its schedule) and the model's segments: pure (no burn, no communicator)
+//! and immutable after the engine is built.
 
-use zero_core::{Plan, UnitKind};
+use zero_core::{Collective, GroupKind, Phase, Plan, UnitKind};
 
 use crate::error::{Error, Result};
 
@@ -25,6 +26,23 @@ pub(crate) struct RankLayout {
     pub(crate) acc_len: usize,
     /// Elements of the optimizer state (per moment) and of the master weights.
     pub(crate) opt_len: usize,
+    /// How each trainable unit's gradients are reduced, read from `Plan::schedule()`.
+    pub(crate) reduce: Vec<Option<ReduceBy>>,
+    /// The group each stage-3 gather unit is gathered over for the backward (with activation
+    /// checkpointing), read from `Plan::schedule()`: the world, or the hpZ group.
+    pub(crate) backward_gather: Vec<Option<GroupKind>>,
+}
+
+/// How a trainable unit's gradients are reduced: the collective the plan's schedule lists for
+/// it, so the micro-step runs what the plan counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReduceBy {
+    /// Stage 0: an all-reduce of the whole unit.
+    AllReduce,
+    /// A reduce-scatter to the ranks' chunks.
+    ReduceScatter,
+    /// qgZ: int4 all-to-alls within the node, then across nodes.
+    Qgz,
 }
 
 impl RankLayout {
@@ -43,6 +61,8 @@ impl RankLayout {
             acc_len: 0,
             opt_len: 0,
             param_segment,
+            reduce: vec![None; units.len()],
+            backward_gather: vec![None; units.len()],
         };
         for (u, unit) in units.iter().enumerate() {
             let segs = plan
@@ -75,7 +95,58 @@ impl RankLayout {
                 l.seg_units[lo].push(u);
             }
         }
+        l.read_schedule(plan)?;
         Ok(l)
+    }
+
+    /// Each unit's reduction and backward gather from the plan's schedule. Every trainable unit
+    /// is reduced by exactly one kind of collective, and nothing else is.
+    fn read_schedule(&mut self, plan: &Plan) -> Result<()> {
+        let mismatch = |what: String| Err(Error::PlanMismatch { what });
+        for op in plan.schedule() {
+            let Some(u) = op.unit else { continue };
+            let kind = match (op.phase, op.collective) {
+                (Phase::GradReduce, Collective::AllReduce) => ReduceBy::AllReduce,
+                (Phase::GradReduce, Collective::ReduceScatter) => ReduceBy::ReduceScatter,
+                (Phase::GradReduce, Collective::AllToAll) => ReduceBy::Qgz,
+                (Phase::Backward, Collective::AllGather) => {
+                    self.backward_gather[u] = Some(op.group);
+                    continue;
+                }
+                _ => continue,
+            };
+            match self.reduce[u].replace(kind) {
+                Some(k) if k != kind => {
+                    return mismatch(format!(
+                        "the schedule reduces unit {u} by {k:?} and {kind:?}"
+                    ));
+                }
+                _ => {}
+            }
+        }
+        for (u, unit) in plan.units().iter().enumerate() {
+            // qgZ's all-to-alls move nothing in a group of one rank, so the schedule lists none
+            // at world size 1; the unit still goes through qgZ's codec path.
+            let qgz_alone = plan.world_size() == 1
+                && plan.config().quantized_gradients
+                && plan.stage() == 3
+                && unit.kind == UnitKind::Gather;
+            if unit.trainable && self.reduce[u].is_none() && qgz_alone {
+                self.reduce[u] = Some(ReduceBy::Qgz);
+            }
+            if unit.trainable != self.reduce[u].is_some() {
+                return mismatch(format!(
+                    "the schedule's reductions of unit {u} ({:?}) do not match its being {}",
+                    self.reduce[u],
+                    if unit.trainable {
+                        "trainable"
+                    } else {
+                        "frozen"
+                    }
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -149,6 +220,39 @@ mod tests {
                 for e in p.unit_entries(u) {
                     assert_eq!(l.param_segment[e.param], s);
                 }
+            }
+        }
+    }
+
+    /// The reductions and backward gathers the micro-step runs are the schedule's: stage 0
+    /// all-reduces, 1–2 reduce-scatter, 3 reduce-scatters or (qgZ) all-to-alls gather units,
+    /// frozen units are never reduced, backward gathers run over the hpZ group when it is on.
+    #[test]
+    fn collectives_are_read_from_the_schedule() {
+        for (stage, qgz, hpz, want) in [
+            (0, false, 1, ReduceBy::AllReduce),
+            (1, false, 1, ReduceBy::ReduceScatter),
+            (2, false, 1, ReduceBy::ReduceScatter),
+            (3, false, 1, ReduceBy::ReduceScatter),
+            (3, true, 2, ReduceBy::Qgz),
+        ] {
+            let p = plan(ZeroConfig {
+                stage,
+                quantized_gradients: qgz,
+                hpz_partition_size: hpz,
+                param_persistence_threshold: 0,
+                ..Default::default()
+            });
+            let l = RankLayout::new(&p, 2, vec![0, 0, 1, 1]).unwrap();
+            for (u, unit) in p.units().iter().enumerate() {
+                let reduce = unit.trainable.then_some(want);
+                assert_eq!(l.reduce[u], reduce, "stage {stage} unit {u}");
+                let back = (stage == 3 && p.config().recompute()).then_some(if hpz > 1 {
+                    GroupKind::Hpz
+                } else {
+                    GroupKind::World
+                });
+                assert_eq!(l.backward_gather[u], back, "stage {stage} unit {u}");
             }
         }
     }

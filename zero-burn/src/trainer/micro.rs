@@ -3,8 +3,9 @@
 
 use burn::optim::GradientsParams;
 use zero_comm::{Communicator, ReduceOp};
-use zero_core::UnitKind;
+use zero_core::GroupKind;
 
+use super::layout::ReduceBy;
 use super::{Pending, Ticket, ZeroEngine};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
@@ -197,6 +198,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let plan = self.plan.clone();
         let unit = &plan.units()[u];
         let off = self.layout.acc_offset[u].expect("only trainable units are reduced");
+        // What the plan's schedule lists for the unit (checked at build: every trainable unit
+        // has one).
+        let reduce = self.layout.reduce[u].expect("the schedule reduces every trainable unit");
         let len = unit.len as usize;
         let stage = plan.stage();
         let defer = stage <= 1 && plan.config().accumulate_before_reduce;
@@ -214,14 +218,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 // Allocated by the hook with the unit's length.
                 let bytes = len as u64 * 4;
                 self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
-                let job = if stage == 0 {
-                    Job::AllReduceDevice { data, op }
-                } else {
-                    Job::ReduceScatterDevice {
+                let job = match reduce {
+                    ReduceBy::AllReduce => Job::AllReduceDevice { data, op },
+                    ReduceBy::ReduceScatter | ReduceBy::Qgz => Job::ReduceScatterDevice {
                         data,
                         op,
-                        qgz: unit.kind == UnitKind::Gather,
-                    }
+                        qgz: reduce == ReduceBy::Qgz,
+                    },
                 };
                 let overwrite = false;
                 return exec.submit(
@@ -262,14 +265,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Elems::Device(_) => len as u64 * 4,
         };
         self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
-        let job = if stage == 0 {
-            Job::AllReduce { data, op }
-        } else {
-            Job::ReduceScatter {
+        let job = match reduce {
+            ReduceBy::AllReduce => Job::AllReduce { data, op },
+            ReduceBy::ReduceScatter | ReduceBy::Qgz => Job::ReduceScatter {
                 data,
                 op,
-                qgz: !defer && unit.kind == UnitKind::Gather,
-            }
+                qgz: reduce == ReduceBy::Qgz,
+            },
         };
         let overwrite = defer;
         exec.submit(
@@ -348,11 +350,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let unit = &plan.units()[u];
         let cl = plan.chunk_len(u) as usize;
         let so = unit.shard_offset as usize;
-        let hpz = backward && (self.secondary[u].is_some() || self.secondary16[u].is_some());
+        // The backward's group is the schedule's: the hpZ group, from the secondary shard.
+        let hpz = backward && self.layout.backward_gather[u] == Some(GroupKind::Hpz);
+        let no_secondary = || {
+            Error::Internal(format!(
+                "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
+            ))
+        };
         let piece = match (self.half, hpz) {
-            (None, true) => Elems::F32(self.secondary[u].clone().unwrap_or_default()),
+            (None, true) => Elems::F32(self.secondary[u].clone().ok_or_else(no_secondary)?),
             (None, false) => Elems::F32(self.shard[so..so + cl].to_vec()),
-            (Some(_), true) => Elems::U16(self.secondary16[u].clone().unwrap_or_default()),
+            (Some(_), true) => Elems::U16(self.secondary16[u].clone().ok_or_else(no_secondary)?),
             (Some(_), false) => Elems::U16(self.shard16[so..so + cl].to_vec()),
         };
         // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed

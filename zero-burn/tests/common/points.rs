@@ -150,3 +150,51 @@ pub(crate) fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
         .map(|p| p.iter().map(|x| x.to_bits()).collect())
         .collect()
 }
+
+/// Largest |a − b| relative to the largest |b|, over every element.
+pub(crate) fn rel_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    let scale = b.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
+    let gap = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    gap / scale
+}
+
+/// Checks a zero-rs run against plain burn's: the largest relative gap of the losses and of the
+/// parameters within `tol` (printed either way).
+pub(crate) fn assert_near_burn(
+    what: &str,
+    (losses, params): (&[f32], &[Vec<f32>]),
+    (want_losses, want_params): (&[f32], &[Vec<f32>]),
+    tol: f32,
+) {
+    let loss_gap = rel_gap(&[losses.to_vec()], &[want_losses.to_vec()]);
+    let param_gap = rel_gap(params, want_params);
+    eprintln!("{what}: loss gap {loss_gap:e}, parameter gap {param_gap:e}");
+    assert!(
+        loss_gap <= tol,
+        "{what}: losses {losses:?} vs burn {want_losses:?}"
+    );
+    assert!(param_gap <= tol, "{what}: parameter gap {param_gap:e}");
+}
+
+/// zero-rs's AdamW and burn's with the same betas (0.9, 0.999), ε 1e-8 and weight decay `wd`.
+/// burn decays the weights first, `p·(1 − lr·wd) − lr·u`; zero-rs computes `p − lr·(u + wd·p)`:
+/// the same update, rounded differently.
+pub(crate) fn adamw_pair(wd: f32) -> (zero_burn::Optimizer, burn::optim::ModuleOptimizer) {
+    let ours = zero_burn::Optimizer::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: wd,
+    };
+    let burns = burn::optim::AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.999)
+        .with_epsilon(1e-8)
+        .with_weight_decay(wd)
+        .init();
+    (ours, burns)
+}
