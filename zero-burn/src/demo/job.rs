@@ -43,8 +43,9 @@ pub enum Backend {
     /// burn's flex backend on the CPU with the host loopback (the reference; bit-exact).
     #[default]
     Host,
-    /// burn's wgpu backend with the wgpu loopback on one shared device (feature `wgpu`;
-    /// collectives stage through host memory, see [`crate::demo::run::train_wgpu`]).
+    /// burn's wgpu backend with the wgpu loopback on one shared device (feature `wgpu`; fp32
+    /// gradients and gathers go through the zero-copy bridge, the rest through host memory: see
+    /// [`crate::demo::run::train_wgpu`]).
     Wgpu,
 }
 

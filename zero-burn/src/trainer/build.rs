@@ -10,7 +10,7 @@ use zero_core::{Plan, TrafficTable, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
 use super::layout::RankLayout;
-use super::{EngineOptions, MeasuredMemory, ZeroEngine};
+use super::{EngineOptions, GradAccum, MeasuredMemory, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
 use crate::optim::OptimState;
@@ -39,8 +39,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             });
         }
         let half = Half::of(plan.config().precision);
-        let acc32 =
-            half.is_some() && plan.config().grad_accum_dtype == Some(zero_core::Precision::Fp32);
+        let accum = match (half, plan.config().grad_accum_dtype) {
+            (None, _) => GradAccum::F32,
+            (Some(_), Some(zero_core::Precision::Fp32)) => GradAccum::HalfIntoF32,
+            (Some(_), _) => GradAccum::Half,
+        };
         if half.is_some() && options.reduction == Reduction::CanonicalTree {
             return Err(Error::Invalid {
                 field: "reduction",
@@ -128,18 +131,18 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             half,
             shard16: Vec::new(),
             master: Vec::new(),
-            acc16: if half.is_some() && !acc32 {
+            acc16: if accum == GradAccum::Half {
                 vec![0; acc_len]
             } else {
                 Vec::new()
             },
-            acc32,
+            accum,
             scaler: (plan.config().precision == zero_core::Precision::Fp16)
                 .then(|| LossScaler::new(plan.config().loss_scaler)),
             opt_steps: 0,
             last_step: StepInfo::default(),
             inject_overflow: false,
-            acc: if half.is_some() && !acc32 {
+            acc: if accum == GradAccum::Half {
                 Vec::new()
             } else {
                 vec![0.0; acc_len]

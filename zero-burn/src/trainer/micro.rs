@@ -6,7 +6,7 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::GroupKind;
 
 use super::layout::ReduceBy;
-use super::{Pending, Ticket, ZeroEngine};
+use super::{GradAccum, Pending, Ticket, ZeroEngine};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::reduction::Reduction;
@@ -241,7 +241,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
             // written over the slot's start.
             match self.half {
-                Some(h) if !self.acc32 => h.add_f32_into(&mut self.acc16[off..off + len], &g),
+                Some(h) if self.accum == GradAccum::Half => {
+                    h.add_f32_into(&mut self.acc16[off..off + len], &g)
+                }
                 _ => add_into(&mut self.acc[off..off + len], &g),
             }
             if !last_micro {
@@ -249,7 +251,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
             match self.half {
                 None => Elems::F32(self.acc[off..off + len].to_vec()),
-                Some(h) if self.acc32 => Elems::U16(h.round_all(&self.acc[off..off + len])),
+                Some(h) if self.accum == GradAccum::HalfIntoF32 => {
+                    Elems::U16(h.round_all(&self.acc[off..off + len]))
+                }
                 Some(_) => Elems::U16(self.acc16[off..off + len].to_vec()),
             }
         } else {
@@ -295,7 +299,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
                 (Elems::F32(r), _) if overwrite => self.acc[off..off + r.len()].copy_from_slice(&r),
                 (Elems::F32(r), _) => self.accumulate(off, r),
-                (Elems::U16(r), Some(h)) if self.acc32 => {
+                (Elems::U16(r), Some(h)) if self.accum == GradAccum::HalfIntoF32 => {
                     let acc = &mut self.acc[off..off + r.len()];
                     for (a, &b) in acc.iter_mut().zip(&r) {
                         *a = if overwrite {

@@ -142,9 +142,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     master: Vec<f32>,
     /// bf16/fp16: the 16-bit gradient accumulator (`acc` is empty).
     acc16: Vec<u16>,
-    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients accumulate in `acc`
-    /// (f32) instead of `acc16`.
-    acc32: bool,
+    /// Where the reduced gradients accumulate: `acc` (f32) or `acc16`.
+    accum: GradAccum,
     /// fp16: the loss scaler.
     scaler: Option<LossScaler>,
     /// Optimizer updates applied (a skipped step does not count: Adam's bias correction).
@@ -413,6 +412,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         r
     }
+}
+
+/// Where a rank's reduced gradients accumulate between micro-steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GradAccum {
+    /// fp32 training: in `acc`.
+    F32,
+    /// bf16/fp16: in 16 bits, in `acc16`.
+    Half,
+    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients widened into `acc`.
+    HalfIntoF32,
 }
 
 /// A learning rate the optimizer step accepts: finite and not negative.

@@ -18,7 +18,7 @@ use std::borrow::Cow;
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
-use super::{HOME, ZeroEngine};
+use super::{GradAccum, HOME, ZeroEngine};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
 use crate::optim;
@@ -73,7 +73,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let grads = GradView {
             acc: &self.acc,
             acc16: &self.acc16,
-            half: half.filter(|_| !self.acc32),
+            half: half.filter(|_| self.accum == GradAccum::Half),
             inv,
         };
         let mut coef = 1.0f32;
