@@ -30,6 +30,9 @@
 //!    `ZERO_REQUIRE_WGPU=1` on the GPU's Vulkan driver: NVIDIA's ICD manifest is passed as
 //!    `VK_DRIVER_FILES`, and a machine without a Vulkan loader gets Debian's, unpacked from the
 //!    bundle's `debs/` into `<work>/vulkan`. No loader at all skips the step.
+//!    **calibration**: the codec figures (and NCCL's, as comments) written as
+//!    `<work>/gpu-calibration.toml`, the GPU class's simulator preset with this GPU's codec speeds,
+//!    for `cargo xtask simulate --cluster <that file>`.
 //! 7. **launch**: one rank per process over NCCL, as a user runs it (see [`launch`]): a release
 //!    xtask with `--features nccl` (built here, or the bundle's `xtask-nccl`) runs `launch
 //!    --nproc-per-node <GPUs> -- train --launcher nccl` on the tiny model; rank 0's report must
@@ -54,6 +57,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 
 mod bundle;
+mod calibration;
 mod launch;
 mod machine;
 mod wgpu;
@@ -534,6 +538,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     }
 
     // 5. Bandwidth: NCCL collectives, and the quantization kernels' figures from step 4.
+    let mut nccl_figures: Vec<(String, u64, f64)> = Vec::new();
     let nccl = programs
         .iter()
         .find(|(i, _)| PROGRAMS[*i].name == "zero-comm-nccl");
@@ -557,10 +562,10 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
                 .env("ZERO_GPU_BENCH", "1")
                 .env("ZERO_GPU_BENCH_MIB", a.bench_mib.to_string());
             let r = run_limited("bench", bench, limit, true)?;
-            let figures: Vec<String> = r
-                .stdout
-                .iter()
-                .filter_map(|l| parse_bw_line(l))
+            let parsed: Vec<_> = r.stdout.iter().filter_map(|l| parse_bw_line(l)).collect();
+            nccl_figures.extend(parsed.iter().map(|(op, b, s, _)| (op.clone(), *b, *s)));
+            let figures: Vec<String> = parsed
+                .into_iter()
                 .map(|(op, bytes, secs, gbps)| {
                     format!(
                         "{op} {} MiB: {gbps:.1} GB/s ({:.1} µs)",
@@ -596,6 +601,13 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
             quant_figures.join("; ")
         },
     });
+
+    steps.push(calibration_step(
+        &gpus,
+        &quant_figures,
+        &nccl_figures,
+        &work,
+    ));
 
     steps.push(Step {
         name: "train",
@@ -658,6 +670,45 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         bail!("gpu-check failed: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// Writes what the codecs and NCCL measured as `<work>/gpu-calibration.toml`, a cluster file for
+/// `cargo xtask simulate --cluster FILE` ([`calibration`]).
+fn calibration_step(
+    gpus: &[String],
+    quant: &[String],
+    nccl: &[(String, u64, f64)],
+    work: &Path,
+) -> Step {
+    // `index, name, driver, memory` (nvidia-smi's CSV).
+    let name = gpus
+        .first()
+        .and_then(|g| g.split(',').nth(1))
+        .map_or("unknown GPU", str::trim);
+    let codecs: Vec<_> = quant
+        .iter()
+        .filter_map(|l| calibration::parse_codec(l))
+        .collect();
+    let path = work.join("gpu-calibration.toml");
+    let r = calibration::cluster_toml(name, &codecs, nccl).and_then(|text| {
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+    });
+    Step {
+        name: "calibration",
+        verdict: if r.is_ok() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail
+        },
+        secs: None,
+        detail: match r {
+            Ok(()) => format!(
+                "{} (codec speeds for `cargo xtask simulate --cluster` that file)",
+                path.display()
+            ),
+            Err(e) => format!("not written: {e:#}"),
+        },
+    }
 }
 
 /// The tests step's verdict from the cookie's text and the programs that failed: PASS only when
@@ -737,6 +788,34 @@ mod tests {
 
     fn full_cookie() -> String {
         GPU_TESTS.iter().map(|t| format!("{t} ok\n")).collect()
+    }
+
+    /// The calibration step writes a cluster file `simulate` loads, on the GPU's preset, from
+    /// the quant lines of step 4; without them it fails, saying why.
+    #[test]
+    fn the_calibration_step_writes_a_cluster_file() {
+        let work = std::env::temp_dir().join(format!("zero-gpu-cal-{}", std::process::id()));
+        std::fs::create_dir_all(&work).unwrap();
+        let gpus = vec!["0, NVIDIA A100-SXM4-80GB, 580.65, 81920 MiB".to_string()];
+        let quant = [
+            "codec=int8 n=1 encode_gbps=900.0 decode_gbps=1000.0",
+            "codec=int4 n=1 encode_gbps=700.0 decode_gbps=800.0",
+        ]
+        .map(String::from);
+        let s = calibration_step(&gpus, &quant, &[], &work);
+        assert_eq!(s.verdict, Verdict::Pass, "{}", s.detail);
+        let text = std::fs::read_to_string(work.join("gpu-calibration.toml")).unwrap();
+        let c = zero_core::sim::Cluster::from_toml(&text).unwrap();
+        assert!(
+            c.name.contains("dgx-a100") && c.name.contains("A100-SXM4-80GB"),
+            "{}",
+            c.name
+        );
+        assert!((c.codec.int4_decode * c.gpu.hbm_gbytes_per_s - 800.0).abs() < 1e-6);
+        let s = calibration_step(&gpus, &[], &[], &work);
+        assert_eq!(s.verdict, Verdict::Fail);
+        assert!(s.detail.contains("no int8 codec figures"), "{}", s.detail);
+        std::fs::remove_dir_all(&work).unwrap();
     }
 
     #[test]
