@@ -147,41 +147,48 @@ fn offline_verify_checks_every_file() {
     );
 }
 
-/// `init_from_safetensors` (`cargo xtask train --init`): an f32 export loaded into a fresh model
-/// of another seed gives every parameter the exported bits, a bf16 export the widened bf16 bits;
-/// a model of another shape, a truncated file or a missing tensor is refused, naming it.
-#[test]
-fn an_export_initialises_a_fresh_model_with_identical_bits() {
-    use burn::tensor::Device;
-    use zero_burn::checkpoint::init_from_safetensors;
-    use zero_burn::demo::gpt::GptConfig;
-    use zero_burn::params::{describe, read_values};
+/// A 2-rank stage-3 checkpoint of 2 steps saved into `store`; the gathered weights.
+fn stage3_trained(store: &dyn Storage) -> Vec<Vec<f32>> {
     let cfg = ZeroConfig {
         stage: 3,
         param_persistence_threshold: 64,
         ..Default::default()
     };
+    trained(&cfg, store).1
+}
+
+/// A fresh GPT of the tiny one's vocabulary and context, `layers` blocks of `d_model`.
+fn gpt_layers(d_model: usize, layers: usize, seed: u64) -> zero_burn::demo::gpt::Gpt {
+    zero_burn::demo::gpt::GptConfig {
+        vocab: 16,
+        context: 8,
+        d_model,
+        heads: 2,
+        layers,
+    }
+    .init(&burn::tensor::Device::flex().autodiff(), seed)
+}
+
+/// Every parameter's values, in the model's order.
+fn values_of(m: &zero_burn::demo::gpt::Gpt) -> Vec<Vec<f32>> {
+    use zero_burn::params::{describe, read_values};
+    let want = describe(m)
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.id, i))
+        .collect();
+    read_values(m, &want).unwrap()
+}
+
+/// `init_from_safetensors` (`cargo xtask train --init`): an f32 export loaded into a fresh model
+/// of another seed gives every parameter the exported bits, a bf16 export the widened bf16 bits;
+/// a model of another shape, a truncated file or a missing tensor is refused, naming it.
+#[test]
+fn an_export_initialises_a_fresh_model_with_identical_bits() {
+    use zero_burn::checkpoint::init_from_safetensors;
     let store = MemStorage::new();
-    let (_, weights) = trained(&cfg, &store);
-    let gpt_layers = |d_model: usize, layers: usize, seed: u64| {
-        GptConfig {
-            vocab: 16,
-            context: 8,
-            d_model,
-            heads: 2,
-            layers,
-        }
-        .init(&Device::flex().autodiff(), seed)
-    };
+    let weights = stage3_trained(&store);
     let gpt = |d_model: usize, seed: u64| gpt_layers(d_model, 2, seed);
-    let values_of = |m: &zero_burn::demo::gpt::Gpt| {
-        let want = describe(m)
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.id, i))
-            .collect();
-        read_values(m, &want).unwrap()
-    };
     for (dtype, round) in [
         (ExportDtype::F32, None),
         (ExportDtype::Bf16, Some(Half::Bf16)),
@@ -213,4 +220,32 @@ fn an_export_initialises_a_fresh_model_with_identical_bits() {
             .to_string();
         assert!(e.contains("no tensor for the model's parameter"), "{e}");
     }
+}
+
+/// burn's own loader takes the export: `SafetensorsStore` (burn-store) applied to a fresh model of
+/// another seed through `ModuleSnapshot::load_from` finds every tensor by its path, leaves
+/// nothing missing or unused, and gives every parameter the gathered fp32 bits.
+#[test]
+fn burn_store_loads_the_export_into_a_fresh_model() {
+    use burn_store::{ModuleSnapshot, SafetensorsStore};
+    let store = MemStorage::new();
+    let weights = stage3_trained(&store);
+    let out = MemStorage::new();
+    export_safetensors(&store, None, &out, "m.safetensors", ExportDtype::F32).unwrap();
+    let bytes = out.read("m.safetensors").unwrap().unwrap();
+    let mut fresh = gpt_layers(16, 2, 7);
+    assert_ne!(bits(&values_of(&fresh)), bits(&weights), "another seed");
+    let mut st = SafetensorsStore::from_bytes(Some(bytes));
+    let applied = fresh
+        .load_from(&mut st)
+        .expect("burn-store loads the export");
+    assert!(
+        applied.missing.is_empty() && applied.unused.is_empty() && applied.errors.is_empty(),
+        "missing {:?}, unused {:?}, errors {:?}",
+        applied.missing,
+        applied.unused,
+        applied.errors
+    );
+    assert_eq!(applied.applied.len(), weights.len());
+    assert_eq!(bits(&values_of(&fresh)), bits(&weights));
 }

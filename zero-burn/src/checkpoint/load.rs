@@ -11,6 +11,7 @@ use zero_core::checkpoint::{
     CkptLayout, CopyRun, FileRecord, LatestPointer, Manifest, copies, fingerprint,
 };
 
+use super::ranged::{Pieces, RankIndex};
 use super::shard::{self, Expect, ShardFile};
 use super::storage::{Storage, join};
 use super::{
@@ -20,10 +21,33 @@ use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
 
+/// A saved rank file as the load reads it: whole on the same plan (a rank needs all of its own
+/// file), by verified blocks on a reshard (a rank needs parts of one or more files).
+enum Source {
+    Whole(ShardFile),
+    Blocks(Pieces),
+}
+
+impl Source {
+    fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
+        match self {
+            Source::Whole(f) => f.check(name, len, range),
+            Source::Blocks(p) => p.check(name, len, range),
+        }
+    }
+
+    fn read_into(&self, name: &str, len: u64, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        match self {
+            Source::Whole(f) => f.read_into(name, len, range, dst),
+            Source::Blocks(p) => p.read_into(name, len, range, dst),
+        }
+    }
+}
+
 /// Everything read and verified, ready to restore.
 struct Prepared {
     /// The verified source files, by saved rank.
-    files: BTreeMap<usize, ShardFile>,
+    files: BTreeMap<usize, Source>,
     /// Per destination unit: the copy runs into it, each with the saved rank whose chunk it
     /// lands in (every tensor a run reads already checked to exist with its length).
     runs: Vec<Vec<(usize, CopyRun)>>,
@@ -165,26 +189,39 @@ fn prepare<C: Communicator, M: Segmented>(
         })
         .collect();
 
-    // The source files those runs read, each read and verified whole.
-    let mut files: BTreeMap<usize, ShardFile> = BTreeMap::new();
-    for &(_, r) in &runs {
-        let k = r.src_rank;
-        if files.contains_key(&k) {
-            continue;
-        }
-        files.insert(k, open_file(store, &tag, &m, &mpath, k)?);
+    // The source files those runs read: on the same plan each read and verified whole; on a
+    // reshard only the checksum blocks the runs lie in, each verified.
+    let states = m.scalars.optimizer_states;
+    let tensors = |r: &CopyRun| -> Vec<(String, u64, Range<usize>)> {
+        let real = src.real_in_chunk(r.src_unit, r.src_rank);
+        let range = r.src_off as usize..(r.src_off + r.len) as usize;
+        ["w", "m", "v"]
+            .into_iter()
+            .enumerate()
+            .filter(|&(state, _)| state == 0 || states >= state)
+            .map(|(_, name)| (shard::name(name, r.src_unit), real, range.clone()))
+            .collect()
+    };
+    let mut wanted: BTreeMap<usize, Vec<(String, u64, Range<usize>)>> = BTreeMap::new();
+    for (_, r) in &runs {
+        wanted.entry(r.src_rank).or_default().extend(tensors(r));
+    }
+    let mut files: BTreeMap<usize, Source> = BTreeMap::new();
+    for (k, want) in wanted {
+        let source = if resharding {
+            let index = RankIndex::open(store, &tag, &m, &mpath, k)?;
+            Source::Blocks(Pieces::read(store, index, &want)?)
+        } else {
+            Source::Whole(open_file(store, &tag, &m, &mpath, k)?)
+        };
+        files.insert(k, source);
     }
 
     // Every tensor a run reads exists with its length, so the restore cannot fail half-way.
-    let states = m.scalars.optimizer_states;
     let mut by_unit: Vec<Vec<(usize, CopyRun)>> = vec![Vec::new(); needs.len()];
     for (s, r) in runs {
-        for (state, name) in ["w", "m", "v"].into_iter().enumerate() {
-            if state == 0 || states >= state {
-                let real = src.real_in_chunk(r.src_unit, r.src_rank);
-                let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
-                files[&r.src_rank].check(&shard::name(name, r.src_unit), real, a..b)?;
-            }
+        for (name, real, range) in tensors(&r) {
+            files[&r.src_rank].check(&name, real, range)?;
         }
         by_unit[r.dst_unit].push((s, r));
     }

@@ -1,7 +1,9 @@
 //! A rank file read in pieces: its header once, then any range of a tensor, each read together
 //! with the checksum blocks that cover it and verified before a byte is used. The export streams
-//! through it, so it never holds more than a header, a tensor and two blocks per piece.
+//! through it, so it never holds more than a header, a tensor and two blocks per piece; a
+//! resharding load reads through [`Pieces`], every block it needs once, verified up front.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use zero_core::CheckpointError;
@@ -30,8 +32,9 @@ impl RankIndex {
     ) -> Result<RankIndex> {
         let (path, rec) = locate_file(store, tag, m, mpath, k)?;
         check_block_count(&path, rec)?;
-        let head = read_verified(store, &path, rec, 0..16.min(rec.bytes))?;
-        let len = head
+        // The first block holds the header's length, and usually the whole header.
+        let first = read_verified(store, &path, rec, 0..rec.block_size.max(16).min(rec.bytes))?;
+        let len = first
             .get(8..16)
             .and_then(|b| b.try_into().ok())
             .map_or(0, u64::from_le_bytes);
@@ -39,7 +42,12 @@ impl RankIndex {
             .checked_add(16)
             .filter(|&e| e <= rec.bytes)
             .unwrap_or(rec.bytes);
-        let bytes = match read_verified(store, &path, rec, 0..end) {
+        let whole = if end <= first.len() as u64 {
+            Ok(first[..end as usize].to_vec())
+        } else {
+            read_verified(store, &path, rec, 0..end)
+        };
+        let bytes = match whole {
             Ok(b) => b,
             Err(e) => {
                 // A readable header of another save or rank says more than a bad checksum.
@@ -80,6 +88,85 @@ impl RankIndex {
     }
 }
 
+/// The parts of saved rank file that a resharding load needs: every checksum block that one of
+/// the wanted tensor ranges lies in, read once (contiguous blocks in one read) and verified
+/// before anything is restored. A rank that needs a quarter of a file reads about a quarter.
+pub(crate) struct Pieces {
+    index: RankIndex,
+    /// Verified blocks by number.
+    blocks: BTreeMap<u64, Vec<u8>>,
+}
+
+impl Pieces {
+    /// Reads the blocks of `index`'s file that `wanted` (tensor name, its exact length, the
+    /// element range) lies in; checks that every tensor exists with its length first.
+    pub(crate) fn read(
+        store: &dyn Storage,
+        index: RankIndex,
+        wanted: &[(String, u64, Range<usize>)],
+    ) -> Result<Pieces> {
+        let block = index.rec.block_size.max(1);
+        let mut need = std::collections::BTreeSet::new();
+        for (name, len, range) in wanted {
+            if let Some(at) = index.table.locate(name, *len, range, range.len())?
+                && !at.is_empty()
+            {
+                need.extend(at.start / block..=(at.end - 1) / block);
+            }
+        }
+        let mut blocks = BTreeMap::new();
+        let need: Vec<u64> = need.into_iter().collect();
+        for run in need.chunk_by(|a, b| a + 1 == *b) {
+            let (b0, b1) = (run[0], run[run.len() - 1]);
+            let from = b0 * block;
+            let to = ((b1 + 1) * block).min(index.rec.bytes);
+            let bytes = read_blocks(store, index.table.file(), &index.rec, from..to)?;
+            for (i, chunk) in bytes.chunks(block as usize).enumerate() {
+                blocks.insert(b0 + i as u64, chunk.to_vec());
+            }
+        }
+        Ok(Pieces { index, blocks })
+    }
+
+    /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
+    pub(crate) fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
+        let n = range.len();
+        self.index.table.locate(name, len, &range, n).map(|_| ())
+    }
+
+    /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst` from the
+    /// verified blocks.
+    pub(crate) fn read_into(
+        &self,
+        name: &str,
+        len: u64,
+        range: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        let Some(at) = self.index.table.locate(name, len, &range, dst.len())? else {
+            return Ok(());
+        };
+        let block = self.index.rec.block_size.max(1);
+        let mut bytes = Vec::with_capacity((at.end - at.start) as usize);
+        let mut pos = at.start;
+        while pos < at.end {
+            let b = pos / block;
+            let data = self.blocks.get(&b).ok_or_else(|| {
+                crate::Error::Internal(format!(
+                    "{}: block {b} was not read for tensor {name}",
+                    self.index.table.file()
+                ))
+            })?;
+            let off = (pos - b * block) as usize;
+            let take = ((at.end - pos) as usize).min(data.len() - off);
+            bytes.extend_from_slice(&data[off..off + take]);
+            pos += take as u64;
+        }
+        decode_f32(&bytes, dst);
+        Ok(())
+    }
+}
+
 /// Bytes `range` of `path`, read with the whole checksum blocks that cover them, each block
 /// checked against `rec` first.
 fn read_verified(
@@ -95,8 +182,23 @@ fn read_verified(
     let (b0, b1) = (range.start / block, (range.end - 1) / block);
     let from = b0 * block;
     let to = ((b1 + 1) * block).min(rec.bytes);
+    let bytes = read_blocks(store, path, rec, from..to)?;
+    let (a, z) = ((range.start - from) as usize, (range.end - from) as usize);
+    Ok(bytes[a..z].to_vec())
+}
+
+/// Bytes `range` of `path`, which starts on a block boundary and ends on one (or at the end of
+/// the file), each block checked against its crc32c in `rec`.
+fn read_blocks(
+    store: &dyn Storage,
+    path: &str,
+    rec: &FileRecord,
+    range: Range<u64>,
+) -> Result<Vec<u8>> {
+    let block = rec.block_size.max(1);
+    let b0 = range.start / block;
     let bytes = store
-        .read_range(path, from, to - from)?
+        .read_range(path, range.start, range.end - range.start)?
         .ok_or_else(|| CheckpointError::Missing { file: path.into() })?;
     for (i, chunk) in bytes.chunks(block as usize).enumerate() {
         let b = b0 + i as u64;
@@ -115,6 +217,5 @@ fn read_verified(
             .into());
         }
     }
-    let (a, z) = ((range.start - from) as usize, (range.end - from) as usize);
-    Ok(bytes[a..z].to_vec())
+    Ok(bytes)
 }
