@@ -680,11 +680,12 @@ fn calibration_step(
     nccl: &[(String, u64, f64)],
     work: &Path,
 ) -> Step {
-    // `index, name, driver, memory` (nvidia-smi's CSV).
+    // `index, name, driver, memory` (nvidia-smi's CSV; anything else is another message).
     let name = gpus
         .first()
-        .and_then(|g| g.split(',').nth(1))
-        .map_or("unknown GPU", str::trim);
+        .map(|g| g.split(',').collect::<Vec<_>>())
+        .filter(|f| f.len() == 4)
+        .map_or("unknown GPU", |f| f[1].trim());
     let codecs: Vec<_> = quant
         .iter()
         .filter_map(|l| calibration::parse_codec(l))

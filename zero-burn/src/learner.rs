@@ -29,8 +29,12 @@
 //!   SGD, which keeps no state); burn's per-parameter gradient clipping does not apply, the
 //!   engine's global-norm clipping does. One learning rate: `ModuleLearningRate::base`.
 //! - burn's checkpointer saves `Learner`'s model (full weights) and the unused optimizer's empty
-//!   record, not the shards: a resume through burn-train restarts the optimizer state. For a
-//!   bit-exact resume, save the engine ([`Sharded::engine`], `ZeroEngine::save`).
+//!   record, not the shards. A resume through burn-train (`SupervisedTraining::checkpoint`)
+//!   loads the record into `Learner`'s model, not into the engine, so the next step refuses
+//!   (as it does after any `Module::map` of the model, a freeze for instance): resume from the
+//!   engine's own checkpoint ([`Sharded::engine`], `ZeroEngine::save` and `load`).
+//! - burn-train's multi-device strategy is refused (`optimize_multi`); run one single-device
+//!   `SupervisedTraining` per rank.
 //! - The feature turns on burn-flex's SIMD kernels and rayon for the whole build (burn-train asks
 //!   for flex's default features), so flex's float results differ from a build without it; each
 //!   build is deterministic on its own.
@@ -78,6 +82,9 @@ pub struct Sharded<M, E> {
     model: M,
     engine: Arc<Mutex<E>>,
     last: Arc<Mutex<Option<StepInfo>>>,
+    /// Set by [`Module::map`] (a record loaded into burn-train's model, a freeze): values the
+    /// engine does not have, which its next step would silently replace.
+    mapped: bool,
 }
 
 impl<C, M, B, F> Sharded<M, ZeroEngine<C, Whole<M, B, F>>>
@@ -97,6 +104,7 @@ where
             model: engine.model().module.clone(),
             engine: Arc::new(Mutex::new(engine)),
             last: Arc::default(),
+            mapped: false,
         })
     }
 }
@@ -108,7 +116,8 @@ impl<M, E> Sharded<M, E> {
     }
 
     /// The engine, for its report, checkpoints or consolidated model (after training, or between
-    /// `SupervisedTraining` runs).
+    /// `SupervisedTraining` runs). After a step that panicked its state is undefined (the next
+    /// `optimize` refuses it).
     pub fn engine(&self) -> MutexGuard<'_, E> {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -137,6 +146,7 @@ impl<M: Clone, E> Clone for Sharded<M, E> {
             model: self.model.clone(),
             engine: self.engine.clone(),
             last: self.last.clone(),
+            mapped: self.mapped,
         }
     }
 }
@@ -161,6 +171,7 @@ impl<M, E> Sharded<M, E> {
             model: f(self.model),
             engine: self.engine,
             last: self.last,
+            mapped: self.mapped,
         }
     }
 }
@@ -184,6 +195,7 @@ impl<M: Module, E: Send + 'static> Module for Sharded<M, E> {
             model: self.model.valid(),
             engine: self.engine.clone(),
             last: self.last.clone(),
+            mapped: self.mapped,
         }
     }
     fn materialize(self) -> Self {
@@ -192,8 +204,12 @@ impl<M: Module, E: Send + 'static> Module for Sharded<M, E> {
     fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
         self.model.visit(visitor)
     }
+    /// Marks the model as changed behind the engine's back: the next optimizer step refuses
+    /// (see the module docs).
     fn map<Mm: ModuleMapper>(self, mapper: &mut Mm) -> Self {
-        self.with(|m| m.map(mapper))
+        let mut s = self.with(|m| m.map(mapper));
+        s.mapped = true;
+        s
     }
 }
 
@@ -209,31 +225,61 @@ where
         self.model.step(item)
     }
 
-    /// The engine's step in place of burn's optimizer (which is never used).
+    /// The engine's step in place of burn's optimizer (which is never used). The updated model
+    /// comes back on the device the Learner's model was on.
     fn optimize(
         self,
         _unused: &mut ModuleOptimizer,
         lr: ModuleLearningRate,
         grads: GradientsParams,
     ) -> Self {
-        let lr = lr.base() as f32;
-        let stepped = self
-            .engine
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .step_grads(lr, &grads);
+        // burn's `optimize` returns no error: a failure ends this rank's training (module docs).
+        let fail =
+            |why: String| -> ! { panic!("zero-burn: the sharded optimizer step failed: {why}") };
+        if self.mapped {
+            fail(
+                "the model was changed through Module::map (a record loaded into burn-train's \
+                 model, e.g. a SupervisedTraining::checkpoint resume, or a freeze); the engine \
+                 holds the weights and would overwrite it: resume from the engine's checkpoint"
+                    .into(),
+            );
+        }
+        let device = self.model.devices().into_iter().next();
+        let stepped = match self.engine.lock() {
+            Ok(mut engine) => engine.step_grads(lr.base() as f32, &grads),
+            Err(_) => fail("the engine panicked in an earlier step".into()),
+        };
         match stepped {
             Ok((model, info)) => {
                 *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(info);
+                let model = match device {
+                    Some(d) => model.fork(&d),
+                    None => model,
+                };
                 Self {
                     model,
                     engine: self.engine,
                     last: self.last,
+                    mapped: false,
                 }
             }
-            // burn's `optimize` returns no error: end this rank's training (see the module docs).
-            Err(e) => panic!("zero-burn: the sharded optimizer step failed: {e}"),
+            Err(e) => fail(e.to_string()),
         }
+    }
+
+    /// burn-train's multi-device strategy (`MultiDeviceOptim::OptimSharded`) would step burn's
+    /// unused optimizer instead of the engine: refused. Run one single-device training per rank.
+    fn optimize_multi(
+        self,
+        _unused: &mut ModuleOptimizer,
+        _lr: ModuleLearningRate,
+        _grads: burn::optim::MultiGradientsParams,
+    ) -> Self {
+        panic!(
+            "zero-burn: Sharded does not run under burn-train's multi-device strategy (its \
+             optimizer step would bypass the engine); run one single-device SupervisedTraining \
+             per rank"
+        )
     }
 }
 

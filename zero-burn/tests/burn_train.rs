@@ -270,3 +270,39 @@ fn stage_3_fp16_and_accumulation_are_refused_up_front() {
         }
     }
 }
+
+/// A record loaded into burn-train's model (what a `SupervisedTraining::checkpoint` resume does,
+/// through `Module::map`) never reaches the engine, which holds the weights: the next optimizer
+/// step refuses with a message naming the cause, instead of silently overwriting the load.
+#[test]
+fn a_record_loaded_behind_the_engine_s_back_is_refused_at_the_next_step() {
+    let all = points(N * B);
+    let got = Launch::new(Topology::new(1, 1).unwrap())
+        .run_with(&whole(), |comm, model| {
+            let engine = ZeroEngine::builder(comm, model).config(cfg(1)).build()?;
+            let sharded = Sharded::new(engine)?;
+            let batch = loader(&all).iter().next().unwrap().unwrap();
+            let grads = TrainStep::step(&sharded, batch.clone()).grads;
+            let record = sharded.clone().into_record();
+            let loaded = sharded.clone().load_record(record);
+            let mut unused: burn::optim::ModuleOptimizer = burn::optim::SgdConfig::new().init();
+            let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                TrainStep::optimize(loaded, &mut unused, LR.into(), grads)
+            }));
+            let why = match refused {
+                Ok(_) => String::from("no refusal"),
+                Err(p) => p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .unwrap_or_else(|| "a panic without a message".into()),
+            };
+            // The unmapped model still steps.
+            let grads = TrainStep::step(&sharded, batch).grads;
+            let stepped = TrainStep::optimize(sharded, &mut unused, LR.into(), grads);
+            Ok((why, stepped.last_step().is_some()))
+        })
+        .unwrap();
+    let (why, stepped) = &got[0];
+    assert!(why.contains("Module::map"), "{why}");
+    assert!(*stepped, "the unmapped model stepped");
+}

@@ -3,7 +3,8 @@
 //! checkpoint of one 4096 × 2048 linear layer (rank files of 50 MB, tensors of 17 MB, far larger
 //! than the 1 MiB blocks) loaded on 4 ranks: each new rank needs half of one old rank's file,
 //! and the four together read about two files (plus the blocks' rounding and the headers),
-//! where reading whole files would take four.
+//! where reading whole files would take four; at stage 2 a new rank restores the whole weights
+//! but only its chunk of the optimizer state, and reads no more of it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -80,27 +81,35 @@ fn values<M: Module>(m: &M) -> Vec<Vec<u32>> {
     v.0
 }
 
-#[test]
-fn a_reshard_reads_about_what_it_restores() {
+/// Saves a 2-rank checkpoint at `stage`, loads it resharded on 4 ranks: the bytes the four read
+/// together and the size of a rank file. The weights must come back.
+fn reshard_2_to_4(stage: u8) -> (u64, u64) {
     let layer = LinearConfig::new(4096, 2048).init(&Device::flex().autodiff());
     let model = Whole::new(layer, |m: &Linear, x: &Tensor<2>| {
         m.forward(x.clone()).sum().reshape([1])
     });
     let cfg = ZeroConfig {
-        stage: 3,
+        stage,
         ..Default::default()
     };
     let store = Counting::default();
-    let saved = Launch::new(Topology::single_node(2).unwrap())
-        .timeout(Duration::from_secs(60))
-        .run_with(&model, |comm, model| {
-            let mut e = ZeroEngine::builder(comm, model)
-                .config(cfg.clone())
-                .build()?;
-            e.save(&store, serde_json::json!(null))?;
-            Ok(values(&e.consolidated_model()?))
-        })
-        .unwrap();
+    let run = |n: usize, load: bool| {
+        Launch::new(Topology::single_node(n).unwrap())
+            .timeout(Duration::from_secs(60))
+            .run_with(&model, |comm, model| {
+                let mut e = ZeroEngine::builder(comm, model)
+                    .config(cfg.clone())
+                    .build()?;
+                if load {
+                    e.load_resharded(&store)?;
+                } else {
+                    e.save(&store, serde_json::json!(null))?;
+                }
+                Ok(values(&e.consolidated_model()?))
+            })
+            .unwrap()
+    };
+    let saved = run(2, false);
     let (_, m) = read_manifest(&store.inner, None).unwrap();
     let rank_file = m.files.iter().map(|f| f.bytes).max().unwrap();
     assert!(
@@ -108,31 +117,50 @@ fn a_reshard_reads_about_what_it_restores() {
         "rank files of {rank_file} bytes are too small to tell"
     );
     store.read.store(0, Ordering::SeqCst);
-    let loaded = Launch::new(Topology::single_node(4).unwrap())
-        .timeout(Duration::from_secs(60))
-        .run_with(&model, |comm, model| {
-            let mut e = ZeroEngine::builder(comm, model)
-                .config(cfg.clone())
-                .build()?;
-            e.load_resharded(&store)?;
-            Ok(values(&e.consolidated_model()?))
-        })
-        .unwrap();
-    let read = store.read.load(Ordering::SeqCst);
+    let loaded = run(4, true);
+    assert_eq!(loaded[0], saved[0], "stage {stage}: the weights came back");
+    (store.read.load(Ordering::SeqCst), rank_file)
+}
+
+/// Stage 3: each new rank restores half of one old file (its chunk of the weights, `m`, `v`).
+#[test]
+fn a_stage_3_reshard_reads_about_what_it_restores() {
+    let (read, rank_file) = reshard_2_to_4(3);
+    let whole = 4 * rank_file;
     println!(
-        "reshard 2 -> 4 ranks: {read} bytes read by the 4 ranks, rank files of {rank_file} bytes \
-         ({:.2} of reading the file each rank touches whole)",
-        read as f64 / (4 * rank_file) as f64
+        "stage 3, 2 -> 4 ranks: {read} bytes read by the 4 ranks, rank files of {rank_file} \
+         bytes ({:.2} of reading the file each rank touches whole)",
+        read as f64 / whole as f64
     );
-    assert_eq!(loaded[0], saved[0], "the weights came back");
-    // Each rank restores half of one old file; block rounding and the headers add little.
+    // Half of one file each; block rounding and the headers add little.
     assert!(
-        read < 4 * rank_file * 65 / 100,
-        "the 4 ranks read {read} bytes; whole files would be {}",
-        4 * rank_file
+        read < whole * 65 / 100,
+        "read {read} bytes; whole files: {whole}"
     );
     assert!(
-        read >= 2 * rank_file * 9 / 10,
+        read >= whole * 45 / 100,
+        "{read} bytes cannot hold the state"
+    );
+}
+
+/// Stage 2: each new rank restores the whole weights (the model holds them) but only its chunk
+/// of `m` and `v` (a quarter of the unit's), so it reads both old files' weights and half of one
+/// file's optimizer state: about 0.5 of both files, where reading them whole would be 1.
+#[test]
+fn a_stage_2_reshard_reads_the_weights_and_its_chunk_of_the_state() {
+    let (read, rank_file) = reshard_2_to_4(2);
+    let whole = 4 * 2 * rank_file;
+    println!(
+        "stage 2, 2 -> 4 ranks: {read} bytes read by the 4 ranks, rank files of {rank_file} \
+         bytes ({:.2} of reading both files whole on every rank)",
+        read as f64 / whole as f64
+    );
+    assert!(
+        read < whole * 6 / 10,
+        "read {read} bytes; whole files: {whole}"
+    );
+    assert!(
+        read >= whole * 45 / 100,
         "{read} bytes cannot hold the state"
     );
 }

@@ -551,3 +551,61 @@ fn the_clipping_norm_equals_plain_burn_s_gradient_norm() {
         }
     }
 }
+
+/// `step_grads`, the optimizer step from gradients the caller computed (what burn-train's
+/// `Learner` drives): the residual MLP's own backward handed in gives the bits `step` gives at
+/// stages 0–2 on 2 ranks; non-finite gradients are `Diverged`, naming the rank.
+#[test]
+fn step_grads_equals_step_and_refuses_non_finite_gradients() {
+    let model = Whole::new(
+        ResMlp::new(&Device::flex().autodiff()),
+        |m: &ResMlp, b: &PointBatch| cross_entropy(m.forward(b.x.clone()), b.y.clone()),
+    );
+    let items = points(4 * 2 * B);
+    let data = loader(&items);
+    for stage in 0..=2u8 {
+        let cfg = ZeroConfig {
+            stage,
+            ..Default::default()
+        };
+        let run = |external: bool| {
+            Launch::new(Topology::new(2, 2).unwrap())
+                .timeout(Duration::from_secs(60))
+                .run_with(&model, |comm, model| {
+                    let rank = zero_comm::Communicator::rank(&comm);
+                    let mut e = ZeroEngine::builder(comm, model)
+                        .config(cfg.clone())
+                        .build()?;
+                    for b in data.iter().skip(rank).step_by(2) {
+                        let b = b.expect("in-memory data");
+                        if external {
+                            let m = &e.model().module;
+                            let loss = cross_entropy(m.forward(b.x.clone()), b.y.clone());
+                            let grads = GradientsParams::from_grads(loss.backward(), m);
+                            e.step_grads(1e-2, &grads)?;
+                        } else {
+                            e.step(1e-2, &[b])?;
+                        }
+                    }
+                    Ok(bits(&values(&e.consolidated_model()?)))
+                })
+                .unwrap()
+        };
+        assert_eq!(run(true), run(false), "stage {stage}");
+    }
+    let err = Launch::new(Topology::new(1, 1).unwrap())
+        .run_with(&model, |comm, model| {
+            let mut e = ZeroEngine::builder(comm, model).build()?;
+            let b = data.iter().next().unwrap().unwrap();
+            let m = &e.model().module;
+            let loss = cross_entropy(m.forward(b.x.clone()), b.y.clone()).mul_scalar(f32::NAN);
+            let grads = GradientsParams::from_grads(loss.backward(), m);
+            Ok(e.step_grads(1e-2, &grads).err())
+        })
+        .unwrap();
+    assert!(
+        matches!(&err[0], Some(zero_burn::Error::Diverged { rank: 0, what, .. }) if what.contains("not finite")),
+        "{:?}",
+        err[0]
+    );
+}

@@ -48,7 +48,8 @@ pub(crate) fn preset_for(gpu_name: &str) -> &'static str {
     } else if n.contains("A100") {
         "dgx-a100"
     } else {
-        // H100, H200 and anything newer: the closest preset there is.
+        // H100, H200, and any other GPU: the codec figures are this GPU's either way, the links
+        // and compute stay the preset's (the file's comments name the GPU).
         "dgx-h100"
     }
 }
@@ -94,7 +95,9 @@ pub(crate) fn cluster_toml(
         writeln!(t, "#   {op} {} MiB in {:.1} µs", bytes >> 20, secs * 1e6)?;
     }
     writeln!(t, "preset = \"{preset}\"")?;
-    writeln!(t, "name = \"{preset}, codecs of gpu-check on {gpu_name}\"")?;
+    // A JSON string is a valid TOML basic string: the GPU's name quoted and escaped.
+    let name = serde_json::to_string(&format!("{preset}, codecs of gpu-check on {gpu_name}"))?;
+    writeln!(t, "name = {name}")?;
     writeln!(t, "\n[codec]")?;
     writeln!(t, "int8_encode = {}", i8.encode_gbps / hbm)?;
     writeln!(t, "int8_decode = {}", i8.decode_gbps / hbm)?;
@@ -136,6 +139,14 @@ mod tests {
         assert!(text.contains("all_gather 64 MiB in 150.0 µs"), "{text}");
         assert_eq!(preset_for("Tesla V100-SXM3-32GB"), "dgx2-v100");
         assert_eq!(preset_for("NVIDIA A100-SXM4-80GB"), "dgx-a100");
+        // A name TOML would choke on unescaped.
+        let odd = cluster_toml("GPU \"x\" \\ y", &figures(), &[]).unwrap();
+        assert!(
+            Cluster::from_toml(&odd)
+                .unwrap()
+                .name
+                .ends_with("GPU \"x\" \\ y")
+        );
     }
 
     #[test]

@@ -192,19 +192,27 @@ fn prepare<C: Communicator, M: Segmented>(
     // The source files those runs read: on the same plan each read and verified whole; on a
     // reshard only the checksum blocks the runs lie in, each verified.
     let states = m.scalars.optimizer_states;
-    let tensors = |r: &CopyRun| -> Vec<(String, u64, Range<usize>)> {
+    // What a run reads: the weights always; `m` and `v` only where the run lands in the rank's
+    // optimizer range (at stages 1–2 a rank restores whole units' weights but only its chunk of
+    // their state).
+    let tensors = |s: usize, r: &CopyRun| -> Vec<(String, u64, Range<usize>)> {
         let real = src.real_in_chunk(r.src_unit, r.src_rank);
         let range = r.src_off as usize..(r.src_off + r.len) as usize;
+        let at = s as u64 * plan.chunk_len(r.dst_unit) + r.dst_off;
+        let in_opt = needs[r.dst_unit]
+            .1
+            .as_ref()
+            .is_some_and(|o| o.contains(&at));
         ["w", "m", "v"]
             .into_iter()
             .enumerate()
-            .filter(|&(state, _)| state == 0 || states >= state)
+            .filter(|&(state, _)| state == 0 || (in_opt && states >= state))
             .map(|(_, name)| (shard::name(name, r.src_unit), real, range.clone()))
             .collect()
     };
     let mut wanted: BTreeMap<usize, Vec<(String, u64, Range<usize>)>> = BTreeMap::new();
-    for (_, r) in &runs {
-        wanted.entry(r.src_rank).or_default().extend(tensors(r));
+    for (s, r) in &runs {
+        wanted.entry(r.src_rank).or_default().extend(tensors(*s, r));
     }
     let mut files: BTreeMap<usize, Source> = BTreeMap::new();
     for (k, want) in wanted {
@@ -220,7 +228,7 @@ fn prepare<C: Communicator, M: Segmented>(
     // Every tensor a run reads exists with its length, so the restore cannot fail half-way.
     let mut by_unit: Vec<Vec<(usize, CopyRun)>> = vec![Vec::new(); needs.len()];
     for (s, r) in runs {
-        for (name, real, range) in tensors(&r) {
+        for (name, real, range) in tensors(s, &r) {
             files[&r.src_rank].check(&name, real, range)?;
         }
         by_unit[r.dst_unit].push((s, r));

@@ -25,7 +25,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// `gradient_accumulation_steps = 1` (accumulate before, as burn's `GradientsAccumulator`
     /// does). Refused at stage 3 (the engine gathers the weights for its own forward only; use
     /// [`ZeroEngine::step`]) and in fp16 (the loss scale must multiply the loss before the
-    /// backward). A parameter without a gradient counts as zeros, as in [`ZeroEngine::step`].
+    /// backward). A parameter without a gradient counts as zeros, as in [`ZeroEngine::step`]; a
+    /// non-finite gradient on this rank is [`Error::Diverged`] (on gradients packed on a device
+    /// only the clipping norm, when clipping is on, sees it).
     pub fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<StepInfo> {
         self.check_external_grads()?;
         check_lr(lr)?;
@@ -37,6 +39,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 (0..t.plan.units().len()).map(|_| None).collect();
             for i in (0..segments).rev() {
                 t.collect_grads(i, grads, &mut pending)?;
+            }
+            // The loss is the caller's, so this rank's gradients stand in for `step`'s check of
+            // it (the other ranks learn of it from this rank's dropped communicator).
+            for (u, p) in pending.iter().enumerate() {
+                if let Some(Pending::Host(g)) = p
+                    && g.iter().any(|x| !x.is_finite())
+                {
+                    return Err(Error::Diverged {
+                        step: t.step + 1,
+                        rank: t.rank,
+                        what: format!("a gradient of unit {u} is not finite"),
+                    });
+                }
             }
             for i in (0..segments).rev() {
                 t.reduce_completed(exec, i, &mut pending, max_reduces)?;
