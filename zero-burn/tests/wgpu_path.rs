@@ -314,3 +314,59 @@ fn the_default_job_runs_on_the_wgpu_backend() {
         );
     }
 }
+
+/// Checkpoints on the wgpu path (the bridge, the default): 2 steps, save, a fresh world loads
+/// and runs 2 more, bit-identical to 4 uninterrupted steps (losses and every final parameter),
+/// at stage 1 and at stage 3.
+#[test]
+fn a_checkpoint_resumes_bit_identically_on_the_wgpu_path() {
+    use zero_burn::checkpoint::MemStorage;
+    use zero_burn::demo::run::Checkpointing;
+    let Some(shared) = shared("a_checkpoint_resumes_bit_identically_on_the_wgpu_path") else {
+        return;
+    };
+    let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
+    for stage in [1u8, 3] {
+        let train = |steps: u64, checkpoint: Option<Checkpointing>| {
+            let gpu = model_config().init(&shared.autodiff_device(), 11);
+            let run = HostRun {
+                steps,
+                timeout: Duration::from_secs(120),
+                keep_final_params: true,
+                checkpoint,
+            };
+            train_wgpu(
+                &shared,
+                plan(&gpu, stage),
+                gpu,
+                &corpus,
+                options(),
+                run,
+                &|_, _| {},
+            )
+            .unwrap()
+        };
+        let whole = train(4, None);
+        let store: Arc<dyn zero_burn::checkpoint::Storage> = Arc::new(MemStorage::new());
+        let ckpt = |save: bool| Checkpointing {
+            save: save.then(|| store.clone()),
+            save_every: 0,
+            resume: (!save).then(|| store.clone()),
+            resume_tag: None,
+            reshard: false,
+        };
+        let first = train(2, Some(ckpt(true)));
+        assert_eq!(first[0].saves.len(), 1, "stage {stage}: one save");
+        let rest = train(4, Some(ckpt(false)));
+        for ((w, a), b) in whole.iter().zip(&first).zip(&rest) {
+            assert_eq!(b.first_step, 2, "stage {stage}: resumed at step 2");
+            let resumed: Vec<f32> = a.losses.iter().chain(&b.losses).copied().collect();
+            assert_eq!(resumed, w.losses, "stage {stage}: rank {} losses", w.rank);
+            assert!(
+                common::bits(&b.final_params) == common::bits(&w.final_params),
+                "stage {stage}: rank {} parameters",
+                w.rank
+            );
+        }
+    }
+}
