@@ -47,23 +47,27 @@
 //! by a flag (`--no-bench`) is reported as SKIP.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::thread;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::Args;
 
+mod bench;
 mod bundle;
 mod calibration;
 mod launch;
 mod machine;
+mod programs;
 mod wgpu;
 
 use bundle::{bundle, unpack};
 use machine::{gpus, libraries};
+use programs::{
+    GPU_FEATURES, PROGRAMS, WGPU_FEATURES, WGPU_PROGRAMS, build_programs, cargo, run_limited,
+    target_dir,
+};
 use wgpu::{wgpu_programs, wgpu_step};
 
 #[derive(Args, Debug)]
@@ -110,8 +114,6 @@ const GPU_TESTS: &[&str] = &[
     "gpu_qgz_finish_kernels_divide_and_round_like_the_host",
 ];
 
-const BW_PREFIX: &str = "ZERO_GPU_BW ";
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Verdict {
     Pass,
@@ -126,168 +128,6 @@ struct Step {
     secs: Option<f64>,
     detail: String,
 }
-
-fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
-}
-
-/// How a child process ended.
-struct Ran {
-    ok: bool,
-    status: String,
-    secs: f64,
-    stdout: Vec<String>,
-}
-
-/// Runs `cmd` (its stdout echoed as it comes when `echo`; cargo's JSON is not), killing it after `limit`.
-fn run_limited(name: &str, mut cmd: Command, limit: Duration, echo: bool) -> anyhow::Result<Ran> {
-    eprintln!("==> {name}: {cmd:?}");
-    let start = Instant::now();
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot start {name}"))?;
-    let out = child.stdout.take();
-    let reader = thread::spawn(move || {
-        let mut lines = Vec::new();
-        if let Some(out) = out {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if echo {
-                    println!("{line}");
-                }
-                lines.push(line);
-            }
-        }
-        lines
-    });
-    let status = loop {
-        if let Some(s) = child.try_wait()? {
-            break s.to_string();
-        }
-        if start.elapsed() >= limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            break format!("killed after the {}s limit", limit.as_secs());
-        }
-        thread::sleep(Duration::from_millis(100));
-    };
-    let stdout = reader.join().unwrap_or_default();
-    Ok(Ran {
-        ok: status == "exit status: 0",
-        status,
-        secs: start.elapsed().as_secs_f64(),
-        stdout,
-    })
-}
-
-fn target_dir(root: &Path) -> anyhow::Result<PathBuf> {
-    let o = cargo()
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .current_dir(root)
-        .output()
-        .context("cannot run cargo metadata")?;
-    if !o.status.success() {
-        bail!(
-            "cargo metadata failed: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
-    let dir = v["target_directory"]
-        .as_str()
-        .context("cargo metadata has no target_directory")?;
-    Ok(PathBuf::from(dir))
-}
-
-/// One `ZERO_GPU_BW op=… bytes=… seconds=… algbw_gbps=…` line as `(op, bytes, seconds, GB/s)`.
-fn parse_bw_line(line: &str) -> Option<(String, u64, f64, f64)> {
-    let rest = line.trim().strip_prefix(BW_PREFIX)?;
-    let mut op = None;
-    let (mut bytes, mut secs, mut gbps) = (None, None, None);
-    for kv in rest.split_whitespace() {
-        let (k, v) = kv.split_once('=')?;
-        match k {
-            "op" => op = Some(v.to_string()),
-            "bytes" => bytes = v.parse().ok(),
-            "seconds" => secs = v.parse().ok(),
-            "algbw_gbps" => gbps = v.parse().ok(),
-            _ => {}
-        }
-    }
-    Some((op?, bytes?, secs?, gbps?))
-}
-
-/// One GPU test program: a test binary of a workspace crate, built with its `gpu-tests` feature.
-struct Program {
-    /// Its name in a bundle.
-    name: &'static str,
-    /// The crate directory (and package name).
-    package: &'static str,
-    /// `None`: the library's unit tests; `Some(t)`: the integration test `t`.
-    test: Option<&'static str>,
-    /// Arguments for the test harness (a filter).
-    args: &'static [&'static str],
-}
-
-const PROGRAMS: &[Program] = &[
-    Program {
-        name: "zero-comm-lib",
-        package: "zero-comm",
-        test: None,
-        args: &["nccl"],
-    },
-    Program {
-        name: "zero-comm-nccl",
-        package: "zero-comm",
-        test: Some("nccl"),
-        args: &["--nocapture"],
-    },
-    Program {
-        name: "zero-burn-nccl",
-        package: "zero-burn",
-        test: Some("nccl_path"),
-        args: &["--nocapture"],
-    },
-    Program {
-        name: "zero-quant-cuda",
-        package: "zero-quant",
-        test: Some("cuda_kernels"),
-        args: &["--nocapture"],
-    },
-];
-
-/// The wgpu test programs (features `wgpu`): the loopback, the WGSL codecs, the bridge and the
-/// trainer's wgpu path, run on the GPU's Vulkan driver. A bundle holds them gzipped (they are
-/// large: burn-wgpu builds in debug only).
-const WGPU_PROGRAMS: &[Program] = &[
-    Program {
-        name: "zero-comm-wgpu",
-        package: "zero-comm",
-        test: Some("wgpu"),
-        args: &[],
-    },
-    Program {
-        name: "zero-quant-wgpu",
-        package: "zero-quant",
-        test: Some("wgpu_kernels"),
-        args: &[],
-    },
-    Program {
-        name: "zero-burn-wgpu-bridge",
-        package: "zero-burn",
-        test: Some("wgpu_bridge"),
-        args: &[],
-    },
-    Program {
-        name: "zero-burn-wgpu-path",
-        package: "zero-burn",
-        test: Some("wgpu_path"),
-        args: &["--nocapture", "--test-threads", "1"],
-    },
-];
-
-const GPU_FEATURES: &str = "zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests";
-const WGPU_FEATURES: &str = "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu";
 
 /// Debian's Vulkan loader and the GL libraries NVIDIA's Vulkan ICD loads, for a GPU machine
 /// without them: `--bundle` downloads them (`apt-get download`), `--prebuilt` unpacks them.
@@ -313,57 +153,6 @@ const WGPU_PREFIX: &str = "ZERO_WGPU_BRIDGE ";
 
 const QUANT_PREFIX: &str = "ZERO_GPU_QUANT ";
 const TRAIN_PREFIX: &str = "ZERO_GPU_TRAIN ";
-
-/// Builds `programs` with `features` and returns `(program, executable)` pairs.
-fn build_programs(
-    root: &Path,
-    target: &Path,
-    limit: Duration,
-    features: &str,
-    programs: &[Program],
-) -> anyhow::Result<(Ran, Vec<(usize, PathBuf)>)> {
-    let mut c = cargo();
-    c.current_dir(root)
-        .args([
-            "test",
-            "--no-run",
-            "--message-format=json-render-diagnostics",
-        ])
-        .args(["-p", "zero-comm", "-p", "zero-quant", "-p", "zero-burn"])
-        .args(["--features", features])
-        .env("CARGO_TARGET_DIR", target);
-    let ran = run_limited("build", c, limit, false)?;
-    let mut found = Vec::new();
-    for line in &ran.stdout {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        if v["reason"] != "compiler-artifact" || v["profile"]["test"] != true {
-            continue;
-        }
-        let Some(exe) = v["executable"].as_str() else {
-            continue;
-        };
-        let manifest = Path::new(v["manifest_path"].as_str().unwrap_or_default());
-        let package = manifest
-            .parent()
-            .and_then(|d| d.file_name())
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
-        let kind = v["target"]["kind"][0].as_str().unwrap_or_default();
-        let tname = v["target"]["name"].as_str().unwrap_or_default();
-        for (i, p) in programs.iter().enumerate() {
-            let hit = match p.test {
-                None => kind == "lib",
-                Some(t) => kind == "test" && tname == t,
-            };
-            if hit && p.package == package {
-                found.push((i, PathBuf::from(exe)));
-            }
-        }
-    }
-    Ok((ran, found))
-}
 
 pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     // A bundle runs where it was copied to, not where it was built.
@@ -538,55 +327,23 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     }
 
     // 5. Bandwidth: NCCL collectives, and the quantization kernels' figures from step 4.
-    let mut nccl_figures: Vec<(String, u64, f64)> = Vec::new();
     let nccl = programs
         .iter()
-        .find(|(i, _)| PROGRAMS[*i].name == "zero-comm-nccl");
-    match (a.no_bench, nccl) {
-        (true, _) => steps.push(Step {
-            name: "bench",
-            verdict: Verdict::Skip,
-            secs: None,
-            detail: "--no-bench".into(),
-        }),
-        (_, None) => steps.push(Step {
-            name: "bench",
-            verdict: Verdict::Fail,
-            secs: None,
-            detail: "did not run: no NCCL test program".into(),
-        }),
-        (false, Some((_, exe))) => {
-            let mut bench = program_cmd(exe);
-            bench
-                .args(["gpu_bandwidth_report", "--exact", "--nocapture"])
-                .env("ZERO_GPU_BENCH", "1")
-                .env("ZERO_GPU_BENCH_MIB", a.bench_mib.to_string());
-            let r = run_limited("bench", bench, limit, true)?;
-            let parsed: Vec<_> = r.stdout.iter().filter_map(|l| parse_bw_line(l)).collect();
-            nccl_figures.extend(parsed.iter().map(|(op, b, s, _)| (op.clone(), *b, *s)));
-            let figures: Vec<String> = parsed
-                .into_iter()
-                .map(|(op, bytes, secs, gbps)| {
-                    format!(
-                        "{op} {} MiB: {gbps:.1} GB/s ({:.1} µs)",
-                        bytes >> 20,
-                        secs * 1e6
-                    )
-                })
-                .collect();
-            let ok = r.ok && figures.len() == 3;
-            steps.push(Step {
+        .find(|(i, _)| PROGRAMS[*i].name == "zero-comm-nccl")
+        .map(|(_, exe)| program_cmd(exe));
+    let (step, nccl_figures) = match (a.no_bench, nccl) {
+        (true, _) => (
+            Step {
                 name: "bench",
-                verdict: if ok { Verdict::Pass } else { Verdict::Fail },
-                secs: Some(r.secs),
-                detail: if figures.is_empty() {
-                    format!("{}; no figures (skipped? see above)", r.status)
-                } else {
-                    figures.join("; ")
-                },
-            });
-        }
-    }
+                verdict: Verdict::Skip,
+                secs: None,
+                detail: "--no-bench".into(),
+            },
+            Vec::new(),
+        ),
+        (false, cmd) => bench::step(cmd, a.bench_mib, limit)?,
+    };
+    steps.push(step);
     steps.push(Step {
         name: "quant",
         verdict: if quant_figures.is_empty() {
@@ -602,7 +359,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         },
     });
 
-    steps.push(calibration_step(
+    steps.push(calibration::step(
         &gpus,
         &quant_figures,
         &nccl_figures,
@@ -672,46 +429,6 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes what the codecs and NCCL measured as `<work>/gpu-calibration.toml`, a cluster file for
-/// `cargo xtask simulate --cluster FILE` ([`calibration`]).
-fn calibration_step(
-    gpus: &[String],
-    quant: &[String],
-    nccl: &[(String, u64, f64)],
-    work: &Path,
-) -> Step {
-    // `index, name, driver, memory` (nvidia-smi's CSV; anything else is another message).
-    let name = gpus
-        .first()
-        .map(|g| g.split(',').collect::<Vec<_>>())
-        .filter(|f| f.len() == 4)
-        .map_or("unknown GPU", |f| f[1].trim());
-    let codecs: Vec<_> = quant
-        .iter()
-        .filter_map(|l| calibration::parse_codec(l))
-        .collect();
-    let path = work.join("gpu-calibration.toml");
-    let r = calibration::cluster_toml(name, &codecs, nccl).and_then(|text| {
-        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
-    });
-    Step {
-        name: "calibration",
-        verdict: if r.is_ok() {
-            Verdict::Pass
-        } else {
-            Verdict::Fail
-        },
-        secs: None,
-        detail: match r {
-            Ok(()) => format!(
-                "{} (codec speeds for `cargo xtask simulate --cluster` that file)",
-                path.display()
-            ),
-            Err(e) => format!("not written: {e:#}"),
-        },
-    }
-}
-
 /// The tests step's verdict from the cookie's text and the programs that failed: PASS only when
 /// no program failed and every test of [`GPU_TESTS`] wrote `<name> ok`. A test missing from the
 /// cookie, or one that wrote `<name> skipped: <reason>`, fails the step, named with its reason.
@@ -775,48 +492,8 @@ fn print_report(steps: &[Step]) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn bandwidth_lines_parse() {
-        let l =
-            "ZERO_GPU_BW op=all_gather bytes=67108864 iters=20 seconds=2.5e-5 algbw_gbps=2684.4";
-        assert_eq!(
-            parse_bw_line(l),
-            Some(("all_gather".into(), 67108864, 2.5e-5, 2684.4))
-        );
-        assert_eq!(parse_bw_line("test foo ... ok"), None);
-        assert_eq!(parse_bw_line("ZERO_GPU_BW op=x"), None);
-    }
-
     fn full_cookie() -> String {
         GPU_TESTS.iter().map(|t| format!("{t} ok\n")).collect()
-    }
-
-    /// The calibration step writes a cluster file `simulate` loads, on the GPU's preset, from
-    /// the quant lines of step 4; without them it fails, saying why.
-    #[test]
-    fn the_calibration_step_writes_a_cluster_file() {
-        let work = std::env::temp_dir().join(format!("zero-gpu-cal-{}", std::process::id()));
-        std::fs::create_dir_all(&work).unwrap();
-        let gpus = vec!["0, NVIDIA A100-SXM4-80GB, 580.65, 81920 MiB".to_string()];
-        let quant = [
-            "codec=int8 n=1 encode_gbps=900.0 decode_gbps=1000.0",
-            "codec=int4 n=1 encode_gbps=700.0 decode_gbps=800.0",
-        ]
-        .map(String::from);
-        let s = calibration_step(&gpus, &quant, &[], &work);
-        assert_eq!(s.verdict, Verdict::Pass, "{}", s.detail);
-        let text = std::fs::read_to_string(work.join("gpu-calibration.toml")).unwrap();
-        let c = zero_core::sim::Cluster::from_toml(&text).unwrap();
-        assert!(
-            c.name.contains("dgx-a100") && c.name.contains("A100-SXM4-80GB"),
-            "{}",
-            c.name
-        );
-        assert!((c.codec.int4_decode * c.gpu.hbm_gbytes_per_s - 800.0).abs() < 1e-6);
-        let s = calibration_step(&gpus, &[], &[], &work);
-        assert_eq!(s.verdict, Verdict::Fail);
-        assert!(s.detail.contains("no int8 codec figures"), "{}", s.detail);
-        std::fs::remove_dir_all(&work).unwrap();
     }
 
     #[test]

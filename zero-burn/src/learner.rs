@@ -57,10 +57,12 @@ use crate::segmented::Whole;
 use crate::trainer::ZeroEngine;
 
 /// What [`Sharded`] needs from its engine: an optimizer step from burn's gradients, returning
-/// the model with the new weights.
+/// the model with the new weights, and what the last step did.
 pub trait ShardedStep<M>: Send {
     /// One optimizer step at `lr` from `grads`; the updated model.
-    fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<(M, StepInfo)>;
+    fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<M>;
+    /// What the last optimizer step did; `None` before the first.
+    fn last_step(&self) -> Option<StepInfo>;
 }
 
 impl<C, M, B, F> ShardedStep<M> for ZeroEngine<C, Whole<M, B, F>>
@@ -70,9 +72,13 @@ where
     B: 'static,
     F: Fn(&M, &B) -> burn::tensor::Tensor<1> + Clone + Send + 'static,
 {
-    fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<(M, StepInfo)> {
-        let info = ZeroEngine::step_grads(self, lr, grads)?;
-        Ok((self.model().module.clone(), info))
+    fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<M> {
+        ZeroEngine::step_grads(self, lr, grads)?;
+        Ok(self.model().module.clone())
+    }
+
+    fn last_step(&self) -> Option<StepInfo> {
+        (self.steps() > 0).then(|| ZeroEngine::last_step(self))
     }
 }
 
@@ -81,7 +87,6 @@ where
 pub struct Sharded<M, E> {
     model: M,
     engine: Arc<Mutex<E>>,
-    last: Arc<Mutex<Option<StepInfo>>>,
     /// Set by [`Module::map`] (a record loaded into burn-train's model, a freeze): values the
     /// engine does not have, which its next step would silently replace.
     mapped: bool,
@@ -103,7 +108,6 @@ where
         Ok(Self {
             model: engine.model().module.clone(),
             engine: Arc::new(Mutex::new(engine)),
-            last: Arc::default(),
             mapped: false,
         })
     }
@@ -123,8 +127,11 @@ impl<M, E> Sharded<M, E> {
     }
 
     /// What the last optimizer step did (skipped, gradient norm); `None` before the first.
-    pub fn last_step(&self) -> Option<StepInfo> {
-        *self.last.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn last_step(&self) -> Option<StepInfo>
+    where
+        E: ShardedStep<M>,
+    {
+        self.engine().last_step()
     }
 }
 
@@ -145,7 +152,6 @@ impl<M: Clone, E> Clone for Sharded<M, E> {
         Self {
             model: self.model.clone(),
             engine: self.engine.clone(),
-            last: self.last.clone(),
             mapped: self.mapped,
         }
     }
@@ -170,7 +176,6 @@ impl<M, E> Sharded<M, E> {
         Self {
             model: f(self.model),
             engine: self.engine,
-            last: self.last,
             mapped: self.mapped,
         }
     }
@@ -194,7 +199,6 @@ impl<M: Module, E: Send + 'static> Module for Sharded<M, E> {
         Self {
             model: self.model.valid(),
             engine: self.engine.clone(),
-            last: self.last.clone(),
             mapped: self.mapped,
         }
     }
@@ -250,8 +254,7 @@ where
             Err(_) => fail("the engine panicked in an earlier step".into()),
         };
         match stepped {
-            Ok((model, info)) => {
-                *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(info);
+            Ok(model) => {
                 let model = match device {
                     Some(d) => model.fork(&d),
                     None => model,
@@ -259,7 +262,6 @@ where
                 Self {
                     model,
                     engine: self.engine,
-                    last: self.last,
                     mapped: false,
                 }
             }

@@ -7,8 +7,14 @@
 //! or more GPUs in one communicator.
 
 use std::fmt::Write;
+use std::path::Path;
+
+use anyhow::Context;
 
 use zero_core::sim::Cluster;
+
+use super::bench::NcclFigure;
+use super::{Step, Verdict};
 
 /// One `ZERO_GPU_QUANT codec=… n=… encode_gbps=… decode_gbps=…` line.
 #[derive(Clone, Debug, PartialEq)]
@@ -59,7 +65,7 @@ pub(crate) fn preset_for(gpu_name: &str) -> &'static str {
 pub(crate) fn cluster_toml(
     gpu_name: &str,
     codecs: &[CodecFigure],
-    nccl: &[(String, u64, f64)],
+    nccl: &[NcclFigure],
 ) -> anyhow::Result<String> {
     let preset = preset_for(gpu_name);
     let base = Cluster::preset(preset)?;
@@ -108,6 +114,38 @@ pub(crate) fn cluster_toml(
     Ok(t)
 }
 
+/// Writes what the codecs and NCCL measured as `<work>/gpu-calibration.toml`, a cluster file for
+/// `cargo xtask simulate --cluster FILE` (see the module docs).
+pub(super) fn step(gpus: &[String], quant: &[String], nccl: &[NcclFigure], work: &Path) -> Step {
+    // `index, name, driver, memory` (nvidia-smi's CSV; anything else is another message).
+    let name = gpus
+        .first()
+        .map(|g| g.split(',').collect::<Vec<_>>())
+        .filter(|f| f.len() == 4)
+        .map_or("unknown GPU", |f| f[1].trim());
+    let codecs: Vec<_> = quant.iter().filter_map(|l| parse_codec(l)).collect();
+    let path = work.join("gpu-calibration.toml");
+    let r = cluster_toml(name, &codecs, nccl).and_then(|text| {
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+    });
+    Step {
+        name: "calibration",
+        verdict: if r.is_ok() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail
+        },
+        secs: None,
+        detail: match r {
+            Ok(()) => format!(
+                "{} (codec speeds for `cargo xtask simulate --cluster` that file)",
+                path.display()
+            ),
+            Err(e) => format!("not written: {e:#}"),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,5 +192,33 @@ mod tests {
         let e = cluster_toml("NVIDIA H200", &figures()[..1], &[]).unwrap_err();
         assert!(e.to_string().contains("no int4 codec figures"), "{e}");
         assert!(parse_codec("codec=int8 encode_gbps=x decode_gbps=1").is_none());
+    }
+
+    /// The calibration step writes a cluster file `simulate` loads, on the GPU's preset, from
+    /// the quant lines of step 4; without them it fails, saying why.
+    #[test]
+    fn the_calibration_step_writes_a_cluster_file() {
+        let work = std::env::temp_dir().join(format!("zero-gpu-cal-{}", std::process::id()));
+        std::fs::create_dir_all(&work).unwrap();
+        let gpus = vec!["0, NVIDIA A100-SXM4-80GB, 580.65, 81920 MiB".to_string()];
+        let quant = [
+            "codec=int8 n=1 encode_gbps=900.0 decode_gbps=1000.0",
+            "codec=int4 n=1 encode_gbps=700.0 decode_gbps=800.0",
+        ]
+        .map(String::from);
+        let s = step(&gpus, &quant, &[], &work);
+        assert_eq!(s.verdict, Verdict::Pass, "{}", s.detail);
+        let text = std::fs::read_to_string(work.join("gpu-calibration.toml")).unwrap();
+        let c = zero_core::sim::Cluster::from_toml(&text).unwrap();
+        assert!(
+            c.name.contains("dgx-a100") && c.name.contains("A100-SXM4-80GB"),
+            "{}",
+            c.name
+        );
+        assert!((c.codec.int4_decode * c.gpu.hbm_gbytes_per_s - 800.0).abs() < 1e-6);
+        let s = step(&gpus, &[], &[], &work);
+        assert_eq!(s.verdict, Verdict::Fail);
+        assert!(s.detail.contains("no int8 codec figures"), "{}", s.detail);
+        std::fs::remove_dir_all(&work).unwrap();
     }
 }
