@@ -113,9 +113,22 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
                 "  optimizer {}, reduction {}",
                 m.scalars.optimizer, m.scalars.reduction
             );
-            for f in &m.files {
+            if !l.loose.is_empty() {
+                let elems: u64 = l.loose.iter().map(|x| x.numel).sum();
                 println!(
-                    "  {} {} bytes, {} blocks",
+                    "  {} parameters in no unit (frozen), {elems} elements, each saved whole by one rank",
+                    l.loose.len()
+                );
+            }
+            for f in &m.files {
+                let loose = l.loose.iter().filter(|x| x.rank == f.rank).count();
+                let extra = if loose > 0 {
+                    format!(", {loose} whole frozen parameter(s)")
+                } else {
+                    String::new()
+                };
+                println!(
+                    "  {} {} bytes, {} blocks{extra}",
                     f.path,
                     f.bytes,
                     f.block_crc32c.len()

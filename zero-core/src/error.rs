@@ -136,9 +136,11 @@ pub enum CheckpointError {
         /// What disagrees.
         what: String,
     },
-    /// A parameter the new plan shards is in no unit of the saved one (frozen and replicated
-    /// there), so no shard holds it.
-    #[error("parameter {param} ({name}) is in no unit of the saved plan, so no shard holds it")]
+    /// A parameter the saved layout keeps nowhere: in no unit and not among its loose
+    /// parameters (a manifest that does not describe its own files).
+    #[error(
+        "parameter {param} ({name}) is in no unit of the saved layout and not saved whole either"
+    )]
     NotSharded {
         /// Index of the parameter.
         param: usize,

@@ -3,10 +3,12 @@
 
 mod common;
 
+use std::collections::HashMap;
+
 use proptest::prelude::*;
 use zero_core::checkpoint::{
     CkptLayout, CopyRun, EngineScalars, FileRecord, LatestPointer, LossScalerState, Manifest,
-    ShardHeader, TensorRecord, copies, fingerprint,
+    Saved, ShardHeader, TensorRecord, copies, fingerprint, loose_copies,
 };
 use zero_core::{CheckpointError, Error, ModelDesc, ParamDesc, Plan, Topology, ZeroConfig};
 
@@ -45,11 +47,12 @@ fn ident(starts: &[u64], p: usize, e: u64) -> u64 {
     starts[p] + e
 }
 
-/// Every rank's real chunk elements under `layout`, as element identities.
-fn shards(layout: &CkptLayout, starts: &[u64]) -> Vec<Vec<Vec<u64>>> {
+/// Every rank's saved tensors under `layout` (the real elements of its chunk of every unit, and
+/// the loose parameters it holds), as element identities.
+fn shards(layout: &CkptLayout, starts: &[u64]) -> Vec<HashMap<Saved, Vec<u64>>> {
     (0..layout.world_size)
         .map(|r| {
-            (0..layout.units.len())
+            let mut files: HashMap<Saved, Vec<u64>> = (0..layout.units.len())
                 .map(|u| {
                     let c = layout.chunk_len(u);
                     let real = layout.real_in_chunk(u, r);
@@ -62,11 +65,46 @@ fn shards(layout: &CkptLayout, starts: &[u64]) -> Vec<Vec<Vec<u64>>> {
                             }
                         }
                     }
-                    out
+                    (Saved::Unit(u), out)
                 })
-                .collect()
+                .collect();
+            for l in layout.loose.iter().filter(|l| l.rank == r) {
+                let whole = (0..l.numel).map(|k| ident(starts, l.param, k)).collect();
+                files.insert(Saved::Loose(l.param), whole);
+            }
+            files
         })
         .collect()
+}
+
+/// Every loose parameter of `dst`, whole, from `src`'s files through [`loose_copies`]; an
+/// element written twice or never fails.
+fn loose_values(
+    src: &CkptLayout,
+    dst: &CkptLayout,
+    files: &[HashMap<Saved, Vec<u64>>],
+) -> Result<HashMap<usize, Vec<u64>>, TestCaseError> {
+    let mut out = HashMap::new();
+    let copies = loose_copies(src, dst).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(copies.len(), dst.loose.len());
+    for ((param, pieces), l) in copies.into_iter().zip(&dst.loose) {
+        prop_assert_eq!(param, l.param);
+        let mut got = vec![None; l.numel as usize];
+        for p in pieces {
+            let from = &files[p.src_rank][&p.src];
+            for k in 0..p.len {
+                let slot = &mut got[(p.elem + k) as usize];
+                prop_assert!(slot.is_none(), "element written twice: {p:?}");
+                *slot = Some(from[(p.src_off + k) as usize]);
+            }
+        }
+        let whole: Option<Vec<u64>> = got.into_iter().collect();
+        out.insert(
+            param,
+            whole.ok_or_else(|| TestCaseError::fail("element never written"))?,
+        );
+    }
+    Ok(out)
 }
 
 fn starts(model: &ModelDesc) -> Vec<u64> {
@@ -99,26 +137,14 @@ proptest! {
         let st = starts(&model);
         let src = shards(&a, &st);
         let want = shards(&b, &st);
-        let frozen_unsharded = a.stage <= 2 && b.stage == 3 && model.params.iter().any(|p| !p.trainable);
-        let mut refused = false;
         for (s, want_s) in want.iter().enumerate() {
-            let runs = match copies(&a, &b, s) {
-                Ok(r) => r,
-                Err(Error::Checkpoint(c)) if matches!(*c, CheckpointError::NotSharded { .. }) => {
-                    let CheckpointError::NotSharded { param, .. } = *c else { unreachable!() };
-                    // Only a frozen parameter replicated in the saved plan has no shard.
-                    prop_assert!(frozen_unsharded);
-                    prop_assert!(!model.params[param].trainable);
-                    refused = true;
-                    continue;
-                }
-                Err(e) => return Err(TestCaseError::fail(e.to_string())),
-            };
-            let mut got: Vec<Vec<Option<u64>>> =
-                want_s.iter().map(|u| vec![None; u.len()]).collect();
+            let runs = copies(&a, &b, s).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let mut got: Vec<Vec<Option<u64>>> = (0..b.units.len())
+                .map(|u| vec![None; want_s[&Saved::Unit(u)].len()])
+                .collect();
             for c in &runs {
                 prop_assert!(c.len > 0);
-                let from = &src[c.src_rank][c.src_unit];
+                let from = &src[c.src_rank][&c.src];
                 prop_assert!(c.src_off + c.len <= from.len() as u64, "source out of bounds: {c:?}");
                 for k in 0..c.len {
                     let slot = got[c.dst_unit]
@@ -128,19 +154,53 @@ proptest! {
                     *slot = Some(from[(c.src_off + k) as usize]);
                 }
             }
-            for (u, (g, w)) in got.iter().zip(want_s).enumerate() {
-                for (k, (x, y)) in g.iter().zip(w).enumerate() {
+            for (u, g) in got.iter().enumerate() {
+                for (k, (x, y)) in g.iter().zip(&want_s[&Saved::Unit(u)]).enumerate() {
                     prop_assert_eq!(*x, Some(*y), "unit {} element {} of rank {}", u, k, s);
                 }
             }
             if a == b {
                 let nonempty = (0..b.units.len()).filter(|&u| b.real_in_chunk(u, s) > 0).count();
                 prop_assert_eq!(runs.len(), nonempty);
-                prop_assert!(runs.iter().all(|c| c.src_rank == s && c.src_unit == c.dst_unit && c.src_off == 0 && c.dst_off == 0));
+                prop_assert!(runs.iter().all(|c| c.src_rank == s && c.src == Saved::Unit(c.dst_unit) && c.src_off == 0 && c.dst_off == 0));
             }
         }
-        // Some rank holds each frozen parameter, so that rank is refused.
-        prop_assert_eq!(refused, frozen_unsharded);
+        // The destination's loose parameters, whole, each element once.
+        for (param, v) in loose_values(&a, &b, &src)? {
+            let whole: Vec<u64> = (0..model.params[param].numel()).map(|k| ident(&st, param, k)).collect();
+            prop_assert_eq!(v, whole, "loose parameter {}", param);
+        }
+    }
+
+    /// The loose parameters are exactly those in no unit, each saved by one rank, spread so
+    /// that no rank holds more than the least-loaded one plus the largest loose parameter
+    /// (greedy largest-first), and the table is the same whichever order it is asked in.
+    #[test]
+    fn loose_parameters_are_the_unsharded_ones_spread_over_the_ranks(
+        model in arb_model(),
+        (t, c) in arb_plan_inputs(),
+    ) {
+        let plan = Plan::new(&model, t, &c).unwrap();
+        let l = CkptLayout::of(&plan);
+        let unsharded: Vec<usize> = (0..model.params.len()).filter(|&p| plan.locate(p).is_none()).collect();
+        prop_assert_eq!(l.loose.iter().map(|x| x.param).collect::<Vec<_>>(), unsharded);
+        if l.stage == 3 {
+            prop_assert!(l.loose.is_empty());
+        }
+        let mut held = vec![0u64; l.world_size];
+        for x in &l.loose {
+            prop_assert!(x.rank < l.world_size);
+            prop_assert_eq!(x.numel, model.params[x.param].numel());
+            prop_assert_eq!(l.saved_len(Saved::Loose(x.param), x.rank), x.numel);
+            held[x.rank] += x.numel;
+        }
+        let largest = l.loose.iter().map(|x| x.numel).max().unwrap_or(0);
+        let (lo, hi) = (held.iter().min().copied().unwrap_or(0), held.iter().max().copied().unwrap_or(0));
+        prop_assert!(hi <= lo + largest, "held {held:?}, largest {largest}");
+        prop_assert_eq!(&CkptLayout::of(&plan), &l);
+        // Every element is saved exactly once over the ranks.
+        let saved: u64 = (0..l.world_size).map(|r| l.real_elements(r)).sum();
+        prop_assert_eq!(saved, model.params.iter().map(|p| p.numel()).sum::<u64>());
     }
 
     /// A → B → A is the identity: composing the two maps sends every element home.
@@ -153,24 +213,27 @@ proptest! {
         let a = CkptLayout::of(&Plan::new(&model, ta, &ca).unwrap());
         let b = CkptLayout::of(&Plan::new(&model, tb, &cb).unwrap());
         let st = starts(&model);
-        let apply = |from: &CkptLayout, to: &CkptLayout, src: &Vec<Vec<Vec<u64>>>| -> Option<Vec<Vec<Vec<u64>>>> {
+        let apply = |from: &CkptLayout, to: &CkptLayout, src: &[HashMap<Saved, Vec<u64>>]| -> Result<Vec<HashMap<Saved, Vec<u64>>>, TestCaseError> {
             let mut out = shards(to, &st);
+            let loose = loose_values(from, to, src)?;
             for (s, shard) in out.iter_mut().enumerate() {
-                shard.iter_mut().for_each(|u| u.iter_mut().for_each(|x| *x = u64::MAX));
-                for c in copies(from, to, s).ok()? {
+                shard.values_mut().for_each(|t| t.iter_mut().for_each(|x| *x = u64::MAX));
+                for c in copies(from, to, s).map_err(|e| TestCaseError::fail(e.to_string()))? {
+                    let dst = shard.get_mut(&Saved::Unit(c.dst_unit)).unwrap();
                     for k in 0..c.len {
-                        shard[c.dst_unit][(c.dst_off + k) as usize] = src[c.src_rank][c.src_unit][(c.src_off + k) as usize];
+                        dst[(c.dst_off + k) as usize] = src[c.src_rank][&c.src][(c.src_off + k) as usize];
                     }
                 }
+                for l in to.loose.iter().filter(|l| l.rank == s) {
+                    shard.insert(Saved::Loose(l.param), loose[&l.param].clone());
+                }
             }
-            Some(out)
+            Ok(out)
         };
         let orig = shards(&a, &st);
-        if let Some(mid) = apply(&a, &b, &orig)
-            && let Some(back) = apply(&b, &a, &mid)
-        {
-            prop_assert_eq!(back, orig);
-        }
+        let mid = apply(&a, &b, &orig)?;
+        let back = apply(&b, &a, &mid)?;
+        prop_assert_eq!(back, orig);
     }
 }
 
@@ -203,7 +266,6 @@ fn manifest_round_trips_through_json() {
                 last_overflow: 7,
             }),
         },
-        frozen: vec![],
         client_state: serde_json::json!({"epoch": 3, "next_sample": [1, 2]}),
         files: (0..4)
             .map(|r| FileRecord {
@@ -223,6 +285,15 @@ fn manifest_round_trips_through_json() {
     let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "X/MANIFEST.json").unwrap_err();
     assert!(
         matches!(&e, Error::Checkpoint(c) if matches!(&**c, CheckpointError::Version { file, .. } if file == "X/MANIFEST.json")),
+        "{e}"
+    );
+    // An older manifest is named by its version even where its other fields no longer parse.
+    let mut v1: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+    v1["format_version"] = 1.into();
+    v1.as_object_mut().unwrap().remove("files");
+    let e = Manifest::from_json(&serde_json::to_vec(&v1).unwrap(), "M").unwrap_err();
+    assert!(
+        matches!(&e, Error::Checkpoint(c) if matches!(&**c, CheckpointError::Version { found, .. } if found.ends_with("v1"))),
         "{e}"
     );
     let mut short = m.clone();
@@ -291,7 +362,7 @@ fn the_map_splits_a_straddling_parameter_at_both_plans_boundaries() {
         vec![
             CopyRun {
                 src_rank: 0,
-                src_unit: 0,
+                src: Saved::Unit(0),
                 src_off: 4,
                 dst_unit: 0,
                 dst_off: 0,
@@ -299,7 +370,7 @@ fn the_map_splits_a_straddling_parameter_at_both_plans_boundaries() {
             },
             CopyRun {
                 src_rank: 1,
-                src_unit: 0,
+                src: Saved::Unit(0),
                 src_off: 0,
                 dst_unit: 0,
                 dst_off: 2,
@@ -312,7 +383,7 @@ fn the_map_splits_a_straddling_parameter_at_both_plans_boundaries() {
         r2,
         vec![CopyRun {
             src_rank: 1,
-            src_unit: 0,
+            src: Saved::Unit(0),
             src_off: 2,
             dst_unit: 0,
             dst_off: 0,

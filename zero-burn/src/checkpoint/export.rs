@@ -3,6 +3,7 @@
 //! pieces in the saved ranks' chunks, each piece verified by the checksum blocks it lies in.
 
 use zero_core::CheckpointError;
+use zero_core::checkpoint::{Locator, Piece};
 
 use super::load::resolve;
 use super::ranged::RankIndex;
@@ -35,9 +36,10 @@ pub struct ExportReport {
 
 /// Writes the parameters of the checkpoint `tag` names in `store` (`None`: `LATEST`'s) as the
 /// safetensors file `name` in `out` (crash-safe: temp name, fsync, rename, fsync), named by burn's
-/// parameter paths, in the model's order, with the tag and step in `__metadata__`. A frozen
-/// parameter that the saved plan kept outside every unit (stages 0–2) is not in the checkpoint:
-/// an error names it before anything is written. Streamed: the header first, then one parameter
+/// parameter paths, in the model's order, with the tag and step in `__metadata__` (a frozen
+/// parameter kept outside every unit at stages 0–2 from the one rank file that holds it whole).
+/// A parameter the manifest's layout saves nowhere is an error that names it before anything is
+/// written. Streamed: the header first, then one parameter
 /// at a time, each piece read from its rank file with the checksum blocks around it and verified,
 /// so the export holds one parameter, its pieces' blocks and the rank files' headers, never a
 /// whole rank file.
@@ -50,7 +52,7 @@ pub fn export_safetensors(
 ) -> Result<ExportReport> {
     let (tag, m, mpath) = resolve(store, tag)?;
     let layout = &m.layout;
-    let loc = layout.locations();
+    let at_saved = Locator::new(layout);
     let (code, half, width) = match dtype {
         ExportDtype::F32 => ("F32", None, 4u64),
         ExportDtype::Bf16 => ("BF16", Some(Half::Bf16), 2),
@@ -59,16 +61,23 @@ pub fn export_safetensors(
     // The header, from the layout alone.
     let mut header = serde_json::Map::new();
     let mut at = 0u64;
-    let mut places = Vec::with_capacity(layout.params.len());
+    let mut pieces: Vec<Vec<Piece>> = Vec::with_capacity(layout.params.len());
     for (p, desc) in layout.params.iter().enumerate() {
-        let Some(place) = loc[p] else {
-            return Err(CheckpointError::NotSharded {
-                param: p,
-                name: desc.name.clone(),
+        let mut mine = Vec::new();
+        at_saved.pieces(p, 0..desc.numel(), |x| mine.push(x))?;
+        if let Some(x) = mine.iter().find(|x| x.src_rank >= m.files.len()) {
+            return Err(CheckpointError::Layout {
+                file: mpath,
+                what: format!(
+                    "{} lies in saved rank {}'s file but the manifest lists {} rank files",
+                    desc.name,
+                    x.src_rank,
+                    m.files.len()
+                ),
             }
             .into());
-        };
-        places.push(place);
+        }
+        pieces.push(mine);
         let end = at + desc.numel() * width;
         header.insert(
             desc.name.clone(),
@@ -99,43 +108,25 @@ pub fn export_safetensors(
     let tmp = join("", &format!("{name}.tmp"));
     out.write(&tmp, &head)?;
     let mut piece = Vec::new();
-    for (desc, &(u, offset)) in layout.params.iter().zip(&places) {
-        let c = layout.chunk_len(u);
-        let (lo, hi) = (offset, offset + desc.numel());
+    for (desc, mine) in layout.params.iter().zip(&pieces) {
         let mut bytes = Vec::with_capacity((desc.numel() * width) as usize);
-        let first = (lo / c) as usize;
-        let covering = ranks
-            .iter()
-            .enumerate()
-            .take(hi.div_ceil(c) as usize)
-            .skip(first);
-        for (k, rank) in covering {
-            let base = k as u64 * c;
-            let (a, b) = (
-                (lo.max(base) - base) as usize,
-                (hi.min(base + c) - base) as usize,
-            );
-            piece.resize(b - a, 0.0);
-            let real = layout.real_in_chunk(u, k);
-            rank.read_into(store, &shard::name("w", u), real, a..b, &mut piece)?;
-            for &x in &piece {
+        for x in mine {
+            piece.resize(x.len as usize, 0.0);
+            let real = layout.saved_len(x.src, x.src_rank);
+            let range = x.src_off as usize..(x.src_off + x.len) as usize;
+            ranks[x.src_rank].read_into(
+                store,
+                &shard::name("w", x.src),
+                real,
+                range,
+                &mut piece,
+            )?;
+            for &v in &piece {
                 match half {
-                    None => bytes.extend_from_slice(&x.to_le_bytes()),
-                    Some(h) => bytes.extend_from_slice(&h.round(x).to_le_bytes()),
+                    None => bytes.extend_from_slice(&v.to_le_bytes()),
+                    Some(h) => bytes.extend_from_slice(&h.round(v).to_le_bytes()),
                 }
             }
-        }
-        if bytes.len() as u64 != desc.numel() * width {
-            return Err(CheckpointError::Layout {
-                file: mpath,
-                what: format!(
-                    "{} spans saved ranks up to {} but the manifest lists {} rank files",
-                    desc.name,
-                    hi.div_ceil(c) - 1,
-                    ranks.len()
-                ),
-            }
-            .into());
         }
         out.append(&tmp, &bytes)?;
     }

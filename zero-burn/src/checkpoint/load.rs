@@ -8,7 +8,8 @@ use std::ops::Range;
 use zero_comm::Communicator;
 use zero_core::CheckpointError;
 use zero_core::checkpoint::{
-    CkptLayout, CopyRun, FileRecord, LatestPointer, Manifest, copies, fingerprint,
+    CkptLayout, CopyRun, FileRecord, LatestPointer, Manifest, Piece, copies, fingerprint,
+    loose_copies,
 };
 
 use super::ranged::{Pieces, RankIndex};
@@ -53,6 +54,9 @@ struct Prepared {
     runs: Vec<Vec<(usize, CopyRun)>>,
     /// Per destination unit: the weight and optimizer-state ranges this rank restores.
     needs: Vec<(Range<u64>, Option<Range<u64>>)>,
+    /// Every parameter in no destination unit (frozen, stages 0–2; each rank restores it whole)
+    /// with its saved pieces (every tensor a piece reads already checked).
+    loose: Vec<(usize, Vec<Piece>)>,
     /// The saved layout (real elements per chunk).
     src: CkptLayout,
     /// Optimizer state buffers saved (0, 1 or 2).
@@ -81,11 +85,11 @@ impl Prepared {
                         None => continue,
                     }
                 };
-                let real = self.src.real_in_chunk(r.src_unit, r.src_rank);
+                let real = self.src.saved_len(r.src, r.src_rank);
                 let from = (at - base) as usize;
                 let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
                 self.files[&r.src_rank].read_into(
-                    &shard::name(name, r.src_unit),
+                    &shard::name(name, r.src),
                     real,
                     a..b,
                     &mut dst[from..from + (b - a)],
@@ -93,6 +97,21 @@ impl Prepared {
             }
         }
         Ok(())
+    }
+
+    /// Decodes a loose parameter of `numel` elements from its saved pieces.
+    fn read_loose(&self, pieces: &[Piece], numel: u64) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; numel as usize];
+        for x in pieces {
+            let (a, b) = (x.elem as usize, (x.elem + x.len) as usize);
+            self.files[&x.src_rank].read_into(
+                &shard::name("w", x.src),
+                self.src.saved_len(x.src, x.src_rank),
+                x.src_off as usize..(x.src_off + x.len) as usize,
+                &mut out[a..b],
+            )?;
+        }
+        Ok(out)
     }
 }
 
@@ -119,6 +138,11 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
     let p = local?;
     let plan = e.plan().clone();
     e.ckpt_restore(|v, dst| p.fill(v, plan.chunk_len(v), dst), p.scalars)?;
+    // The loose parameters, one at a time.
+    for (param, pieces) in &p.loose {
+        let values = p.read_loose(pieces, plan.model().params[*param].numel())?;
+        e.ckpt_restore_loose(*param, values);
+    }
     Ok(p.loaded)
 }
 
@@ -196,7 +220,7 @@ fn prepare<C: Communicator, M: Segmented>(
     // optimizer range (at stages 1–2 a rank restores whole units' weights but only its chunk of
     // their state).
     let tensors = |s: usize, r: &CopyRun| -> Vec<(String, u64, Range<usize>)> {
-        let real = src.real_in_chunk(r.src_unit, r.src_rank);
+        let real = src.saved_len(r.src, r.src_rank);
         let range = r.src_off as usize..(r.src_off + r.len) as usize;
         let at = s as u64 * plan.chunk_len(r.dst_unit) + r.dst_off;
         let in_opt = needs[r.dst_unit]
@@ -207,16 +231,29 @@ fn prepare<C: Communicator, M: Segmented>(
             .into_iter()
             .enumerate()
             .filter(|&(state, _)| state == 0 || (in_opt && states >= state))
-            .map(|(_, name)| (shard::name(name, r.src_unit), real, range.clone()))
+            .map(|(_, name)| (shard::name(name, r.src), real, range.clone()))
             .collect()
+    };
+    // What a loose piece reads: its weights.
+    let loose = loose_copies(src, &current)?;
+    let piece = |x: &Piece| {
+        let range = x.src_off as usize..(x.src_off + x.len) as usize;
+        (
+            shard::name("w", x.src),
+            src.saved_len(x.src, x.src_rank),
+            range,
+        )
     };
     let mut wanted: BTreeMap<usize, Vec<(String, u64, Range<usize>)>> = BTreeMap::new();
     for (s, r) in &runs {
         wanted.entry(r.src_rank).or_default().extend(tensors(*s, r));
     }
+    for x in loose.iter().flat_map(|(_, pieces)| pieces) {
+        wanted.entry(x.src_rank).or_default().push(piece(x));
+    }
     let mut files: BTreeMap<usize, Source> = BTreeMap::new();
     for (k, want) in wanted {
-        let source = if resharding {
+        let source = if resharding || k != e.rank() {
             let index = RankIndex::open(store, &tag, &m, &mpath, k)?;
             Source::Blocks(Pieces::read(store, index, &want)?)
         } else {
@@ -225,13 +262,18 @@ fn prepare<C: Communicator, M: Segmented>(
         files.insert(k, source);
     }
 
-    // Every tensor a run reads exists with its length, so the restore cannot fail half-way.
+    // Every tensor a run or piece reads exists with its length, so the restore cannot fail
+    // half-way.
     let mut by_unit: Vec<Vec<(usize, CopyRun)>> = vec![Vec::new(); needs.len()];
     for (s, r) in runs {
         for (name, real, range) in tensors(s, &r) {
             files[&r.src_rank].check(&name, real, range)?;
         }
         by_unit[r.dst_unit].push((s, r));
+    }
+    for x in loose.iter().flat_map(|(_, pieces)| pieces) {
+        let (name, real, range) = piece(x);
+        files[&x.src_rank].check(&name, real, range)?;
     }
     let s = &m.scalars;
     let scaler = s.loss_scaler.as_ref().map(|l| {
@@ -246,6 +288,7 @@ fn prepare<C: Communicator, M: Segmented>(
         files,
         runs: by_unit,
         needs,
+        loose,
         src: m.layout.clone(),
         states,
         scalars: Scalars {
@@ -262,8 +305,7 @@ fn prepare<C: Communicator, M: Segmented>(
     })
 }
 
-/// Names, shapes, dtypes and trainable flags equal the current model's, and the frozen
-/// parameters outside the shards hold the saved values.
+/// Names, shapes, dtypes and trainable flags equal the current model's.
 fn check_model<C: Communicator, M: Segmented>(
     e: &ZeroEngine<C, M>,
     m: &Manifest,
@@ -290,17 +332,6 @@ fn check_model<C: Communicator, M: Segmented>(
                 "{}: saved {:?} {:?} trainable={}, the model has {:?} {:?} trainable={}",
                 a.name, a.shape, a.dtype, a.trainable, b.shape, b.dtype, b.trainable
             ));
-        }
-    }
-    if diffs.is_empty() {
-        let frozen: BTreeMap<usize, u32> = m.frozen.iter().map(|f| (f.param, f.crc32c)).collect();
-        for (i, v) in e.ckpt_unsharded()? {
-            if frozen.get(&i) != Some(&super::save::crc_f32(&v)) {
-                diffs.push(format!(
-                    "frozen parameter {} holds other values than when saved",
-                    now[i].name
-                ));
-            }
         }
     }
     if diffs.is_empty() {

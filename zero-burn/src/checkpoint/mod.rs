@@ -3,14 +3,15 @@
 //! **Layout.** `<root>/LATEST` names the newest committed tag and the crc32c and length of its
 //! manifest. `<root>/step-NNNNNNNN/` holds one file per rank (`rank-RRRRR-of-NNNNN.zrs`: a JSON
 //! header naming the save, rank, world and plan, then f32 tensors `w/uUUUUU`, `m/…`, `v/…`: the
-//! real elements of the rank's chunk of every unit, never padding), `MANIFEST.json`
+//! real elements of the rank's chunk of every unit, never padding; and `w/pPPPPP`, a parameter
+//! in no unit (frozen at stages 0–2) whole, each in one rank's file, spread over the ranks by
+//! size), `MANIFEST.json`
 //! ([`zero_core::checkpoint::Manifest`]: the explicit parameter → unit → offset table, the plan
 //! fingerprint, the engine's scalars, the caller's state, and every file's size and per-MiB
 //! crc32c) and [`COMMIT`] (the line `LATEST` gets, so the tag verifies after `LATEST` moves on).
 //! What is derived is never written: 16-bit working weights (the master rounded), hpZ
 //! secondaries, gathered copies, and the gradient accumulators, which are empty at a step
-//! boundary. Frozen parameters outside every unit (stages 0–2) are not written either; their
-//! checksums are, so a load into a model whose frozen values differ fails.
+//! boundary.
 //!
 //! **Save** ([`ZeroEngine::save`], collective). (1) The ranks all-gather a digest (step, counts,
 //! plan) and rank 0's save id; any disagreement fails every rank. (2) Each rank writes its file
@@ -25,11 +26,12 @@
 //!
 //! **Load** ([`ZeroEngine::load`], [`ZeroEngine::load_with`] for a tag; collective). The commit
 //! record (`LATEST`, or the tag's `COMMIT`) is parsed and the manifest's length and crc32c
-//! checked against it; the manifest's parameters (names, shapes, dtypes, trainable flags),
-//! frozen values, plan fingerprint, optimizer and reduction must equal the engine's; every rank
+//! checked against it; the manifest's parameters (names, shapes, dtypes, trainable flags), plan
+//! fingerprint, optimizer and reduction must equal the engine's; every rank
 //! file this rank reads is checked for its exact size, every block's crc32c and its header (save
 //! id, rank, world, plan). Only when every rank has verified everything does any state change;
-//! then the fp32 state is restored and the derived state recomputed, so the run continues
+//! then the fp32 state (frozen parameters included, whatever values the model was built with)
+//! is restored and the derived state recomputed, so the run continues
 //! bit-identically. A checkpoint of another plan is refused with
 //! [`zero_core::CheckpointError::PlanMismatch`] unless the load asks to reshard
 //! ([`ZeroEngine::load_resharded`]).
@@ -95,10 +97,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// [`Self::load`] of a checkpoint saved with any plan of the same model (another world
     /// size, ranks per node, stage, bucket sizes, hpZ or precision) and the same optimizer:
-    /// each rank reads the saved files that hold its part ([`zero_core::checkpoint::copies`])
-    /// and verifies them whole. The restored fp32 state equals the saved one element for
-    /// element. A frozen parameter that the saved plan kept outside every unit (stages 0–2)
-    /// cannot be resharded into a stage-3 unit yet ([`zero_core::CheckpointError::NotSharded`]).
+    /// each rank reads the checksum blocks of the saved files that hold its part
+    /// ([`zero_core::checkpoint::copies`], [`zero_core::checkpoint::loose_copies`]) and
+    /// verifies them. The restored fp32 state equals the saved one element for element, frozen
+    /// parameters included, whichever stages the two plans are (a frozen parameter replicated
+    /// at stages 0–2 and sharded in a stage-3 unit are moved both ways).
     pub fn load_resharded(&mut self, store: &dyn Storage) -> Result<Loaded> {
         self.load_with(
             store,

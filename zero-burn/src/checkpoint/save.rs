@@ -5,7 +5,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use zero_comm::Communicator;
 use zero_core::checkpoint::{
-    ClientState, FORMAT, FORMAT_VERSION, FileRecord, FrozenRecord, LatestPointer, Manifest,
+    CkptLayout, ClientState, FORMAT, FORMAT_VERSION, FileRecord, LatestPointer, Manifest, Saved,
     ShardHeader, TensorRecord, fingerprint,
 };
 
@@ -45,6 +45,7 @@ pub(crate) fn save<C: Communicator, M: Segmented>(
     let rank = e.rank();
     let n = plan.world_size();
     let fp = fingerprint(&plan);
+    let layout = CkptLayout::of(&plan);
     let scalars = engine_scalars(e);
     let tag = Manifest::tag_of(scalars.step);
 
@@ -79,7 +80,7 @@ pub(crate) fn save<C: Communicator, M: Segmented>(
     let staging = format!(".staging-{tag}-{save_id}");
 
     // 2. Each rank writes its own file into the staging directory.
-    let local = write_rank_file(e, store, &tag, &staging, &save_id, &fp);
+    let local = write_rank_file(e, store, &layout, &tag, &staging, &save_id, &fp);
     let bytes = local.as_ref().map_or(0, |r| r.bytes);
     let msg = status_bytes(
         local
@@ -102,23 +103,14 @@ pub(crate) fn save<C: Communicator, M: Segmented>(
     // 3. Rank 0 commits: the manifest, the directory rename, then LATEST; every rank learns the
     // outcome.
     let commit = if rank == 0 {
-        let frozen = e
-            .ckpt_unsharded()?
-            .into_iter()
-            .map(|(param, v)| FrozenRecord {
-                param,
-                crc32c: crc_f32(&v),
-            })
-            .collect();
         let manifest = Manifest {
             format: FORMAT.into(),
             format_version: FORMAT_VERSION,
             tag: tag.clone(),
             save_id: save_id.clone(),
             plan_fingerprint: fp.clone(),
-            layout: zero_core::checkpoint::CkptLayout::of(&plan),
+            layout,
             scalars,
-            frozen,
             client_state,
             files,
         };
@@ -150,14 +142,12 @@ fn failed<T>(action: &'static str, rank: usize, cause: String, local: Result<T>)
     }
 }
 
-pub(crate) fn crc_f32(v: &[f32]) -> u32 {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    crc32c::crc32c(&bytes)
-}
-
+/// Writes this rank's file into the staging directory: for every unit its chunk's saved state
+/// (see [`ZeroEngine::ckpt_unit_state`]), then the loose parameters `layout` gives this rank.
 fn write_rank_file<C: Communicator, M: Segmented>(
     e: &ZeroEngine<C, M>,
     store: &dyn Storage,
+    layout: &CkptLayout,
     tag: &str,
     staging: &str,
     save_id: &str,
@@ -173,19 +163,22 @@ fn write_rank_file<C: Communicator, M: Segmented>(
     // after it, one at a time, with the block checksums computed on the way.
     let units = plan.units().len();
     let lens: Vec<[usize; 3]> = (0..units).map(|u| e.ckpt_unit_lens(u)).collect();
+    let loose: Vec<_> = layout.loose.iter().filter(|l| l.rank == rank).collect();
     let mut tensors = Vec::new();
     let mut offset = 0u64;
+    let mut table = |name: String, len: u64| {
+        tensors.push(TensorRecord { name, offset, len });
+        offset += 4 * len;
+    };
     for (u, l) in lens.iter().enumerate() {
         for (s, &len) in ["w", "m", "v"].into_iter().zip(l) {
             if len > 0 {
-                tensors.push(TensorRecord {
-                    name: shard::name(s, u),
-                    offset,
-                    len: len as u64,
-                });
-                offset += 4 * len as u64;
+                table(shard::name(s, Saved::Unit(u)), len as u64);
             }
         }
+    }
+    for l in &loose {
+        table(shard::name("w", Saved::Loose(l.param)), l.numel);
     }
     let head = ShardHeader {
         format_version: FORMAT_VERSION,
@@ -202,25 +195,32 @@ fn write_rank_file<C: Communicator, M: Segmented>(
     let mut sums = shard::BlockSums::new(shard::BLOCK);
     store.write(&tmp, &head)?;
     sums.feed(&head);
+    let mut put_tensor = |what: &dyn Fn() -> String, t: Vec<f32>, len: u64| -> Result<()> {
+        if t.len() as u64 != len {
+            return Err(Error::Internal(format!(
+                "{} has {} elements, its record {len}",
+                what(),
+                t.len()
+            )));
+        }
+        let mut bytes = Vec::with_capacity(4 * t.len());
+        for x in &t {
+            bytes.extend_from_slice(&x.to_le_bytes());
+        }
+        sums.feed(&bytes);
+        store.append(&tmp, &bytes)
+    };
     for (u, l) in lens.iter().enumerate() {
         for (s, &len) in l.iter().enumerate() {
-            if len == 0 {
-                continue;
+            if len > 0 {
+                let what = || format!("unit {u}'s saved state {s}");
+                put_tensor(&what, e.ckpt_unit_state(u, s)?, len as u64)?;
             }
-            let t = e.ckpt_unit_state(u, s)?;
-            if t.len() != len {
-                return Err(Error::Internal(format!(
-                    "unit {u}'s saved state has {} elements, its record {len}",
-                    t.len()
-                )));
-            }
-            let mut bytes = Vec::with_capacity(4 * len);
-            for x in &t {
-                bytes.extend_from_slice(&x.to_le_bytes());
-            }
-            sums.feed(&bytes);
-            store.append(&tmp, &bytes)?;
         }
+    }
+    for l in &loose {
+        let what = || format!("loose parameter {}", l.param);
+        put_tensor(&what, e.ckpt_loose(l.param)?, l.numel)?;
     }
     store.sync_file(&tmp)?;
     store.rename(&tmp, &join(staging, &name))?;

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use zero_core::CheckpointError;
-use zero_core::checkpoint::{FORMAT_VERSION, FileRecord, ShardHeader};
+use zero_core::checkpoint::{FORMAT_VERSION, FileRecord, Saved, ShardHeader};
 
 use crate::error::Result;
 
@@ -293,9 +293,13 @@ impl ShardFile {
     }
 }
 
-/// The tensor name of `state` of unit `u`.
-pub(crate) fn name(state: &str, u: usize) -> String {
-    format!("{state}/u{u:05}")
+/// The name of tensor `t`'s state `state` in a rank file: `w/u00003` for the rank's chunk of
+/// unit 3, `w/p00012` for parameter 12 held whole (loose).
+pub(crate) fn name(state: &str, t: Saved) -> String {
+    match t {
+        Saved::Unit(u) => format!("{state}/u{u:05}"),
+        Saved::Loose(p) => format!("{state}/p{p:05}"),
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 
-use burn::module::ParamId;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
@@ -118,20 +117,25 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         (w, opt)
     }
 
-    /// Values of the parameters in no unit (frozen, stages 0–2), as the model holds them.
-    pub(crate) fn ckpt_unsharded(&self) -> Result<Vec<(usize, Vec<f32>)>> {
-        let idx: Vec<usize> = (0..self.params.len())
-            .filter(|&i| self.plan.locate(i).is_none())
-            .collect();
-        let want: HashMap<ParamId, usize> = idx
-            .iter()
-            .enumerate()
-            .map(|(k, &i)| (self.params[i].id, k))
-            .collect();
-        Ok(idx
-            .into_iter()
-            .zip(params::read_values(&self.model, &want)?)
-            .collect())
+    /// The values of parameter `param`, which is in no unit (frozen, stages 0–2), as the model
+    /// holds them (in bf16/fp16 the working weights, widened).
+    pub(crate) fn ckpt_loose(&self, param: usize) -> Result<Vec<f32>> {
+        let want = HashMap::from([(self.params[param].id, 0)]);
+        Ok(params::read_values(&self.model, &want)?
+            .pop()
+            .unwrap_or_default())
+    }
+
+    /// Restores parameter `param`, which is in no unit, into the model from `values` (rounded to
+    /// the working precision in bf16/fp16, as the build does: values saved by a run of that
+    /// precision come back bit for bit).
+    pub(crate) fn ckpt_restore_loose(&mut self, param: usize, mut values: Vec<f32>) {
+        if let Some(h) = self.half {
+            values.iter_mut().for_each(|x| *x = h.quantize(*x));
+        }
+        let p = &self.params[param];
+        let update = HashMap::from([(p.id, (values, p.shape.clone(), p.trainable))]);
+        self.set_params(update);
     }
 
     /// Restores the state [`Self::ckpt_needs`] asked for, which `fill(u, [w, m, v])` writes

@@ -16,6 +16,11 @@ use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
 
 /// A 2-block GPT with d_model 16 on flex, and a 16-token Markov language.
 pub(crate) fn tiny() -> (Gpt, MarkovLanguage) {
+    tiny_seeded(42)
+}
+
+/// [`tiny`] with its weights drawn from `seed`.
+pub(crate) fn tiny_seeded(seed: u64) -> (Gpt, MarkovLanguage) {
     let cfg = GptConfig {
         vocab: 16,
         context: 8,
@@ -24,7 +29,7 @@ pub(crate) fn tiny() -> (Gpt, MarkovLanguage) {
         layers: 2,
     };
     let device = Device::flex().autodiff();
-    (cfg.init(&device, 42), MarkovLanguage::new(16, 3).unwrap())
+    (cfg.init(&device, seed), MarkovLanguage::new(16, 3).unwrap())
 }
 
 /// AdamW at 1e-2, micro-batch 2 of 8 tokens, with the given reduction.

@@ -1,6 +1,9 @@
 //! The explicit parameter → unit → offset table of a plan, as the manifest records it, and the
 //! plan fingerprint.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::config::Precision;
@@ -33,6 +36,45 @@ pub struct LayoutUnit {
     pub entries: Vec<LayoutEntry>,
 }
 
+/// A parameter in no unit (frozen and replicated at stages 0–2): every rank holds it whole, and
+/// one rank saves it whole, as the tensor [`Saved::Loose`] of its file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LooseParam {
+    /// Index of the parameter.
+    pub param: usize,
+    /// Its element count.
+    pub numel: u64,
+    /// The rank whose file holds it.
+    pub rank: usize,
+}
+
+/// A tensor of a rank file: a unit's chunk, or a loose parameter held whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Saved {
+    /// The rank's chunk of unit `u` (its real elements).
+    Unit(usize),
+    /// Parameter `p`, in no unit, whole.
+    Loose(usize),
+}
+
+/// Where a parameter's saved elements are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// In unit `unit` from `offset`: element `e` lies in the chunk of rank
+    /// `⌊(offset + e) / chunk_len⌋`.
+    Unit {
+        /// The unit.
+        unit: usize,
+        /// Offset of the parameter's first element in the unit.
+        offset: u64,
+    },
+    /// Whole, in the file of `rank`.
+    Loose {
+        /// The rank.
+        rank: usize,
+    },
+}
+
 /// Everything a loader needs to know about the layout a checkpoint was saved with, without
 /// re-running the planner that made it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -51,12 +93,17 @@ pub struct CkptLayout {
     pub params: Vec<ParamDesc>,
     /// The units in flat order.
     pub units: Vec<LayoutUnit>,
+    /// The parameters in no unit, by index, each with the rank that saves it (spread over the
+    /// ranks greedily by size). Empty, and then absent from the JSON, when every parameter is in
+    /// a unit, so the fingerprints of such plans are unchanged by this field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loose: Vec<LooseParam>,
 }
 
 impl CkptLayout {
     /// The layout of `plan`.
     pub fn of(plan: &Plan) -> CkptLayout {
-        let units = plan
+        let units: Vec<LayoutUnit> = plan
             .units()
             .iter()
             .enumerate()
@@ -76,6 +123,7 @@ impl CkptLayout {
                     .collect(),
             })
             .collect();
+        let loose = spread_loose(plan, &units);
         CkptLayout {
             world_size: plan.world_size(),
             ranks_per_node: plan.topology().ranks_per_node(),
@@ -84,6 +132,7 @@ impl CkptLayout {
             hpz_partition_size: plan.config().hpz_partition_size,
             params: plan.model().params.clone(),
             units,
+            loose,
         }
     }
 
@@ -98,26 +147,87 @@ impl CkptLayout {
         self.units[u].numel.saturating_sub(rank as u64 * c).min(c)
     }
 
-    /// For every parameter, its `(unit, offset)`, or `None` when it is in no unit (frozen and
-    /// replicated at stages 0–2). `O(P)`.
-    pub fn locations(&self) -> Vec<Option<(usize, u64)>> {
+    /// For every parameter, where its saved elements are, or `None` when the layout saves it
+    /// nowhere (a layout that lists neither a unit entry nor a loose record for it). `O(P)`.
+    pub fn locations(&self) -> Vec<Option<Place>> {
         let mut out = vec![None; self.params.len()];
         for (u, unit) in self.units.iter().enumerate() {
             for e in &unit.entries {
                 if let Some(slot) = out.get_mut(e.param) {
-                    *slot = Some((u, e.offset));
+                    *slot = Some(Place::Unit {
+                        unit: u,
+                        offset: e.offset,
+                    });
                 }
+            }
+        }
+        for l in &self.loose {
+            if let Some(slot) = out.get_mut(l.param) {
+                *slot = Some(Place::Loose { rank: l.rank });
             }
         }
         out
     }
 
-    /// The real elements rank `rank` stores: the sum over units of its real chunk elements.
-    pub fn real_elements(&self, rank: usize) -> u64 {
-        (0..self.units.len())
-            .map(|u| self.real_in_chunk(u, rank))
-            .sum()
+    /// The elements of tensor `t` in `rank`'s file: the real elements of its chunk of a unit, or
+    /// a loose parameter's whole length in its holder's file (0 in every other file).
+    pub fn saved_len(&self, t: Saved, rank: usize) -> u64 {
+        match t {
+            Saved::Unit(u) => self.real_in_chunk(u, rank),
+            Saved::Loose(p) => self
+                .loose
+                .iter()
+                .find(|l| l.param == p && l.rank == rank)
+                .map_or(0, |l| l.numel),
+        }
     }
+
+    /// The weight elements rank `rank` saves: its real chunk elements of every unit and the
+    /// loose parameters it holds.
+    pub fn real_elements(&self, rank: usize) -> u64 {
+        let units: u64 = (0..self.units.len())
+            .map(|u| self.real_in_chunk(u, rank))
+            .sum();
+        let loose: u64 = self
+            .loose
+            .iter()
+            .filter(|l| l.rank == rank)
+            .map(|l| l.numel)
+            .sum();
+        units + loose
+    }
+}
+
+/// The parameters of `plan` in no unit, each given to the rank holding the fewest loose elements
+/// so far, largest first (ties: the lower parameter index, then the lower rank), listed by index.
+/// Deterministic, so every rank computes the same table.
+fn spread_loose(plan: &Plan, units: &[LayoutUnit]) -> Vec<LooseParam> {
+    let params = &plan.model().params;
+    let mut in_unit = vec![false; params.len()];
+    for e in units.iter().flat_map(|u| &u.entries) {
+        if let Some(slot) = in_unit.get_mut(e.param) {
+            *slot = true;
+        }
+    }
+    let mut todo: Vec<(usize, u64)> = (0..params.len())
+        .filter(|&p| !in_unit[p])
+        .map(|p| (p, params[p].numel()))
+        .collect();
+    todo.sort_by_key(|&(p, n)| (Reverse(n), p));
+    // The ranks by (elements held, rank), least first: O(log N) per parameter.
+    let mut ranks: BinaryHeap<Reverse<(u64, usize)>> = (0..plan.world_size().max(1))
+        .map(|r| Reverse((0, r)))
+        .collect();
+    let mut out: Vec<LooseParam> = todo
+        .into_iter()
+        .map(|(param, numel)| {
+            let Reverse((held, rank)) = ranks.pop().unwrap_or(Reverse((0, 0)));
+            ranks.push(Reverse((held + numel, rank)));
+            LooseParam { param, numel, rank }
+        })
+        .collect();
+    out.sort_by_key(|l| l.param);
+    out
 }
 
 /// A 64-bit FNV-1a fingerprint (hex) of everything that fixes where bytes live: the model, the

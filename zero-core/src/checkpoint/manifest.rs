@@ -7,8 +7,10 @@ use crate::error::{CheckpointError, Result};
 
 /// The manifest's `format` field.
 pub const FORMAT: &str = "zero-rs-checkpoint";
-/// The manifest and rank-file format version this crate reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest and rank-file format version this crate reads and writes. Version 2 saves the
+/// parameters in no unit (frozen, stages 0–2) in the rank files; version 1 kept only their
+/// checksums and is refused.
+pub const FORMAT_VERSION: u32 = 2;
 /// The first 8 bytes of every rank file.
 pub const SHARD_MAGIC: &[u8; 8] = b"ZRSHARD1";
 
@@ -52,16 +54,6 @@ pub struct EngineScalars {
     pub loss_scaler: Option<LossScalerState>,
 }
 
-/// A frozen parameter that lives in no unit (stages 0–2): not saved (it never changes), but its
-/// checksum is, so a load into a model whose frozen values differ fails.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FrozenRecord {
-    /// Index of the parameter.
-    pub param: usize,
-    /// crc32c of its f32 little-endian bytes as the engine holds them.
-    pub crc32c: u32,
-}
-
 /// One rank file: its exact size and the crc32c of each block of `block_size` bytes (the last
 /// block may be shorter).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,8 +87,6 @@ pub struct Manifest {
     pub layout: CkptLayout,
     /// The engine's scalars.
     pub scalars: EngineScalars,
-    /// Frozen replicated parameters (checked, not stored).
-    pub frozen: Vec<FrozenRecord>,
     /// The caller's state.
     pub client_state: ClientState,
     /// One record per rank, in rank order.
@@ -110,20 +100,28 @@ impl Manifest {
         serde_json::to_vec_pretty(self).unwrap_or_default()
     }
 
-    /// Parses and checks the format and version; `file` names the source in errors.
+    /// Parses and checks the format and version (first, so a manifest of another version is
+    /// named as such whatever its other fields); `file` names the source in errors.
     pub fn from_json(bytes: &[u8], file: &str) -> Result<Manifest> {
-        let m: Manifest = serde_json::from_slice(bytes).map_err(|e| CheckpointError::Parse {
+        #[derive(Deserialize)]
+        struct Head {
+            format: String,
+            format_version: u32,
+        }
+        let parse = |e: serde_json::Error| CheckpointError::Parse {
             file: file.into(),
             message: e.to_string(),
-        })?;
-        if m.format != FORMAT || m.format_version != FORMAT_VERSION {
+        };
+        let h: Head = serde_json::from_slice(bytes).map_err(parse)?;
+        if h.format != FORMAT || h.format_version != FORMAT_VERSION {
             return Err(CheckpointError::Version {
                 file: file.into(),
-                found: format!("{} v{}", m.format, m.format_version),
+                found: format!("{} v{}", h.format, h.format_version),
                 expected: format!("{FORMAT} v{FORMAT_VERSION}"),
             }
             .into());
         }
+        let m: Manifest = serde_json::from_slice(bytes).map_err(parse)?;
         if m.files.len() != m.layout.world_size
             || m.files.iter().enumerate().any(|(r, f)| f.rank != r)
         {
