@@ -109,6 +109,7 @@ const GPU_TESTS: &[&str] = &[
     "cuda_a_large_tensor_matches_the_host_and_reports_throughput",
     "cuda_buffers_and_codecs_are_checked",
     "zero3_over_nccl_is_bit_identical_to_the_host_loopback",
+    "a_checkpoint_over_nccl_resumes_bit_identically",
     "gpu_qwz_on_device_matches_the_host_path",
     "gpu_qgz_on_device_matches_the_host_path",
     "gpu_qgz_finish_kernels_divide_and_round_like_the_host",
@@ -500,7 +501,7 @@ mod tests {
     fn every_gpu_test_must_pass_for_the_tests_step_to_pass() {
         assert_eq!(tests_verdict(&full_cookie(), &[]).0, Verdict::Pass);
 
-        // A partial cookie: one of the 19 ran. That used to pass; now it fails naming the rest.
+        // A partial cookie: one of the 20 ran. That used to pass; now it fails naming the rest.
         let partial = format!("{} ok\n", GPU_TESTS[0]);
         let (v, detail) = tests_verdict(&partial, &[]);
         assert_eq!(v, Verdict::Fail);

@@ -1,8 +1,12 @@
-//! The memory bounds of a save and an export (issue 11): both stream, so neither holds a whole
-//! rank file. Measured with a counting global allocator around the save (both ranks at once) and
-//! the export of a 2-rank stage-3 checkpoint of a GPT whose rank files are 20 MB: the peak of the
-//! bytes allocated must stay within the issue's bound (one rank file plus the largest tensor per
-//! rank) and, streamed, well under it.
+//! The memory bounds of a save, a load and an export (issue 11), besides the engine's own state.
+//! The save and the export stream: each stays within one rank file plus the largest tensor per
+//! rank, and well under it. A load verifies every byte before any state changes, so it holds what
+//! it restores: its own file, and for the units it holds whole (stage 3's persistent ones) the
+//! other ranks' chunks of their weights, read by whole checksum blocks; then it restores one
+//! parameter at a time, so beyond that it holds one parameter's values. Measured with a counting
+//! global allocator around the save and the load (both ranks at once; the load into fresh
+//! engines, after their build) and the export of a 2-rank stage-3 checkpoint of a GPT whose rank
+//! files are 20 MB.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Barrier;
@@ -14,7 +18,7 @@ use zero_burn::checkpoint::{DirStorage, ExportDtype, export_safetensors, read_ma
 use zero_burn::demo::gpt::GptConfig;
 use zero_burn::{Launch, ZeroEngine};
 use zero_comm::Communicator;
-use zero_core::{Topology, ZeroConfig};
+use zero_core::{Topology, UnitKind, ZeroConfig};
 
 /// Counts the bytes live on the heap and their high-water mark.
 struct Counting;
@@ -68,7 +72,7 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOC: Counting = Counting;
 
 #[test]
-fn save_and_export_never_hold_a_whole_rank_file() {
+fn save_load_and_export_stay_within_their_memory_bounds() {
     let dir = std::env::temp_dir().join(format!("zero-export-mem-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let store = DirStorage::new(dir.join("ckpt")).unwrap();
@@ -83,29 +87,34 @@ fn save_and_export_never_hold_a_whole_rank_file() {
     let model = cfg.init(&Device::flex().autodiff(), 3);
     let both = Barrier::new(2);
     let base = AtomicUsize::new(0);
-    let saved = Launch::new(Topology::single_node(2).unwrap())
-        .timeout(Duration::from_secs(60))
-        .run_with(&model, |comm, model| {
-            let rank = comm.rank();
-            let mut e = ZeroEngine::builder(comm, model)
-                .config(ZeroConfig {
-                    stage: 3,
-                    ..Default::default()
-                })
-                .build()?;
-            both.wait();
-            if rank == 0 {
-                base.store(LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
-                PEAK.store(LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
-            }
-            both.wait();
-            let r = e.save(&store, serde_json::json!(null));
-            both.wait();
-            Ok(r.map(|_| PEAK.load(Ordering::SeqCst) - base.load(Ordering::SeqCst)))
-        })
-        .unwrap();
+    // The peak above the engines' build of `act` on both ranks at once.
+    let measured = |act: &(dyn Fn(&mut ZeroEngine<_, _>) -> zero_burn::Result<()> + Sync)| {
+        let peaks = Launch::new(Topology::single_node(2).unwrap())
+            .timeout(Duration::from_secs(60))
+            .run_with(&model, |comm, model| {
+                let rank = comm.rank();
+                let mut e = ZeroEngine::builder(comm, model)
+                    .config(ZeroConfig {
+                        stage: 3,
+                        ..Default::default()
+                    })
+                    .build()?;
+                both.wait();
+                if rank == 0 {
+                    base.store(LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
+                    PEAK.store(LIVE.load(Ordering::SeqCst), Ordering::SeqCst);
+                }
+                both.wait();
+                let r = act(&mut e);
+                both.wait();
+                Ok(r.map(|()| PEAK.load(Ordering::SeqCst) - base.load(Ordering::SeqCst)))
+            })
+            .unwrap();
+        peaks[0].as_ref().map(|&p| p as u64).unwrap()
+    };
+    let save_peak = measured(&|e| e.save(&store, serde_json::json!(null)).map(|_| ()));
+    let load_peak = measured(&|e| e.load(&store).map(|_| ()));
     drop(model);
-    let save_peak = *saved[0].as_ref().unwrap() as u64;
     let (_, m) = read_manifest(&store, None).unwrap();
     let rank_file = m.files.iter().map(|f| f.bytes).max().unwrap();
     let largest = m.layout.params.iter().map(|p| p.numel() * 4).max().unwrap();
@@ -125,6 +134,32 @@ fn save_and_export_never_hold_a_whole_rank_file() {
         save_peak < rank_file / 2,
         "the save peaked at {save_peak} bytes for both ranks, a rank file is {rank_file}: it \
          should stream"
+    );
+    // What a load must read and verify before it restores anything: its own file, and for the
+    // units it holds whole (stage 3's persistent ones) the other ranks' chunks of their weights,
+    // read by whole checksum blocks (at most one block of rounding per unit and end).
+    let l = &m.layout;
+    let block = m.files[0].block_size;
+    let persistent: Vec<usize> = (0..l.units.len())
+        .filter(|&u| l.units[u].kind == UnitKind::Persistent)
+        .collect();
+    let restores = |r: usize| {
+        let others: u64 = persistent
+            .iter()
+            .map(|&u| 4 * (l.units[u].numel - l.real_in_chunk(u, r)))
+            .sum();
+        m.files[r].bytes + others + 2 * block * (persistent.len() as u64 + 1)
+    };
+    let load_bound: u64 = (0..2).map(|r| restores(r) + largest).sum();
+    println!(
+        "load of 2 rank files of {rank_file} bytes into fresh engines, both ranks at once: peak \
+         {load_peak} bytes allocated (bound: what the two restore, read by blocks, + the largest \
+         tensor each: {load_bound})"
+    );
+    assert!(
+        load_peak <= load_bound,
+        "the load peaked at {load_peak} bytes, over the {load_bound} bytes the ranks restore \
+         (by whole blocks) + the largest tensor per rank"
     );
 
     let before = LIVE.load(Ordering::SeqCst);

@@ -1,5 +1,5 @@
 //! The trainer over NCCL (feature `nccl`): ZeRO-3 on one GPU with every collective through NCCL,
-//! against the same job on the host loopback.
+//! against the same job on the host loopback, uninterrupted and across a checkpoint.
 //!
 //! One GPU allows one NCCL rank (NCCL refuses two ranks on one device), so this is world size 1,
 //! where NCCL's results are exact: the run must be **bit-identical** to the host loopback's, and
@@ -19,9 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
+use zero_burn::checkpoint::DirStorage;
 use zero_burn::demo::data::{Corpus, MarkovLanguage};
 use zero_burn::demo::gpt::{Gpt, GptConfig};
-use zero_burn::demo::run::{HostRun, TrainOptions, corpus_step, engine_builder, train_host};
+use zero_burn::demo::run::{
+    HostRun, RankResult, TrainOptions, corpus_step, engine_builder, train_host,
+};
 use zero_burn::optim::Optimizer;
 use zero_burn::reduction::Reduction;
 use zero_comm::nccl::{NcclComm, NcclOptions};
@@ -92,6 +95,30 @@ fn setup() -> Setup {
     (corpus, plan, options, model)
 }
 
+/// [`STEPS`] steps of the job on the host loopback, keeping the final parameters.
+fn host_reference(
+    corpus: &MarkovLanguage,
+    plan: &Arc<Plan>,
+    options: TrainOptions,
+    model: &Gpt,
+) -> Vec<RankResult<Gpt>> {
+    let run = HostRun {
+        steps: STEPS,
+        timeout: Duration::from_secs(60),
+        keep_final_params: true,
+        checkpoint: None,
+    };
+    train_host(
+        plan.clone(),
+        model.clone(),
+        corpus,
+        options,
+        run,
+        &|_, _| {},
+    )
+    .unwrap()
+}
+
 #[test]
 fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
     let test = "zero3_over_nccl_is_bit_identical_to_the_host_loopback";
@@ -99,21 +126,7 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
         return;
     }
     let (corpus, plan, options, model) = setup();
-    let reference = train_host(
-        plan.clone(),
-        model.clone(),
-        &corpus,
-        options,
-        HostRun {
-            steps: STEPS,
-            timeout: Duration::from_secs(60),
-            keep_final_params: true,
-            checkpoint: None,
-        },
-        &|_, _| {},
-    )
-    .unwrap();
-    let want = &reference[0];
+    let want = &host_reference(&corpus, &plan, options, &model)[0];
 
     // Synchronous, then overlapped: the collectives on the trainer's communication thread,
     // which must bind the CUDA context there.
@@ -161,5 +174,52 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
             got[STEPS as usize - 1]
         );
     }
+    cookie(test);
+}
+
+/// A checkpoint on the NCCL path (issue 11): half the steps, save, a fresh NCCL engine loads and
+/// runs the rest; every loss and final parameter equals the host loopback's uninterrupted run.
+#[test]
+fn a_checkpoint_over_nccl_resumes_bit_identically() {
+    let test = "a_checkpoint_over_nccl_resumes_bit_identically";
+    if !gpu_ready(test) {
+        return;
+    }
+    let (corpus, plan, options, model) = setup();
+    let want = &host_reference(&corpus, &plan, options, &model)[0];
+    let dir = std::env::temp_dir().join(format!("zero-nccl-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = DirStorage::new(&dir).unwrap();
+    let engine = || {
+        let comm = NcclComm::single(0, NcclOptions::default()).unwrap();
+        engine_builder(&plan, comm, model.clone(), options)
+            .build()
+            .unwrap()
+    };
+    let mut got = Vec::new();
+    let mut first = engine();
+    while first.steps() < STEPS / 2 {
+        got.push(corpus_step(&mut first, &corpus, &options).unwrap().loss);
+    }
+    first
+        .save(&store, serde_json::json!({ "at": STEPS / 2 }))
+        .unwrap();
+    drop(first);
+    let mut second = engine();
+    let loaded = second.load(&store).unwrap();
+    assert_eq!(loaded.step, STEPS / 2);
+    assert_eq!(loaded.client_state, serde_json::json!({ "at": STEPS / 2 }));
+    while second.steps() < STEPS {
+        got.push(corpus_step(&mut second, &corpus, &options).unwrap().loss);
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got), bits(&want.losses), "losses across the resume");
+    let params = second.gather_all_params().unwrap();
+    assert_eq!(params.len(), want.final_params.len());
+    for (i, (a, b)) in params.iter().zip(&want.final_params).enumerate() {
+        assert!(bits(a) == bits(b), "parameter {i} differs after the resume");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    println!("ZERO_GPU_CKPT steps={STEPS} saved_at={} ok", STEPS / 2);
     cookie(test);
 }

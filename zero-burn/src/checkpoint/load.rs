@@ -49,11 +49,10 @@ impl Source {
 struct Prepared {
     /// The verified source files, by saved rank.
     files: BTreeMap<usize, Source>,
-    /// Per destination unit: the copy runs into it, each with the saved rank whose chunk it
-    /// lands in (every tensor a run reads already checked to exist with its length).
+    /// Per destination unit: the copy runs into it, each with the destination rank whose chunk
+    /// it lands in, in destination order (every tensor a run reads already checked to exist
+    /// with its length).
     runs: Vec<Vec<(usize, CopyRun)>>,
-    /// Per destination unit: the weight and optimizer-state ranges this rank restores.
-    needs: Vec<(Range<u64>, Option<Range<u64>>)>,
     /// Every parameter in no destination unit (frozen, stages 0–2; each rank restores it whole)
     /// with its saved pieces (every tensor a piece reads already checked).
     loose: Vec<(usize, Vec<Piece>)>,
@@ -66,35 +65,38 @@ struct Prepared {
 }
 
 impl Prepared {
-    /// Decodes unit `v`'s runs straight from the files into `dst` (the weights of its range
-    /// `needs[v].0`, and `m`, `v` of `needs[v].1`; empty where absent). Padding stays as `dst`
-    /// holds it (zero).
-    fn fill(&self, v: usize, chunk_len: u64, dst: [&mut [f32]; 3]) -> Result<()> {
-        let (w, opt) = &self.needs[v];
-        for (state, (name, dst)) in ["w", "m", "v"].into_iter().zip(dst).enumerate() {
-            if state > 0 && self.states < state {
-                continue;
+    /// Decodes elements `range` (offsets in unit `v`, whose chunks are `chunk_len` long) of
+    /// state `state` (0: weights, 1: `m`, 2: `v`) straight from the files into `dst`, of the
+    /// range's length; padding and states the checkpoint lacks stay as `dst` holds them (zero).
+    fn fill(
+        &self,
+        v: usize,
+        chunk_len: u64,
+        state: usize,
+        range: Range<u64>,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        if state > 0 && self.states < state {
+            return Ok(());
+        }
+        let name = ["w", "m", "v"][state.min(2)];
+        // The unit's runs are in destination order: skip to the first that reaches the range.
+        let runs = &self.runs[v];
+        let at = |&(s, r): &(usize, CopyRun)| s as u64 * chunk_len + r.dst_off;
+        let first = runs.partition_point(|x| at(x) + x.1.len <= range.start);
+        for x in &runs[first..] {
+            let (start, r) = (at(x), x.1);
+            if start >= range.end {
+                break;
             }
-            for &(s, r) in &self.runs[v] {
-                let at = s as u64 * chunk_len + r.dst_off;
-                let base = if state == 0 {
-                    w.start
-                } else {
-                    match opt.as_ref().filter(|o| o.start <= at && at < o.end) {
-                        Some(o) => o.start,
-                        None => continue,
-                    }
-                };
-                let real = self.src.saved_len(r.src, r.src_rank);
-                let from = (at - base) as usize;
-                let (a, b) = (r.src_off as usize, (r.src_off + r.len) as usize);
-                self.files[&r.src_rank].read_into(
-                    &shard::name(name, r.src),
-                    real,
-                    a..b,
-                    &mut dst[from..from + (b - a)],
-                )?;
-            }
+            let (a, b) = (start.max(range.start), (start + r.len).min(range.end));
+            let from = r.src_off + (a - start);
+            self.files[&r.src_rank].read_into(
+                &shard::name(name, r.src),
+                self.src.saved_len(r.src, r.src_rank),
+                from as usize..(from + (b - a)) as usize,
+                &mut dst[(a - range.start) as usize..(b - range.start) as usize],
+            )?;
         }
         Ok(())
     }
@@ -137,7 +139,10 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
     }
     let p = local?;
     let plan = e.plan().clone();
-    e.ckpt_restore(|v, dst| p.fill(v, plan.chunk_len(v), dst), p.scalars)?;
+    e.ckpt_restore(
+        |v, state, range, dst| p.fill(v, plan.chunk_len(v), state, range, dst),
+        p.scalars,
+    )?;
     // The loose parameters, one at a time.
     for (param, pieces) in &p.loose {
         let values = p.read_loose(pieces, plan.model().params[*param].numel())?;
@@ -287,7 +292,6 @@ fn prepare<C: Communicator, M: Segmented>(
     Ok(Prepared {
         files,
         runs: by_unit,
-        needs,
         loose,
         src: m.layout.clone(),
         states,

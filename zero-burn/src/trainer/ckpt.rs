@@ -1,6 +1,7 @@
 //! The engine's checkpoint access: the only internals [`crate::checkpoint`] reaches.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use zero_comm::Communicator;
 use zero_core::UnitKind;
@@ -138,65 +139,105 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.set_params(update);
     }
 
-    /// Restores the state [`Self::ckpt_needs`] asked for, which `fill(u, [w, m, v])` writes
-    /// per unit into zeroed buffers of its ranges (the weights, and `m`, `v`, empty when the
-    /// optimizer has none or the unit is frozen; padding stays zero), and the scalars. `m`, `v`
-    /// and a stage-3 fp32 shard are filled in place; the rest through one buffer per unit. Only
-    /// called after everything was read and verified. Derived state (16-bit working weights,
-    /// the model's resident tensors, stage-3 16-bit shards) is recomputed from the fp32 values.
+    /// Restores the state [`Self::ckpt_needs`] asked for, which `fill(u, state, range, dst)`
+    /// decodes: elements `range` (offsets in unit `u`) of `state` (0: weights, 1: `m`, 2: `v`)
+    /// into `dst`, of the range's length (padding stays as `dst` holds it, zero). `m`, `v` and a
+    /// stage-3 fp32 shard are filled in place; the weights the model holds one parameter at a
+    /// time, so besides the engine's own state the restore holds one parameter's values. Only
+    /// called after everything was read and verified. Derived state (16-bit working weights, the
+    /// model's resident tensors, stage-3 16-bit shards) is recomputed from the fp32 values.
     pub(crate) fn ckpt_restore(
         &mut self,
-        mut fill: impl FnMut(usize, [&mut [f32]; 3]) -> Result<()>,
+        mut fill: impl FnMut(usize, usize, Range<u64>, &mut [f32]) -> Result<()>,
         scalars: Scalars,
     ) -> Result<()> {
         let plan = self.plan.clone();
         let stage = plan.stage();
         for (u, unit) in plan.units().iter().enumerate() {
             let (wr, or) = self.ckpt_needs(u);
-            let opt = or.as_ref().zip(self.layout.opt_offset[u]);
-            let olen = or.as_ref().map_or(0, |o| (o.end - o.start) as usize);
+            let opt = or.clone().zip(self.layout.opt_offset[u]);
             let in_model = stage < 3 || unit.kind == UnitKind::Persistent;
             let so = unit.shard_offset as usize;
             let c = plan.chunk_len(u) as usize;
-            // An optimizer without a moment keeps that buffer empty.
-            let state = |held: bool| match opt {
-                Some((_, oo)) if held => oo..oo + olen,
-                _ => 0..0,
-            };
-            let (mr, vr) = (state(!self.opt.m.is_empty()), state(!self.opt.v.is_empty()));
-            let (m, v) = (&mut self.opt.m[mr], &mut self.opt.v[vr]);
-            m.fill(0.0);
-            v.fill(0.0);
-            if stage == 3 && !in_model && self.half.is_none() {
-                // The rank's fp32 shard of a gather unit is the weight range itself.
-                let w = &mut self.shard[so..so + c];
-                w.fill(0.0);
-                fill(u, [w, m, v])?;
-                continue;
+            let chunk = self.rank as u64 * c as u64..(self.rank as u64 + 1) * c as u64;
+            // The optimizer's moments of the range in place (an optimizer without a moment
+            // keeps that buffer empty).
+            if let Some((or, oo)) = opt.clone() {
+                let len = (or.end - or.start) as usize;
+                for (state, buf) in [(1, &mut self.opt.m), (2, &mut self.opt.v)] {
+                    if !buf.is_empty() {
+                        let dst = &mut buf[oo..oo + len];
+                        dst.fill(0.0);
+                        fill(u, state, or.clone(), dst)?;
+                    }
+                }
             }
-            let mut w = vec![0.0; (wr.end - wr.start) as usize];
-            fill(u, [&mut w, m, v])?;
-            if let (Some((or, oo)), true) = (opt, self.half.is_some()) {
-                let (a, b) = ((or.start - wr.start) as usize, (or.end - wr.start) as usize);
-                self.master[oo..oo + (b - a)].copy_from_slice(&w[a..b]);
-            }
-            if stage == 3 {
-                let at = (self.rank as u64 * c as u64 - wr.start) as usize;
-                let mine = &w[at..at + c];
+            if !in_model {
+                // A stage-3 gather unit: the rank's chunk is the shard (the fp32 master).
                 match self.half {
-                    None => self.shard[so..so + c].copy_from_slice(mine),
+                    None => {
+                        let w = &mut self.shard[so..so + c];
+                        w.fill(0.0);
+                        fill(u, 0, chunk.clone(), w)?;
+                    }
                     Some(h) => {
-                        for (d, &x) in self.shard16[so..so + c].iter_mut().zip(mine) {
+                        let mut w = vec![0.0; c];
+                        fill(u, 0, chunk.clone(), &mut w)?;
+                        if let Some((_, oo)) = opt {
+                            self.master[oo..oo + c].copy_from_slice(&w);
+                        }
+                        for (d, &x) in self.shard16[so..so + c].iter_mut().zip(&w) {
                             *d = h.round(x);
                         }
                     }
                 }
+                continue;
             }
-            if in_model {
+            // The weights the model holds, one parameter at a time: into the model, and where
+            // the parameter overlaps them, the fp32 master (bf16/fp16) and the stage-3 shard.
+            if let Some((or, oo)) = opt.clone().filter(|_| self.half.is_some()) {
+                self.master[oo..oo + (or.end - or.start) as usize].fill(0.0);
+            }
+            if stage == 3 {
+                match self.half {
+                    None => self.shard[so..so + c].fill(0.0),
+                    Some(_) => self.shard16[so..so + c].fill(0),
+                }
+            }
+            for e in plan.unit_entries(u) {
+                let range = e.offset..e.offset + e.numel;
+                debug_assert!(wr.start <= range.start && range.end <= wr.end);
+                let mut w = vec![0.0; e.numel as usize];
+                fill(u, 0, range.clone(), &mut w)?;
+                let overlap = |r: &Range<u64>| {
+                    let (a, b) = (range.start.max(r.start), range.end.min(r.end));
+                    (a < b).then(|| ((a - range.start) as usize, (b - range.start) as usize, a))
+                };
+                if let (Some((or, oo)), true) = (opt.as_ref(), self.half.is_some())
+                    && let Some((a, b, at)) = overlap(or)
+                {
+                    let to = oo + (at - or.start) as usize;
+                    self.master[to..to + (b - a)].copy_from_slice(&w[a..b]);
+                }
+                if stage == 3
+                    && let Some((a, b, at)) = overlap(&chunk)
+                {
+                    let to = so + (at - chunk.start) as usize;
+                    match self.half {
+                        None => self.shard[to..to + (b - a)].copy_from_slice(&w[a..b]),
+                        Some(h) => {
+                            for (d, &x) in self.shard16[to..to + (b - a)].iter_mut().zip(&w[a..b]) {
+                                *d = h.round(x);
+                            }
+                        }
+                    }
+                }
                 if let Some(h) = self.half {
                     w.iter_mut().for_each(|x| *x = h.quantize(*x));
                 }
-                self.write_unit(u, &w);
+                let p = &self.params[e.param];
+                let update = HashMap::from([(p.id, (w, p.shape.clone(), p.trainable))]);
+                self.set_params(update);
             }
         }
         self.step = scalars.step;
