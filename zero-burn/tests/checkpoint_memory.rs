@@ -2,8 +2,9 @@
 //! The save and the export stream: each stays within one rank file plus the largest tensor per
 //! rank, and well under it. A load verifies every byte before any state changes, so it holds what
 //! it restores: its own file, and for the units it holds whole (stage 3's persistent ones) the
-//! other ranks' chunks of their weights, read by whole checksum blocks; then it restores one
-//! parameter at a time, so beyond that it holds one parameter's values. Measured with a counting
+//! other ranks' chunks of their weights, read by whole checksum blocks; then it writes the
+//! model's weights in batches of about the largest parameter, so beyond that it holds about two
+//! parameters' values. Measured with a counting
 //! global allocator around the save and the load (both ranks at once; the load into fresh
 //! engines, after their build) and the export of a 2-rank stage-3 checkpoint of a GPT whose rank
 //! files are 20 MB.

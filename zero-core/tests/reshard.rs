@@ -139,6 +139,11 @@ proptest! {
         let want = shards(&b, &st);
         for (s, want_s) in want.iter().enumerate() {
             let runs = copies(&a, &b, s).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            // In destination order without overlap (the loader's restore searches them so).
+            prop_assert!(
+                runs.windows(2).all(|w| (w[0].dst_unit, w[0].dst_off + w[0].len) <= (w[1].dst_unit, w[1].dst_off)),
+                "runs out of destination order: {runs:?}"
+            );
             let mut got: Vec<Vec<Option<u64>>> = (0..b.units.len())
                 .map(|u| vec![None; want_s[&Saved::Unit(u)].len()])
                 .collect();
@@ -198,6 +203,7 @@ proptest! {
         let (lo, hi) = (held.iter().min().copied().unwrap_or(0), held.iter().max().copied().unwrap_or(0));
         prop_assert!(hi <= lo + largest, "held {held:?}, largest {largest}");
         prop_assert_eq!(&CkptLayout::of(&plan), &l);
+        prop_assert_eq!(l.check(), Ok(()));
         // Every element is saved exactly once over the ranks.
         let saved: u64 = (0..l.world_size).map(|r| l.real_elements(r)).sum();
         prop_assert_eq!(saved, model.params.iter().map(|p| p.numel()).sum::<u64>());
@@ -295,6 +301,35 @@ fn manifest_round_trips_through_json() {
     assert!(
         matches!(&e, Error::Checkpoint(c) if matches!(&**c, CheckpointError::Version { found, .. } if found.ends_with("v1"))),
         "{e}"
+    );
+    // A layout its readers could not index is refused, saying what is wrong.
+    let broken = |edit: &dyn Fn(&mut serde_json::Value), says: &str| {
+        let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+        edit(&mut v);
+        let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "M").unwrap_err();
+        assert!(
+            matches!(&e, Error::Checkpoint(c) if matches!(&**c, CheckpointError::Parse { message, .. } if message.contains(says))),
+            "{says}: {e}"
+        );
+    };
+    broken(
+        &|v| {
+            v["layout"]["world_size"] = 0.into();
+            v["files"] = serde_json::json!([]);
+        },
+        "world size 0",
+    );
+    broken(
+        &|v| v["layout"]["loose"] = serde_json::json!([{ "param": 0, "numel": 15, "rank": 0 }]),
+        "saved 2 times",
+    );
+    broken(
+        &|v| v["layout"]["loose"] = serde_json::json!([{ "param": 1, "numel": 7, "rank": 4 }]),
+        "rank 4 of 4",
+    );
+    broken(
+        &|v| v["layout"]["units"][0]["entries"][0]["param"] = 5.into(),
+        "parameter 5 of 2",
     );
     let mut short = m.clone();
     short.files.pop();

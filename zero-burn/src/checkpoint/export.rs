@@ -5,8 +5,8 @@
 use zero_core::CheckpointError;
 use zero_core::checkpoint::{Locator, Piece};
 
-use super::load::resolve;
 use super::ranged::RankIndex;
+use super::resolve::{in_manifest, resolve};
 use super::shard;
 use super::storage::{Storage, join};
 use crate::error::Result;
@@ -64,7 +64,9 @@ pub fn export_safetensors(
     let mut pieces: Vec<Vec<Piece>> = Vec::with_capacity(layout.params.len());
     for (p, desc) in layout.params.iter().enumerate() {
         let mut mine = Vec::new();
-        at_saved.pieces(p, 0..desc.numel(), |x| mine.push(x))?;
+        at_saved
+            .pieces(p, 0..desc.numel(), |x| mine.push(x))
+            .map_err(|e| in_manifest(e, &mpath))?;
         if let Some(x) = mine.iter().find(|x| x.src_rank >= m.files.len()) {
             return Err(CheckpointError::Layout {
                 file: mpath,

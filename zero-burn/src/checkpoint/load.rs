@@ -8,22 +8,23 @@ use std::ops::Range;
 use zero_comm::Communicator;
 use zero_core::CheckpointError;
 use zero_core::checkpoint::{
-    CkptLayout, CopyRun, FileRecord, LatestPointer, Manifest, Piece, copies, fingerprint,
-    loose_copies,
+    CkptLayout, CopyRun, Manifest, Piece, copies, fingerprint, loose_copies,
 };
 
 use super::ranged::{Pieces, RankIndex};
-use super::shard::{self, Expect, ShardFile};
-use super::storage::{Storage, join};
+use super::resolve::{in_manifest, open_file, resolve};
+use super::shard::{self, ShardFile};
+use super::storage::Storage;
 use super::{
-    COMMIT, LoadOptions, Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses,
+    LoadOptions, Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses,
 };
 use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
 
-/// A saved rank file as the load reads it: whole on the same plan (a rank needs all of its own
-/// file), by verified blocks on a reshard (a rank needs parts of one or more files).
+/// A saved rank file as the load reads it: whole when it is the rank's own file on the same plan
+/// (the rank needs all of it), otherwise by verified blocks (on a reshard, and for another rank's
+/// file on the same plan, a rank needs parts of it).
 enum Source {
     Whole(ShardFile),
     Blocks(Pieces),
@@ -151,12 +152,6 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
     Ok(p.loaded)
 }
 
-fn read(store: &dyn Storage, path: &str) -> Result<Vec<u8>> {
-    store
-        .read(path)?
-        .ok_or_else(|| CheckpointError::Missing { file: path.into() }.into())
-}
-
 fn prepare<C: Communicator, M: Segmented>(
     e: &ZeroEngine<C, M>,
     store: &dyn Storage,
@@ -204,7 +199,7 @@ fn prepare<C: Communicator, M: Segmented>(
         let c = plan.chunk_len(u);
         for s in (w.start / c) as usize..w.end.div_ceil(c) as usize {
             if let std::collections::btree_map::Entry::Vacant(slot) = by_rank.entry(s) {
-                slot.insert(copies(src, &current, s)?);
+                slot.insert(copies(src, &current, s).map_err(|e| in_manifest(e, &mpath))?);
             }
         }
     }
@@ -218,8 +213,8 @@ fn prepare<C: Communicator, M: Segmented>(
         })
         .collect();
 
-    // The source files those runs read: on the same plan each read and verified whole; on a
-    // reshard only the checksum blocks the runs lie in, each verified.
+    // The source files those runs read: the rank's own file on the same plan read and verified
+    // whole; any other only by the checksum blocks the runs lie in, each verified.
     let states = m.scalars.optimizer_states;
     // What a run reads: the weights always; `m` and `v` only where the run lands in the rank's
     // optimizer range (at stages 1–2 a rank restores whole units' weights but only its chunk of
@@ -240,7 +235,7 @@ fn prepare<C: Communicator, M: Segmented>(
             .collect()
     };
     // What a loose piece reads: its weights.
-    let loose = loose_copies(src, &current)?;
+    let loose = loose_copies(src, &current).map_err(|e| in_manifest(e, &mpath))?;
     let piece = |x: &Piece| {
         let range = x.src_off as usize..(x.src_off + x.len) as usize;
         (
@@ -276,6 +271,11 @@ fn prepare<C: Communicator, M: Segmented>(
         }
         by_unit[r.dst_unit].push((s, r));
     }
+    // `Prepared::fill` searches each unit's runs by destination offset.
+    debug_assert!(by_unit.iter().enumerate().all(|(u, runs)| {
+        let at = |(s, r): &(usize, CopyRun)| *s as u64 * plan.chunk_len(u) + r.dst_off;
+        runs.windows(2).all(|w| at(&w[0]) + w[0].1.len <= at(&w[1]))
+    }));
     for x in loose.iter().flat_map(|(_, pieces)| pieces) {
         let (name, real, range) = piece(x);
         files[&x.src_rank].check(&name, real, range)?;
@@ -347,140 +347,4 @@ fn check_model<C: Communicator, M: Segmented>(
         }
         .into())
     }
-}
-
-/// Resolves `LATEST`, checks the manifest's length and crc32c against it and parses it:
-/// `(tag, manifest, manifest path)`.
-/// The checkpoint `tag` names in `store` (`None`: the one `LATEST` names) and its manifest,
-/// checked against its commit record: `LATEST`, or the `COMMIT` file a save writes into the tag's
-/// directory before committing it (so an older tag verifies as well as the latest).
-/// `(tag, manifest, manifest path)`.
-pub(super) fn resolve(
-    store: &dyn Storage,
-    tag: Option<&str>,
-) -> Result<(String, Manifest, String)> {
-    let ptr = match tag {
-        None => LatestPointer::parse(&read(store, "LATEST")?, "LATEST")?,
-        Some(tag) => commit_record(store, tag)?,
-    };
-    let mpath = join(&ptr.tag, "MANIFEST.json");
-    let mbytes = read(store, &mpath)?;
-    if mbytes.len() as u64 != ptr.manifest_bytes {
-        return Err(CheckpointError::Size {
-            file: mpath,
-            expected: ptr.manifest_bytes,
-            found: mbytes.len() as u64,
-        }
-        .into());
-    }
-    let crc = crc32c::crc32c(&mbytes);
-    if crc != ptr.manifest_crc32c {
-        return Err(CheckpointError::Checksum {
-            file: mpath,
-            block: 0,
-            offset: 0,
-            end: mbytes.len() as u64,
-            expected: ptr.manifest_crc32c,
-            found: crc,
-        }
-        .into());
-    }
-    let m = Manifest::from_json(&mbytes, &mpath)?;
-    if m.tag != ptr.tag {
-        return Err(CheckpointError::Foreign {
-            file: mpath,
-            field: "tag".into(),
-            expected: ptr.tag,
-            found: m.tag,
-        }
-        .into());
-    }
-    Ok((ptr.tag, m, mpath))
-}
-
-/// The commit record of `tag`: its `COMMIT` file, or `LATEST` where it names the tag (a save made
-/// before tags carried their own record).
-fn commit_record(store: &dyn Storage, tag: &str) -> Result<LatestPointer> {
-    let path = join(tag, COMMIT);
-    if let Some(bytes) = store.read(&path)? {
-        let ptr = LatestPointer::parse(&bytes, &path)?;
-        if ptr.tag != tag {
-            return Err(CheckpointError::Foreign {
-                file: path,
-                field: "tag".into(),
-                expected: tag.into(),
-                found: ptr.tag,
-            }
-            .into());
-        }
-        return Ok(ptr);
-    }
-    if let Some(bytes) = store.read("LATEST")?
-        && let Ok(ptr) = LatestPointer::parse(&bytes, "LATEST")
-        && ptr.tag == tag
-    {
-        return Ok(ptr);
-    }
-    // No record: not a committed checkpoint (absent, or a crashed save's leftovers).
-    Err(CheckpointError::Missing { file: path }.into())
-}
-
-/// Reads saved rank `k`'s file and verifies it whole against the manifest (existence, exact
-/// size, every block's crc32c, its header's save, plan, rank and world).
-pub(super) fn open_file(
-    store: &dyn Storage,
-    tag: &str,
-    m: &Manifest,
-    mpath: &str,
-    k: usize,
-) -> Result<ShardFile> {
-    let (path, rec) = locate_file(store, tag, m, mpath, k)?;
-    let bytes = read(store, &path)?;
-    ShardFile::verify(path, bytes, rec, &expect_of(m, k))
-}
-
-/// What saved rank `k`'s file of `m` must carry in its header.
-pub(super) fn expect_of(m: &Manifest, k: usize) -> Expect<'_> {
-    Expect {
-        save_id: &m.save_id,
-        fingerprint: &m.plan_fingerprint,
-        rank: k,
-        world_size: m.layout.world_size,
-    }
-}
-
-/// Saved rank `k`'s file of `tag`: its path and manifest record, after checking that the record
-/// names it and that the file exists with the recorded size.
-pub(super) fn locate_file<'m>(
-    store: &dyn Storage,
-    tag: &str,
-    m: &'m Manifest,
-    mpath: &str,
-    k: usize,
-) -> Result<(String, &'m FileRecord)> {
-    let sn = m.layout.world_size;
-    let rec = m.files.get(k).ok_or_else(|| CheckpointError::Layout {
-        file: mpath.into(),
-        what: format!("no file record for rank {k}"),
-    })?;
-    let path = join(tag, &Manifest::rank_file(k, sn));
-    if rec.path != Manifest::rank_file(k, sn) {
-        return Err(CheckpointError::Layout {
-            file: mpath.into(),
-            what: format!("rank {k}'s file is recorded as {}", rec.path),
-        }
-        .into());
-    }
-    let size = store
-        .size(&path)?
-        .ok_or_else(|| CheckpointError::Missing { file: path.clone() })?;
-    if size != rec.bytes {
-        return Err(CheckpointError::Size {
-            file: path,
-            expected: rec.bytes,
-            found: size,
-        }
-        .into());
-    }
-    Ok((path, rec))
 }

@@ -28,8 +28,8 @@
 //! record (`LATEST`, or the tag's `COMMIT`) is parsed and the manifest's length and crc32c
 //! checked against it; the manifest's parameters (names, shapes, dtypes, trainable flags), plan
 //! fingerprint, optimizer and reduction must equal the engine's; every rank
-//! file this rank reads is checked for its exact size, every block's crc32c and its header (save
-//! id, rank, world, plan). Only when every rank has verified everything does any state change;
+//! file this rank reads is checked for its exact size, the crc32c of every block it reads (all of
+//! them for its own file on the same plan) and its header (save id, rank, world, plan). Only when every rank has verified everything does any state change;
 //! then the fp32 state (frozen parameters included, whatever values the model was built with)
 //! is restored and the derived state recomputed, so the run continues
 //! bit-identically. A checkpoint of another plan is refused with
@@ -41,6 +41,7 @@ mod import;
 mod load;
 mod mem;
 mod ranged;
+mod resolve;
 mod save;
 mod shard;
 mod storage;
@@ -139,7 +140,7 @@ pub fn read_manifest(
     store: &dyn Storage,
     tag: Option<&str>,
 ) -> Result<(String, zero_core::checkpoint::Manifest)> {
-    let (tag, m, _) = load::resolve(store, tag)?;
+    let (tag, m, _) = resolve::resolve(store, tag)?;
     Ok((tag, m))
 }
 
@@ -158,9 +159,9 @@ pub struct VerifyReport {
 /// manifest against its commit record, then every rank file (existence, exact size, every
 /// block's crc32c, header).
 pub fn verify(store: &dyn Storage, tag: Option<&str>) -> Result<VerifyReport> {
-    let (tag, m, mpath) = load::resolve(store, tag)?;
+    let (tag, m, mpath) = resolve::resolve(store, tag)?;
     for k in 0..m.files.len() {
-        load::open_file(store, &tag, &m, &mpath, k)?;
+        resolve::open_file(store, &tag, &m, &mpath, k)?;
     }
     Ok(VerifyReport {
         tag,

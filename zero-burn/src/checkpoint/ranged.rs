@@ -9,7 +9,7 @@ use std::ops::Range;
 use zero_core::CheckpointError;
 use zero_core::checkpoint::{FileRecord, Manifest, ShardHeader};
 
-use super::load::{expect_of, locate_file};
+use super::resolve::{expect_of, locate_file};
 use super::shard::{TensorTable, check_block_count, decode_f32, foreign, identity};
 use super::storage::Storage;
 use crate::error::Result;

@@ -142,8 +142,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Restores the state [`Self::ckpt_needs`] asked for, which `fill(u, state, range, dst)`
     /// decodes: elements `range` (offsets in unit `u`) of `state` (0: weights, 1: `m`, 2: `v`)
     /// into `dst`, of the range's length (padding stays as `dst` holds it, zero). `m`, `v` and a
-    /// stage-3 fp32 shard are filled in place; the weights the model holds one parameter at a
-    /// time, so besides the engine's own state the restore holds one parameter's values. Only
+    /// stage-3 fp32 shard are filled in place; the weights the model holds a few parameters at a
+    /// time (up to the largest parameter's size, then written into the model), so besides the
+    /// engine's own state the restore holds about two parameters' values. Only
     /// called after everything was read and verified. Derived state (16-bit working weights, the
     /// model's resident tensors, stage-3 16-bit shards) is recomputed from the fp32 values.
     pub(crate) fn ckpt_restore(
@@ -153,6 +154,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     ) -> Result<()> {
         let plan = self.plan.clone();
         let stage = plan.stage();
+        // New model values wait in `pending` until they reach the largest parameter's size, so
+        // the model is mapped about once per that many bytes, never holding more.
+        let budget = plan
+            .model()
+            .params
+            .iter()
+            .map(|p| 4 * p.numel())
+            .max()
+            .unwrap_or(0);
+        let mut pending: params::NewValues = HashMap::new();
+        let mut pending_bytes = 0u64;
         for (u, unit) in plan.units().iter().enumerate() {
             let (wr, or) = self.ckpt_needs(u);
             let opt = or.clone().zip(self.layout.opt_offset[u]);
@@ -236,9 +248,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     w.iter_mut().for_each(|x| *x = h.quantize(*x));
                 }
                 let p = &self.params[e.param];
-                let update = HashMap::from([(p.id, (w, p.shape.clone(), p.trainable))]);
-                self.set_params(update);
+                pending_bytes += 4 * e.numel;
+                pending.insert(p.id, (w, p.shape.clone(), p.trainable));
+                if pending_bytes >= budget {
+                    self.set_params(std::mem::take(&mut pending));
+                    pending_bytes = 0;
+                }
             }
+        }
+        if !pending.is_empty() {
+            self.set_params(pending);
         }
         self.step = scalars.step;
         self.opt_steps = scalars.opt_steps;

@@ -169,6 +169,78 @@ impl CkptLayout {
         out
     }
 
+    /// Checks that the layout describes a checkpoint its readers can index without panicking:
+    /// a world of at least one rank, units padded to whole chunks with their entries in offset
+    /// order inside them, each of the right size, and every parameter saved exactly once (a unit
+    /// entry or a loose record of a rank of the world). The first problem, in words.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.world_size == 0 || self.ranks_per_node == 0 {
+            return Err(format!(
+                "world size {} with {} ranks per node",
+                self.world_size, self.ranks_per_node
+            ));
+        }
+        let n = self.world_size as u64;
+        let mut placed = vec![0u32; self.params.len()];
+        let mut place = |p: usize, numel: u64, what: &dyn Fn() -> String| match (
+            self.params.get(p),
+            placed.get_mut(p),
+        ) {
+            (Some(d), Some(k)) if d.numel() == numel => {
+                *k += 1;
+                Ok(())
+            }
+            (Some(d), _) => Err(format!(
+                "{}: {numel} elements of {} ({} elements)",
+                what(),
+                d.name,
+                d.numel()
+            )),
+            _ => Err(format!(
+                "{}: parameter {p} of {}",
+                what(),
+                self.params.len()
+            )),
+        };
+        for (u, unit) in self.units.iter().enumerate() {
+            if unit.len % n != 0 || unit.numel > unit.len {
+                return Err(format!(
+                    "unit {u}: {} real elements in {} for {n} ranks",
+                    unit.numel, unit.len
+                ));
+            }
+            let mut end = 0;
+            for e in &unit.entries {
+                if e.offset < end || e.offset + e.numel > unit.numel {
+                    return Err(format!(
+                        "unit {u}: an entry at {}..{} out of order or outside its {} elements",
+                        e.offset,
+                        e.offset + e.numel,
+                        unit.numel
+                    ));
+                }
+                end = e.offset + e.numel;
+                place(e.param, e.numel, &|| format!("unit {u}"))?;
+            }
+        }
+        for l in &self.loose {
+            if l.rank >= self.world_size {
+                return Err(format!(
+                    "loose parameter {} saved by rank {} of {}",
+                    l.param, l.rank, self.world_size
+                ));
+            }
+            place(l.param, l.numel, &|| "a loose record".to_string())?;
+        }
+        match placed.iter().position(|&k| k != 1) {
+            Some(p) => Err(format!(
+                "parameter {} ({}) is saved {} times, expected once",
+                p, self.params[p].name, placed[p]
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The elements of tensor `t` in `rank`'s file: the real elements of its chunk of a unit, or
     /// a loose parameter's whole length in its holder's file (0 in every other file).
     pub fn saved_len(&self, t: Saved, rank: usize) -> u64 {

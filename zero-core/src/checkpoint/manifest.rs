@@ -101,7 +101,8 @@ impl Manifest {
     }
 
     /// Parses and checks the format and version (first, so a manifest of another version is
-    /// named as such whatever its other fields); `file` names the source in errors.
+    /// named as such whatever its other fields), the file list and the layout
+    /// ([`CkptLayout::check`]); `file` names the source in errors.
     pub fn from_json(bytes: &[u8], file: &str) -> Result<Manifest> {
         #[derive(Deserialize)]
         struct Head {
@@ -135,6 +136,10 @@ impl Manifest {
             }
             .into());
         }
+        m.layout.check().map_err(|message| CheckpointError::Parse {
+            file: file.into(),
+            message: format!("the layout: {message}"),
+        })?;
         Ok(m)
     }
 
