@@ -11,7 +11,7 @@ use zero_core::checkpoint::{
     CkptLayout, CopyRun, Manifest, Piece, copies, fingerprint, loose_copies,
 };
 
-use super::ranged::{Pieces, RankIndex};
+use super::ranged::{Pieces, RankIndex, Streamed};
 use super::resolve::{in_manifest, open_file, resolve};
 use super::shard::{self, ShardFile};
 use super::storage::Storage;
@@ -22,12 +22,16 @@ use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
 
-/// A saved rank file as the load reads it: whole when it is the rank's own file on the same plan
-/// (the rank needs all of it), otherwise by verified blocks (on a reshard, and for another rank's
-/// file on the same plan, a rank needs parts of it).
+/// A saved rank file as the load reads it. On the same plan: the rank's own file whole (it needs
+/// all of it, its shard), another rank's by the blocks it needs (the other chunks of the units
+/// the rank holds whole: every unit at stages 0–2, the persistent ones at stage 3, and the loose
+/// parameters), verified, let go, and read and verified again as they are restored, so the load
+/// never holds them all. On a reshard: every file by the blocks the rank needs, verified and
+/// held (about its new shard).
 enum Source {
     Whole(ShardFile),
     Blocks(Pieces),
+    Streamed(Streamed),
 }
 
 impl Source {
@@ -35,13 +39,22 @@ impl Source {
         match self {
             Source::Whole(f) => f.check(name, len, range),
             Source::Blocks(p) => p.check(name, len, range),
+            Source::Streamed(p) => p.check(name, len, range),
         }
     }
 
-    fn read_into(&self, name: &str, len: u64, range: Range<usize>, dst: &mut [f32]) -> Result<()> {
+    fn read_into(
+        &self,
+        store: &dyn Storage,
+        name: &str,
+        len: u64,
+        range: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<()> {
         match self {
             Source::Whole(f) => f.read_into(name, len, range, dst),
             Source::Blocks(p) => p.read_into(name, len, range, dst),
+            Source::Streamed(p) => p.read_into(store, name, len, range, dst),
         }
     }
 }
@@ -71,6 +84,7 @@ impl Prepared {
     /// range's length; padding and states the checkpoint lacks stay as `dst` holds them (zero).
     fn fill(
         &self,
+        store: &dyn Storage,
         v: usize,
         chunk_len: u64,
         state: usize,
@@ -93,6 +107,7 @@ impl Prepared {
             let (a, b) = (start.max(range.start), (start + r.len).min(range.end));
             let from = r.src_off + (a - start);
             self.files[&r.src_rank].read_into(
+                store,
                 &shard::name(name, r.src),
                 self.src.saved_len(r.src, r.src_rank),
                 from as usize..(from + (b - a)) as usize,
@@ -103,11 +118,12 @@ impl Prepared {
     }
 
     /// Decodes a loose parameter of `numel` elements from its saved pieces.
-    fn read_loose(&self, pieces: &[Piece], numel: u64) -> Result<Vec<f32>> {
+    fn read_loose(&self, store: &dyn Storage, pieces: &[Piece], numel: u64) -> Result<Vec<f32>> {
         let mut out = vec![0.0; numel as usize];
         for x in pieces {
             let (a, b) = (x.elem as usize, (x.elem + x.len) as usize);
             self.files[&x.src_rank].read_into(
+                store,
                 &shard::name("w", x.src),
                 self.src.saved_len(x.src, x.src_rank),
                 x.src_off as usize..(x.src_off + x.len) as usize,
@@ -141,12 +157,12 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
     let p = local?;
     let plan = e.plan().clone();
     e.ckpt_restore(
-        |v, state, range, dst| p.fill(v, plan.chunk_len(v), state, range, dst),
+        |v, state, range, dst| p.fill(store, v, plan.chunk_len(v), state, range, dst),
         p.scalars,
     )?;
     // The loose parameters, one at a time.
     for (param, pieces) in &p.loose {
-        let values = p.read_loose(pieces, plan.model().params[*param].numel())?;
+        let values = p.read_loose(store, pieces, plan.model().params[*param].numel())?;
         e.ckpt_restore_loose(*param, values);
     }
     Ok(p.loaded)
@@ -253,11 +269,15 @@ fn prepare<C: Communicator, M: Segmented>(
     }
     let mut files: BTreeMap<usize, Source> = BTreeMap::new();
     for (k, want) in wanted {
-        let source = if resharding || k != e.rank() {
-            let index = RankIndex::open(store, &tag, &m, &mpath, k)?;
-            Source::Blocks(Pieces::read(store, index, &want)?)
-        } else {
+        let source = if !resharding && k == e.rank() {
             Source::Whole(open_file(store, &tag, &m, &mpath, k)?)
+        } else {
+            let index = RankIndex::open(store, &tag, &m, &mpath, k)?;
+            if !resharding {
+                Source::Streamed(Streamed::verify(store, index, &want)?)
+            } else {
+                Source::Blocks(Pieces::read(store, index, &want)?)
+            }
         };
         files.insert(k, source);
     }

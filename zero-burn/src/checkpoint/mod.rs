@@ -27,12 +27,17 @@
 //! **Load** ([`ZeroEngine::load`], [`ZeroEngine::load_with`] for a tag; collective). The commit
 //! record (`LATEST`, or the tag's `COMMIT`) is parsed and the manifest's length and crc32c
 //! checked against it; the manifest's parameters (names, shapes, dtypes, trainable flags), plan
-//! fingerprint, optimizer and reduction must equal the engine's; every rank
-//! file this rank reads is checked for its exact size, the crc32c of every block it reads (all of
-//! them for its own file on the same plan) and its header (save id, rank, world, plan). Only when every rank has verified everything does any state change;
-//! then the fp32 state (frozen parameters included, whatever values the model was built with)
-//! is restored and the derived state recomputed, so the run continues
-//! bit-identically. A checkpoint of another plan is refused with
+//! fingerprint, optimizer and reduction must equal the engine's; every rank file this rank reads
+//! is checked for its exact size, the crc32c of every block it reads (all of them for its own
+//! file on the same plan) and its header (save id, rank, world, plan). Only when every rank has
+//! verified everything does any state change; then the fp32 state (frozen parameters included,
+//! whatever values the model was built with) is restored and the derived state recomputed, so
+//! the run continues bit-identically. On the same plan a rank holds its own file, while the
+//! blocks it needs of the other ranks' files (the other chunks of the units it holds whole, and
+//! loose parameters) are verified and let go, then read and verified again as they are restored:
+//! no rank holds more than its shard and a few blocks. A file changed in between (a committed
+//! checkpoint is never rewritten) fails the load at that read, naming it, with the engine's state
+//! partly restored: build a fresh engine. A checkpoint of another plan is refused with
 //! [`zero_core::CheckpointError::PlanMismatch`] unless the load asks to reshard
 //! ([`ZeroEngine::load_resharded`]).
 

@@ -3,6 +3,7 @@
 //! through it, so it never holds more than a header, a tensor and two blocks per piece; a
 //! resharding load reads through [`Pieces`], every block it needs once, verified up front.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ops::Range;
 
@@ -106,16 +107,8 @@ impl Pieces {
         wanted: &[(String, u64, Range<usize>)],
     ) -> Result<Pieces> {
         let block = index.rec.block_size.max(1);
-        let mut need = std::collections::BTreeSet::new();
-        for (name, len, range) in wanted {
-            if let Some(at) = index.table.locate(name, *len, range, range.len())?
-                && !at.is_empty()
-            {
-                need.extend(at.start / block..=(at.end - 1) / block);
-            }
-        }
+        let need = needed_blocks(&index, wanted)?;
         let mut blocks = BTreeMap::new();
-        let need: Vec<u64> = need.into_iter().collect();
         for run in need.chunk_by(|a, b| a + 1 == *b) {
             let (b0, b1) = (run[0], run[run.len() - 1]);
             let from = b0 * block;
@@ -163,6 +156,93 @@ impl Pieces {
             pos += take as u64;
         }
         decode_f32(&bytes, dst);
+        Ok(())
+    }
+}
+
+/// The checksum blocks of `index`'s file that `wanted` (tensor name, its exact length, the
+/// element range) lies in, in order; every tensor checked to exist with its length first.
+fn needed_blocks(index: &RankIndex, wanted: &[(String, u64, Range<usize>)]) -> Result<Vec<u64>> {
+    let block = index.rec.block_size.max(1);
+    let mut need = std::collections::BTreeSet::new();
+    for (name, len, range) in wanted {
+        if let Some(at) = index.table.locate(name, *len, range, range.len())?
+            && !at.is_empty()
+        {
+            need.extend(at.start / block..=(at.end - 1) / block);
+        }
+    }
+    Ok(need.into_iter().collect())
+}
+
+/// A saved rank file whose needed blocks were verified and let go ([`Streamed::verify`]): each
+/// read reads the blocks it lies in again and verifies them again, keeping the last blocks read
+/// for the next read. A load on the same plan at stages 0–2 reads the other ranks' files so, as
+/// it restores the whole weights: it holds a few blocks of them at a time, not all of them, and
+/// reads those parts twice.
+pub(crate) struct Streamed {
+    index: RankIndex,
+    /// The last blocks read: their first byte and their bytes.
+    last: RefCell<Option<(u64, Vec<u8>)>>,
+}
+
+impl Streamed {
+    /// Reads and verifies, one block at a time, every block of `index`'s file that `wanted`
+    /// lies in, holding none of them.
+    pub(crate) fn verify(
+        store: &dyn Storage,
+        index: RankIndex,
+        wanted: &[(String, u64, Range<usize>)],
+    ) -> Result<Streamed> {
+        let block = index.rec.block_size.max(1);
+        for b in needed_blocks(&index, wanted)? {
+            let range = b * block..((b + 1) * block).min(index.rec.bytes);
+            read_blocks(store, index.table.file(), &index.rec, range)?;
+        }
+        Ok(Streamed {
+            index,
+            last: RefCell::new(None),
+        })
+    }
+
+    /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
+    pub(crate) fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
+        let n = range.len();
+        self.index.table.locate(name, len, &range, n).map(|_| ())
+    }
+
+    /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst`, from the
+    /// last blocks read when they hold them, else from the blocks they lie in, read and verified
+    /// again (a file changed since [`Self::verify`] fails here, naming it).
+    pub(crate) fn read_into(
+        &self,
+        store: &dyn Storage,
+        name: &str,
+        len: u64,
+        range: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        let Some(at) = self.index.table.locate(name, len, &range, dst.len())? else {
+            return Ok(());
+        };
+        if at.is_empty() {
+            return Ok(());
+        }
+        let mut last = self.last.borrow_mut();
+        let held = |l: &Option<(u64, Vec<u8>)>| {
+            l.as_ref()
+                .is_some_and(|(s, b)| *s <= at.start && at.end <= *s + b.len() as u64)
+        };
+        if !held(&last) {
+            let block = self.index.rec.block_size.max(1);
+            let from = at.start / block * block;
+            let to = (((at.end - 1) / block + 1) * block).min(self.index.rec.bytes);
+            let bytes = read_blocks(store, self.index.table.file(), &self.index.rec, from..to)?;
+            *last = Some((from, bytes));
+        }
+        if let Some((s, b)) = last.as_ref() {
+            decode_f32(&b[(at.start - s) as usize..(at.end - s) as usize], dst);
+        }
         Ok(())
     }
 }

@@ -131,8 +131,16 @@ pub fn abort_job(code: i32) -> ! {
 
 /// Prints `e` and aborts the job: the end of a wait that MPI cannot cancel.
 fn fatal(e: &Error) -> ! {
-    eprintln!("zero-comm mpi: {e}; aborting the MPI job");
+    say(&format!("zero-comm mpi: {e}; aborting the MPI job\n"));
     abort_job(ABORT_CODE)
+}
+
+/// Writes `line` to stderr in one write: `eprintln!` writes a formatted line in pieces, and
+/// `mpirun`'s own abort notice, on the same pipe, could land between them (a pipe write up to
+/// 4 KiB is atomic).
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// One rank of an MPI communicator: a duplicate of `MPI_COMM_WORLD`, or a communicator split
@@ -174,10 +182,10 @@ impl fmt::Debug for MpiComm {
 impl Drop for MpiComm {
     fn drop(&mut self) {
         if thread::panicking() {
-            eprintln!(
-                "zero-comm mpi: rank {} panicked; aborting the MPI job so its peers do not wait",
+            say(&format!(
+                "zero-comm mpi: rank {} panicked; aborting the MPI job so its peers do not wait\n",
                 self.global_rank()
-            );
+            ));
             abort_job(ABORT_CODE);
         }
     }
