@@ -6,67 +6,19 @@
 //! where reading whole files would take four; at stage 2 a new rank restores the whole weights
 //! but only its chunk of the optimizer state, and reads no more of it.
 
+mod common;
+
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
-use zero_burn::checkpoint::{MemStorage, Storage, read_manifest};
+use common::store::Hooked;
+use zero_burn::checkpoint::{MemStorage, read_manifest};
 use zero_burn::{Launch, Whole, ZeroEngine};
 use zero_core::{Topology, ZeroConfig};
-
-/// A store that counts the bytes it hands out.
-#[derive(Debug, Default)]
-struct Counting {
-    inner: MemStorage,
-    read: AtomicU64,
-}
-
-impl Counting {
-    fn counted(&self, r: zero_burn::Result<Option<Vec<u8>>>) -> zero_burn::Result<Option<Vec<u8>>> {
-        if let Ok(Some(b)) = &r {
-            self.read.fetch_add(b.len() as u64, Ordering::SeqCst);
-        }
-        r
-    }
-}
-
-impl Storage for Counting {
-    fn write(&self, path: &str, bytes: &[u8]) -> zero_burn::Result<()> {
-        self.inner.write(path, bytes)
-    }
-    fn sync_file(&self, path: &str) -> zero_burn::Result<()> {
-        self.inner.sync_file(path)
-    }
-    fn rename(&self, from: &str, to: &str) -> zero_burn::Result<()> {
-        self.inner.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &str) -> zero_burn::Result<()> {
-        self.inner.sync_dir(dir)
-    }
-    fn create_dir(&self, dir: &str) -> zero_burn::Result<()> {
-        self.inner.create_dir(dir)
-    }
-    fn read(&self, path: &str) -> zero_burn::Result<Option<Vec<u8>>> {
-        self.counted(self.inner.read(path))
-    }
-    fn size(&self, path: &str) -> zero_burn::Result<Option<u64>> {
-        self.inner.size(path)
-    }
-    fn exists(&self, path: &str) -> zero_burn::Result<bool> {
-        self.inner.exists(path)
-    }
-    fn list(&self, dir: &str) -> zero_burn::Result<Vec<String>> {
-        self.inner.list(dir)
-    }
-    fn read_range(&self, path: &str, offset: u64, len: u64) -> zero_burn::Result<Option<Vec<u8>>> {
-        self.counted(self.inner.read_range(path, offset, len))
-    }
-    fn append(&self, path: &str, bytes: &[u8]) -> zero_burn::Result<()> {
-        self.inner.append(path, bytes)
-    }
-}
 
 fn values<M: Module>(m: &M) -> Vec<Vec<u32>> {
     struct V(Vec<Vec<u32>>);
@@ -92,7 +44,16 @@ fn reshard_2_to_4(stage: u8) -> (u64, u64) {
         stage,
         ..Default::default()
     };
-    let store = Counting::default();
+    // A store that counts the bytes it hands out.
+    let read = Arc::new(AtomicU64::new(0));
+    let counter = read.clone();
+    let store = Hooked::new(
+        MemStorage::new(),
+        Box::new(move |_, _, got| {
+            let n = got.as_ref().map_or(0, |b| b.len() as u64);
+            counter.fetch_add(n, Ordering::SeqCst);
+        }),
+    );
     let run = |n: usize, load: bool| {
         Launch::new(Topology::single_node(n).unwrap())
             .timeout(Duration::from_secs(60))
@@ -116,10 +77,10 @@ fn reshard_2_to_4(stage: u8) -> (u64, u64) {
         rank_file > 16 << 20,
         "rank files of {rank_file} bytes are too small to tell"
     );
-    store.read.store(0, Ordering::SeqCst);
+    read.store(0, Ordering::SeqCst);
     let loaded = run(4, true);
     assert_eq!(loaded[0], saved[0], "stage {stage}: the weights came back");
-    (store.read.load(Ordering::SeqCst), rank_file)
+    (read.load(Ordering::SeqCst), rank_file)
 }
 
 /// Reshards a stage-`stage` checkpoint from 2 to 4 ranks and checks the bytes read against

@@ -6,60 +6,13 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::store::Hooked;
 use common::*;
 use serde_json::json;
 use zero_burn::checkpoint::{MemStorage, Storage};
 use zero_burn::demo::run::{corpus_step, engine_builder};
-use zero_burn::{Error, Launch, Result, plan_for};
+use zero_burn::{Error, Launch, plan_for};
 use zero_core::{Topology, ZeroConfig};
-
-/// Delegates to a [`MemStorage`], but panics (or fails) when writing a path containing `needle`.
-#[derive(Debug)]
-struct Sabotaged {
-    inner: MemStorage,
-    needle: &'static str,
-    panic: bool,
-}
-
-impl Storage for Sabotaged {
-    fn write(&self, path: &str, bytes: &[u8]) -> Result<()> {
-        if path.contains(self.needle) {
-            if self.panic {
-                panic!("sabotaged write of {path}");
-            }
-            return Err(Error::Storage {
-                op: "write",
-                path: path.into(),
-                source: std::io::Error::other("disk full"),
-            });
-        }
-        self.inner.write(path, bytes)
-    }
-    fn sync_file(&self, path: &str) -> Result<()> {
-        self.inner.sync_file(path)
-    }
-    fn rename(&self, from: &str, to: &str) -> Result<()> {
-        self.inner.rename(from, to)
-    }
-    fn sync_dir(&self, dir: &str) -> Result<()> {
-        self.inner.sync_dir(dir)
-    }
-    fn create_dir(&self, dir: &str) -> Result<()> {
-        self.inner.create_dir(dir)
-    }
-    fn read(&self, path: &str) -> Result<Option<Vec<u8>>> {
-        self.inner.read(path)
-    }
-    fn size(&self, path: &str) -> Result<Option<u64>> {
-        self.inner.size(path)
-    }
-    fn exists(&self, path: &str) -> Result<bool> {
-        self.inner.exists(path)
-    }
-    fn list(&self, dir: &str) -> Result<Vec<String>> {
-        self.inner.list(dir)
-    }
-}
 
 #[test]
 fn a_failing_or_panicking_rank_fails_the_save_everywhere_fast() {
@@ -90,11 +43,21 @@ fn a_failing_or_panicking_rank_fails_the_save_everywhere_fast() {
             });
         assert!(errs.is_ok(), "the first save succeeds: {errs:?}");
         // The second save, at step 2, is sabotaged.
-        let bad = Sabotaged {
-            inner: store.clone(),
-            needle,
-            panic,
-        };
+        // Delegates to the store, but panics (or fails) when writing a path containing `needle`.
+        let bad =
+            Hooked::new(store.clone(), Box::new(|_, _, _| {})).on_write(Box::new(move |path| {
+                if !path.contains(needle) {
+                    return Ok(());
+                }
+                if panic {
+                    panic!("sabotaged write of {path}");
+                }
+                Err(Error::Storage {
+                    op: "write",
+                    path: path.into(),
+                    source: std::io::Error::other("disk full"),
+                })
+            }));
         let before = bad.read("LATEST").unwrap();
         let t0 = Instant::now();
         let r = Launch::new(*plan.topology())

@@ -123,8 +123,7 @@ impl Pieces {
 
     /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
     pub(crate) fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
-        let n = range.len();
-        self.index.table.locate(name, len, &range, n).map(|_| ())
+        self.index.table.check(name, len, range)
     }
 
     /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst` from the
@@ -207,8 +206,7 @@ impl Streamed {
 
     /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
     pub(crate) fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
-        let n = range.len();
-        self.index.table.locate(name, len, &range, n).map(|_| ())
+        self.index.table.check(name, len, range)
     }
 
     /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst`, from the

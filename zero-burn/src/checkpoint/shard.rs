@@ -147,6 +147,12 @@ impl TensorTable {
         &self.file
     }
 
+    /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
+    pub(crate) fn check(&self, name: &str, len: u64, range: std::ops::Range<usize>) -> Result<()> {
+        let n = range.len();
+        self.locate(name, len, &range, n).map(|_| ())
+    }
+
     /// The file's byte range of elements `range` of tensor `name` (`None`: an absent tensor of
     /// no elements, which a save omits), after checking that it holds exactly `len` elements and
     /// that `range` fits `dst_len` slots.
@@ -273,8 +279,7 @@ impl ShardFile {
 
     /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
     pub(crate) fn check(&self, name: &str, len: u64, range: std::ops::Range<usize>) -> Result<()> {
-        let n = range.len();
-        self.table.locate(name, len, &range, n).map(|_| ())
+        self.table.check(name, len, range)
     }
 
     /// Decodes elements `range` of tensor `name`, which must hold exactly `len` elements, into

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod points;
+pub(crate) mod store;
 
 use std::sync::Arc;
 use std::time::Duration;
