@@ -27,7 +27,7 @@ use crate::trainer::ZeroEngine;
 /// the rank holds whole: every unit at stages 0–2, the persistent ones at stage 3, and the loose
 /// parameters), verified, let go, and read and verified again as they are restored, so the load
 /// never holds them all. On a reshard: every file by the blocks the rank needs, verified and
-/// held (about its new shard).
+/// held (about its new shard at stage 3; into stages 0–2 the whole weights' blocks too).
 enum Source {
     Whole(ShardFile),
     Blocks(Pieces),
