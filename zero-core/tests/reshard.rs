@@ -331,6 +331,15 @@ fn manifest_round_trips_through_json() {
         &|v| v["layout"]["units"][0]["entries"][0]["param"] = 5.into(),
         "parameter 5 of 2",
     );
+    broken(
+        &|v| {
+            v["layout"]["loose"] = serde_json::json!([
+                { "param": 1, "numel": 7, "rank": 0 },
+                { "param": 0, "numel": 15, "rank": 1 },
+            ])
+        },
+        "out of parameter order",
+    );
     let mut short = m.clone();
     short.files.pop();
     assert!(Manifest::from_json(&short.to_json(), "M").is_err());

@@ -110,10 +110,9 @@ impl Pieces {
         let need = needed_blocks(&index, wanted)?;
         let mut blocks = BTreeMap::new();
         for run in need.chunk_by(|a, b| a + 1 == *b) {
-            let (b0, b1) = (run[0], run[run.len() - 1]);
-            let from = b0 * block;
-            let to = ((b1 + 1) * block).min(index.rec.bytes);
-            let bytes = read_blocks(store, index.table.file(), &index.rec, from..to)?;
+            let b0 = run[0];
+            let bytes = span(&index.rec, b0, run[run.len() - 1]);
+            let bytes = read_blocks(store, index.table.file(), &index.rec, bytes)?;
             for (i, chunk) in bytes.chunks(block as usize).enumerate() {
                 blocks.insert(b0 + i as u64, chunk.to_vec());
             }
@@ -193,10 +192,13 @@ impl Streamed {
         index: RankIndex,
         wanted: &[(String, u64, Range<usize>)],
     ) -> Result<Streamed> {
-        let block = index.rec.block_size.max(1);
         for b in needed_blocks(&index, wanted)? {
-            let range = b * block..((b + 1) * block).min(index.rec.bytes);
-            read_blocks(store, index.table.file(), &index.rec, range)?;
+            read_blocks(
+                store,
+                index.table.file(),
+                &index.rec,
+                span(&index.rec, b, b),
+            )?;
         }
         Ok(Streamed {
             index,
@@ -232,11 +234,13 @@ impl Streamed {
                 .is_some_and(|(s, b)| *s <= at.start && at.end <= *s + b.len() as u64)
         };
         if !held(&last) {
-            let block = self.index.rec.block_size.max(1);
-            let from = at.start / block * block;
-            let to = (((at.end - 1) / block + 1) * block).min(self.index.rec.bytes);
-            let bytes = read_blocks(store, self.index.table.file(), &self.index.rec, from..to)?;
-            *last = Some((from, bytes));
+            let rec = &self.index.rec;
+            let blocks = covering(rec, &at);
+            let from = blocks.start;
+            *last = Some((
+                from,
+                read_blocks(store, self.index.table.file(), rec, blocks)?,
+            ));
         }
         if let Some((s, b)) = last.as_ref() {
             decode_f32(&b[(at.start - s) as usize..(at.end - s) as usize], dst);
@@ -256,13 +260,23 @@ fn read_verified(
     if range.is_empty() {
         return Ok(Vec::new());
     }
-    let block = rec.block_size.max(1);
-    let (b0, b1) = (range.start / block, (range.end - 1) / block);
-    let from = b0 * block;
-    let to = ((b1 + 1) * block).min(rec.bytes);
-    let bytes = read_blocks(store, path, rec, from..to)?;
+    let blocks = covering(rec, &range);
+    let from = blocks.start;
+    let bytes = read_blocks(store, path, rec, blocks)?;
     let (a, z) = ((range.start - from) as usize, (range.end - from) as usize);
     Ok(bytes[a..z].to_vec())
+}
+
+/// The bytes of checksum blocks `first..=last` of `rec`'s file (the last block may be shorter).
+fn span(rec: &FileRecord, first: u64, last: u64) -> Range<u64> {
+    let block = rec.block_size.max(1);
+    first * block..((last + 1) * block).min(rec.bytes)
+}
+
+/// The bytes of the checksum blocks that non-empty byte range `bytes` lies in.
+fn covering(rec: &FileRecord, bytes: &Range<u64>) -> Range<u64> {
+    let block = rec.block_size.max(1);
+    span(rec, bytes.start / block, (bytes.end - 1) / block)
 }
 
 /// Bytes `range` of `path`, which starts on a block boundary and ends on one (or at the end of

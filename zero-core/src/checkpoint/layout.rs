@@ -172,7 +172,7 @@ impl CkptLayout {
     /// Checks that the layout describes a checkpoint its readers can index without panicking:
     /// a world of at least one rank, units padded to whole chunks with their entries in offset
     /// order inside them, each of the right size, and every parameter saved exactly once (a unit
-    /// entry or a loose record of a rank of the world). The first problem, in words.
+    /// entry or a loose record of a rank of the world, the loose records in parameter order). The first problem, in words.
     pub fn check(&self) -> std::result::Result<(), String> {
         if self.world_size == 0 || self.ranks_per_node == 0 {
             return Err(format!(
@@ -223,6 +223,9 @@ impl CkptLayout {
                 place(e.param, e.numel, &|| format!("unit {u}"))?;
             }
         }
+        if self.loose.windows(2).any(|w| w[0].param >= w[1].param) {
+            return Err("loose records out of parameter order".into());
+        }
         for l in &self.loose {
             if l.rank >= self.world_size {
                 return Err(format!(
@@ -246,10 +249,13 @@ impl CkptLayout {
     pub fn saved_len(&self, t: Saved, rank: usize) -> u64 {
         match t {
             Saved::Unit(u) => self.real_in_chunk(u, rank),
+            // `loose` is listed by parameter index.
             Saved::Loose(p) => self
                 .loose
-                .iter()
-                .find(|l| l.param == p && l.rank == rank)
+                .binary_search_by_key(&p, |l| l.param)
+                .ok()
+                .map(|i| self.loose[i])
+                .filter(|l| l.rank == rank)
                 .map_or(0, |l| l.numel),
         }
     }
