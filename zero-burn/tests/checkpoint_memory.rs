@@ -6,8 +6,10 @@
 //! stages 0–2, stage 3's persistent ones) are verified and let go, then read and verified again
 //! as they are restored, one parameter at a time. Measured with a counting global allocator
 //! around the save and the load (both ranks at once; the load into fresh engines, after their
-//! build) and the export of a 2-rank stage-3 checkpoint of a GPT whose rank files are 20 MB, and
-//! around a load at stage 1, where every rank restores the whole weights.
+//! build) and the export of a 2-rank stage-3 checkpoint of a GPT whose rank files are 20 MB,
+//! around a load at stage 1, where every rank restores the whole weights, and around a reshard
+//! of the stage-3 checkpoint into stage 1, where every rank restores the whole weights from
+//! chunks in both files and holds only those of its new shard.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Barrier;
@@ -121,6 +123,8 @@ fn save_load_and_export_stay_within_their_memory_bounds() {
     let store1 = DirStorage::new(dir.join("ckpt1")).unwrap();
     measured(1, &|e| e.save(&store1, serde_json::json!(null)).map(|_| ()));
     let load1_peak = measured(1, &|e| e.load(&store1).map(|_| ()));
+    // The stage-3 checkpoint resharded into stage 1.
+    let reshard_peak = measured(1, &|e| e.load_resharded(&store).map(|_| ()));
     drop(model);
     let (_, m) = read_manifest(&store, None).unwrap();
     let rank_file = m.files.iter().map(|f| f.bytes).max().unwrap();
@@ -152,19 +156,23 @@ fn save_load_and_export_stay_within_their_memory_bounds() {
             .map(|f| f.bytes + 2 * largest + 3 * block + (1 << 20))
             .sum::<u64>()
     };
-    for (stage, peak, store) in [(3, load_peak, &store), (1, load1_peak, &store1)] {
+    for (what, peak, store) in [
+        ("stage 3", load_peak, &store),
+        ("stage 1", load1_peak, &store1),
+        ("stage 3 -> 1 reshard", reshard_peak, &store),
+    ] {
         let (_, m) = read_manifest(store, None).unwrap();
         let bound = load_bound(&m);
         let file = m.files.iter().map(|f| f.bytes).max().unwrap();
         println!(
-            "stage {stage}: load of 2 rank files of {file} bytes into fresh engines, both ranks \
-             at once: peak {peak} bytes allocated (bound: a rank file, a tensor twice, 3 blocks \
-             and 1 MiB per rank: {bound})"
+            "{what}: load of 2 rank files of {file} bytes into fresh engines, both ranks at \
+             once: peak {peak} bytes allocated (bound: a rank file, a tensor twice, 3 blocks and \
+             1 MiB per rank: {bound})"
         );
         assert!(
             peak <= bound,
-            "the stage-{stage} load peaked at {peak} bytes, over {bound}: a rank file, the \
-             largest tensor twice, 3 checksum blocks and 1 MiB per rank"
+            "the {what} load peaked at {peak} bytes, over {bound}: a rank file, the largest \
+             tensor twice, 3 checksum blocks and 1 MiB per rank"
         );
     }
 

@@ -1,6 +1,6 @@
-//! The verified load on the same plan: resolve `LATEST`, check the manifest's checksum, the
-//! model, the plan and every byte of the rank files this rank reads, agree with every rank, and
-//! only then restore.
+//! The verified load, on the same plan or resharded: resolve `LATEST` (or a tag), check the
+//! manifest's checksum, the model, the plan and every byte of the rank files this rank reads,
+//! agree with every rank, and only then restore.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -11,7 +11,7 @@ use zero_core::checkpoint::{
     CkptLayout, CopyRun, Manifest, Piece, copies, fingerprint, loose_copies,
 };
 
-use super::ranged::{Pieces, RankIndex, Streamed};
+use super::ranged::{Ranged, RankIndex, Reread, Want};
 use super::resolve::{in_manifest, open_file, resolve};
 use super::shard::{self, ShardFile};
 use super::storage::Storage;
@@ -22,30 +22,28 @@ use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
 
-/// A saved rank file as the load reads it. On the same plan: the rank's own file whole (it needs
-/// all of it, its shard), another rank's by the blocks it needs (the other chunks of the units
-/// the rank holds whole: every unit at stages 0–2, the persistent ones at stage 3, and the loose
-/// parameters), verified, let go, and read and verified again as they are restored, so the load
-/// never holds them all. On a reshard: every file by the blocks the rank needs, verified and
-/// held (about its new shard at stage 3; into stages 0–2 the whole weights' blocks too).
+/// A saved rank file as the load reads it: on the same plan the rank's own file whole (it needs
+/// all of it, its shard); any other file, and every file on a reshard, by the checksum blocks
+/// the rank needs ([`Ranged`]): those of its new shard held, those of the weights outside it
+/// (the other chunks of the units the rank holds whole, and the frozen parameters) verified, let
+/// go, and read and verified again as they are restored, so the load never holds them all.
 enum Source {
     Whole(ShardFile),
-    Blocks(Pieces),
-    Streamed(Streamed),
+    Ranged(Ranged),
 }
 
 impl Source {
     fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
         match self {
             Source::Whole(f) => f.check(name, len, range),
-            Source::Blocks(p) => p.check(name, len, range),
-            Source::Streamed(p) => p.check(name, len, range),
+            Source::Ranged(p) => p.check(name, len, range),
         }
     }
 
     fn read_into(
         &self,
         store: &dyn Storage,
+        cache: &Reread,
         name: &str,
         len: u64,
         range: Range<usize>,
@@ -53,8 +51,7 @@ impl Source {
     ) -> Result<()> {
         match self {
             Source::Whole(f) => f.read_into(name, len, range, dst),
-            Source::Blocks(p) => p.read_into(name, len, range, dst),
-            Source::Streamed(p) => p.read_into(store, name, len, range, dst),
+            Source::Ranged(p) => p.read_into(store, cache, name, len, range, dst),
         }
     }
 }
@@ -63,6 +60,8 @@ impl Source {
 struct Prepared {
     /// The verified source files, by saved rank.
     files: BTreeMap<usize, Source>,
+    /// The blocks last read again from any of them.
+    cache: Reread,
     /// Per destination unit: the copy runs into it, each with the destination rank whose chunk
     /// it lands in, in destination order (every tensor a run reads already checked to exist
     /// with its length).
@@ -108,6 +107,7 @@ impl Prepared {
             let from = r.src_off + (a - start);
             self.files[&r.src_rank].read_into(
                 store,
+                &self.cache,
                 &shard::name(name, r.src),
                 self.src.saved_len(r.src, r.src_rank),
                 from as usize..(from + (b - a)) as usize,
@@ -124,6 +124,7 @@ impl Prepared {
             let (a, b) = (x.elem as usize, (x.elem + x.len) as usize);
             self.files[&x.src_rank].read_into(
                 store,
+                &self.cache,
                 &shard::name("w", x.src),
                 self.src.saved_len(x.src, x.src_rank),
                 x.src_off as usize..(x.src_off + x.len) as usize,
@@ -230,23 +231,27 @@ fn prepare<C: Communicator, M: Segmented>(
         .collect();
 
     // The source files those runs read: the rank's own file on the same plan read and verified
-    // whole; any other only by the checksum blocks the runs lie in, each verified.
+    // whole; any other (every file on a reshard) only by the checksum blocks the runs lie in,
+    // each verified.
     let states = m.scalars.optimizer_states;
-    // What a run reads: the weights always; `m` and `v` only where the run lands in the rank's
-    // optimizer range (at stages 1–2 a rank restores whole units' weights but only its chunk of
-    // their state).
-    let tensors = |s: usize, r: &CopyRun| -> Vec<(String, u64, Range<usize>)> {
-        let real = src.saved_len(r.src, r.src_rank);
-        let range = r.src_off as usize..(r.src_off + r.len) as usize;
+    // Whether a run lands in the rank's optimizer range, its new shard: then it reads `m` and `v`
+    // too, and its blocks are held to the restore. At stages 1–2 a rank restores whole units'
+    // weights but only its chunk of their state; the weights outside it are streamed.
+    let in_opt = |s: usize, r: &CopyRun| {
         let at = s as u64 * plan.chunk_len(r.dst_unit) + r.dst_off;
-        let in_opt = needs[r.dst_unit]
+        needs[r.dst_unit]
             .1
             .as_ref()
-            .is_some_and(|o| o.contains(&at));
+            .is_some_and(|o| o.contains(&at))
+    };
+    let tensors = |s: usize, r: &CopyRun| -> Vec<Want> {
+        let real = src.saved_len(r.src, r.src_rank);
+        let range = r.src_off as usize..(r.src_off + r.len) as usize;
+        let opt = in_opt(s, r);
         ["w", "m", "v"]
             .into_iter()
             .enumerate()
-            .filter(|&(state, _)| state == 0 || (in_opt && states >= state))
+            .filter(|&(state, _)| state == 0 || (opt && states >= state))
             .map(|(_, name)| (shard::name(name, r.src), real, range.clone()))
             .collect()
     };
@@ -260,24 +265,22 @@ fn prepare<C: Communicator, M: Segmented>(
             range,
         )
     };
-    let mut wanted: BTreeMap<usize, Vec<(String, u64, Range<usize>)>> = BTreeMap::new();
+    // Per saved rank: the ranges to hold and the ranges to stream.
+    let mut wanted: BTreeMap<usize, (Vec<Want>, Vec<Want>)> = BTreeMap::new();
     for (s, r) in &runs {
-        wanted.entry(r.src_rank).or_default().extend(tensors(*s, r));
+        let (hold, stream) = wanted.entry(r.src_rank).or_default();
+        if in_opt(*s, r) { hold } else { stream }.extend(tensors(*s, r));
     }
     for x in loose.iter().flat_map(|(_, pieces)| pieces) {
-        wanted.entry(x.src_rank).or_default().push(piece(x));
+        wanted.entry(x.src_rank).or_default().1.push(piece(x));
     }
     let mut files: BTreeMap<usize, Source> = BTreeMap::new();
-    for (k, want) in wanted {
+    for (k, (hold, stream)) in wanted {
         let source = if !resharding && k == e.rank() {
             Source::Whole(open_file(store, &tag, &m, &mpath, k)?)
         } else {
             let index = RankIndex::open(store, &tag, &m, &mpath, k)?;
-            if !resharding {
-                Source::Streamed(Streamed::verify(store, index, &want)?)
-            } else {
-                Source::Blocks(Pieces::read(store, index, &want)?)
-            }
+            Source::Ranged(Ranged::read(store, index, &hold, &stream)?)
         };
         files.insert(k, source);
     }
@@ -311,6 +314,7 @@ fn prepare<C: Communicator, M: Segmented>(
     });
     Ok(Prepared {
         files,
+        cache: Reread::default(),
         runs: by_unit,
         loose,
         src: m.layout.clone(),

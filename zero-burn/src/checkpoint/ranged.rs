@@ -1,7 +1,7 @@
 //! A rank file read in pieces: its header once, then any range of a tensor, each read together
 //! with the checksum blocks that cover it and verified before a byte is used. The export streams
-//! through it, so it never holds more than a header, a tensor and two blocks per piece; a
-//! resharding load reads through [`Pieces`], every block it needs once, verified up front.
+//! through it, so it never holds more than a header, a tensor and two blocks per piece; a load
+//! reads the other ranks' files (and all files on a reshard) through [`Ranged`].
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -89,35 +89,55 @@ impl RankIndex {
     }
 }
 
-/// The parts of saved rank file that a resharding load needs: every checksum block that one of
-/// the wanted tensor ranges lies in, read once (contiguous blocks in one read) and verified
-/// before anything is restored. A rank that needs a quarter of a file reads about a quarter.
-pub(crate) struct Pieces {
+/// A wanted tensor range: the tensor's name, its exact length in elements, the element range.
+pub(crate) type Want = (String, u64, Range<usize>);
+
+/// A saved rank file as a load reads it, by checksum blocks, each verified before anything is
+/// restored. The bytes of the ranges to `hold` (the rank's new shard: its chunk of the weights
+/// and of the optimizer state) are cut from their verified blocks and kept, and nothing else of
+/// the blocks. The blocks of the ranges to `stream` (the other chunks of the weights a rank holds
+/// whole: every unit at stages 0–2, stage 3's persistent ones, the frozen parameters) are read
+/// and verified one block at a time and let go, then read and verified again as they are
+/// restored, through one [`Reread`] cache for all files. So a load holds its shard, not the
+/// whole weights, and reads the streamed parts twice.
+pub(crate) struct Ranged {
     index: RankIndex,
-    /// Verified blocks by number.
-    blocks: BTreeMap<u64, Vec<u8>>,
+    /// Verified bytes held to the restore, by their first byte in the file; disjoint, apart.
+    held: BTreeMap<u64, Vec<u8>>,
 }
 
-impl Pieces {
-    /// Reads the blocks of `index`'s file that `wanted` (tensor name, its exact length, the
-    /// element range) lies in; checks that every tensor exists with its length first.
+impl Ranged {
+    /// Reads the blocks of `index`'s file that `hold` lies in, keeping the bytes of `hold`, and
+    /// verifies those that only `stream` lies in, keeping none; checks that every tensor exists
+    /// with its length first.
     pub(crate) fn read(
         store: &dyn Storage,
         index: RankIndex,
-        wanted: &[(String, u64, Range<usize>)],
-    ) -> Result<Pieces> {
-        let block = index.rec.block_size.max(1);
-        let need = needed_blocks(&index, wanted)?;
-        let mut blocks = BTreeMap::new();
-        for run in need.chunk_by(|a, b| a + 1 == *b) {
-            let b0 = run[0];
-            let bytes = span(&index.rec, b0, run[run.len() - 1]);
-            let bytes = read_blocks(store, index.table.file(), &index.rec, bytes)?;
-            for (i, chunk) in bytes.chunks(block as usize).enumerate() {
-                blocks.insert(b0 + i as u64, chunk.to_vec());
+        hold: &[Want],
+        stream: &[Want],
+    ) -> Result<Ranged> {
+        let (rec, file) = (&index.rec, index.table.file());
+        let block = rec.block_size.max(1);
+        let mut held = BTreeMap::new();
+        let mut verified = std::collections::BTreeSet::new();
+        for want in merged(byte_ranges(&index, hold)?) {
+            let blocks = covering(rec, &want);
+            verified.extend(blocks.start / block..blocks.end.div_ceil(block));
+            let from = blocks.start;
+            let mut bytes = read_blocks(store, file, rec, blocks)?;
+            bytes.truncate((want.end - from) as usize);
+            bytes.drain(..(want.start - from) as usize);
+            bytes.shrink_to_fit();
+            held.insert(want.start, bytes);
+        }
+        for at in byte_ranges(&index, stream)? {
+            for b in at.start / block..=(at.end - 1) / block {
+                if verified.insert(b) {
+                    read_blocks(store, file, rec, span(rec, b, b))?;
+                }
             }
         }
-        Ok(Pieces { index, blocks })
+        Ok(Ranged { index, held })
     }
 
     /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
@@ -125,98 +145,14 @@ impl Pieces {
         self.index.table.check(name, len, range)
     }
 
-    /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst` from the
-    /// verified blocks.
-    pub(crate) fn read_into(
-        &self,
-        name: &str,
-        len: u64,
-        range: Range<usize>,
-        dst: &mut [f32],
-    ) -> Result<()> {
-        let Some(at) = self.index.table.locate(name, len, &range, dst.len())? else {
-            return Ok(());
-        };
-        let block = self.index.rec.block_size.max(1);
-        let mut bytes = Vec::with_capacity((at.end - at.start) as usize);
-        let mut pos = at.start;
-        while pos < at.end {
-            let b = pos / block;
-            let data = self.blocks.get(&b).ok_or_else(|| {
-                crate::Error::Internal(format!(
-                    "{}: block {b} was not read for tensor {name}",
-                    self.index.table.file()
-                ))
-            })?;
-            let off = (pos - b * block) as usize;
-            let take = ((at.end - pos) as usize).min(data.len() - off);
-            bytes.extend_from_slice(&data[off..off + take]);
-            pos += take as u64;
-        }
-        decode_f32(&bytes, dst);
-        Ok(())
-    }
-}
-
-/// The checksum blocks of `index`'s file that `wanted` (tensor name, its exact length, the
-/// element range) lies in, in order; every tensor checked to exist with its length first.
-fn needed_blocks(index: &RankIndex, wanted: &[(String, u64, Range<usize>)]) -> Result<Vec<u64>> {
-    let block = index.rec.block_size.max(1);
-    let mut need = std::collections::BTreeSet::new();
-    for (name, len, range) in wanted {
-        if let Some(at) = index.table.locate(name, *len, range, range.len())?
-            && !at.is_empty()
-        {
-            need.extend(at.start / block..=(at.end - 1) / block);
-        }
-    }
-    Ok(need.into_iter().collect())
-}
-
-/// A saved rank file whose needed blocks were verified and let go ([`Streamed::verify`]): each
-/// read reads the blocks it lies in again and verifies them again, keeping the last blocks read
-/// for the next read. A load on the same plan at stages 0–2 reads the other ranks' files so, as
-/// it restores the whole weights: it holds a few blocks of them at a time, not all of them, and
-/// reads those parts twice.
-pub(crate) struct Streamed {
-    index: RankIndex,
-    /// The last blocks read: their first byte and their bytes.
-    last: RefCell<Option<(u64, Vec<u8>)>>,
-}
-
-impl Streamed {
-    /// Reads and verifies, one block at a time, every block of `index`'s file that `wanted`
-    /// lies in, holding none of them.
-    pub(crate) fn verify(
-        store: &dyn Storage,
-        index: RankIndex,
-        wanted: &[(String, u64, Range<usize>)],
-    ) -> Result<Streamed> {
-        for b in needed_blocks(&index, wanted)? {
-            read_blocks(
-                store,
-                index.table.file(),
-                &index.rec,
-                span(&index.rec, b, b),
-            )?;
-        }
-        Ok(Streamed {
-            index,
-            last: RefCell::new(None),
-        })
-    }
-
-    /// Checks that tensor `name` holds exactly `len` elements and has elements `range`.
-    pub(crate) fn check(&self, name: &str, len: u64, range: Range<usize>) -> Result<()> {
-        self.index.table.check(name, len, range)
-    }
-
-    /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst`, from the
-    /// last blocks read when they hold them, else from the blocks they lie in, read and verified
-    /// again (a file changed since [`Self::verify`] fails here, naming it).
+    /// Decodes elements `range` of tensor `name` (exactly `len` elements) into `dst`: from the
+    /// held bytes when they cover it, else from `cache`'s last blocks when they do, else from
+    /// the blocks it lies in, read and verified again (a file changed since [`Self::read`] fails
+    /// here, naming it) and kept in `cache` for the next read.
     pub(crate) fn read_into(
         &self,
         store: &dyn Storage,
+        cache: &Reread,
         name: &str,
         len: u64,
         range: Range<usize>,
@@ -228,25 +164,65 @@ impl Streamed {
         if at.is_empty() {
             return Ok(());
         }
-        let mut last = self.last.borrow_mut();
-        let held = |l: &Option<(u64, Vec<u8>)>| {
-            l.as_ref()
-                .is_some_and(|(s, b)| *s <= at.start && at.end <= *s + b.len() as u64)
-        };
-        if !held(&last) {
-            let rec = &self.index.rec;
+        if let Some((&s, b)) = self.held.range(..=at.start).next_back()
+            && at.end <= s + b.len() as u64
+        {
+            decode_f32(&b[(at.start - s) as usize..(at.end - s) as usize], dst);
+            return Ok(());
+        }
+        let (rec, file) = (&self.index.rec, self.index.table.file());
+        let mut last = cache.0.borrow_mut();
+        let hit = last
+            .as_ref()
+            .is_some_and(|(f, s, b)| f == file && *s <= at.start && at.end <= *s + b.len() as u64);
+        if !hit {
+            // Let the old blocks go before reading the new ones.
+            *last = None;
             let blocks = covering(rec, &at);
             let from = blocks.start;
             *last = Some((
+                file.to_owned(),
                 from,
-                read_blocks(store, self.index.table.file(), rec, blocks)?,
+                read_blocks(store, file, rec, blocks)?,
             ));
         }
-        if let Some((s, b)) = last.as_ref() {
+        if let Some((_, s, b)) = last.as_ref() {
             decode_f32(&b[(at.start - s) as usize..(at.end - s) as usize], dst);
         }
         Ok(())
     }
+}
+
+/// The blocks last read again by [`Ranged::read_into`], of whichever file: its name, their
+/// first byte and their bytes. One for the whole load, so it holds one read's blocks at a time.
+#[derive(Default)]
+pub(crate) struct Reread(RefCell<Option<(String, u64, Vec<u8>)>>);
+
+/// The non-empty byte ranges of `index`'s file that `wanted` lies in; every tensor checked to
+/// exist with its length first.
+fn byte_ranges(index: &RankIndex, wanted: &[Want]) -> Result<Vec<Range<u64>>> {
+    let mut out = Vec::with_capacity(wanted.len());
+    for (name, len, range) in wanted {
+        if let Some(at) = index.table.locate(name, *len, range, range.len())?
+            && !at.is_empty()
+        {
+            out.push(at);
+        }
+    }
+    Ok(out)
+}
+
+/// `ranges` sorted, with those that overlap or touch joined.
+fn merged(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
 }
 
 /// Bytes `range` of `path`, read with the whole checksum blocks that cover them, each block
