@@ -116,6 +116,18 @@ pub enum Error {
         /// Its error, as it reported it.
         cause: String,
     },
+    /// A load failed after it began restoring (a rank file changed after the load verified it,
+    /// or another rank failed its restore): the engine's state is partly the checkpoint's, and
+    /// the ranks no longer agree on it. Steps and saves are refused until a load succeeds.
+    #[error(
+        "rank {rank}: the engine's state was partly restored by a failed checkpoint load ({cause}); load a checkpoint again or build a fresh engine"
+    )]
+    PartlyRestored {
+        /// This rank.
+        rank: usize,
+        /// Why the load failed.
+        cause: String,
+    },
     /// The ranks disagree on what they are saving (a caller bug: not every rank is at the same
     /// step, or runs the same plan).
     #[error("checkpoint save: ranks {ranks:?} disagree with rank 0 on {what}")]

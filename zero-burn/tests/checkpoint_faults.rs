@@ -406,24 +406,7 @@ fn another_ranks_file_changed_after_it_was_verified_fails_the_load_naming_it() {
     let store = MemStorage::new();
     train(&store, &[2], 2);
     let (model, _) = tiny();
-    // A store that flips the last byte of a ranged read of a rank file from the third time the
-    // same range start is read: a rank file that changes after the load verified it.
-    let reads = std::sync::Mutex::new(std::collections::HashMap::<(String, u64), u32>::new());
-    let changing = Hooked::new(
-        store.fork(),
-        Box::new(move |path, offset, got| {
-            let Some(offset) = offset else { return };
-            let mut reads = reads.lock().unwrap();
-            let n = reads.entry((path.to_string(), offset)).or_default();
-            *n += 1;
-            if *n >= 3
-                && path.contains("rank-")
-                && let Some(b) = got.as_mut().and_then(|b| b.last_mut())
-            {
-                *b ^= 0x10;
-            }
-        }),
-    );
+    let changing = changing_after_verify(&store, "rank-");
     let got = try_load(&changing, &model, 1);
     for (r, (err, _)) in got.iter().enumerate() {
         let other = [R1, R0][r];
@@ -435,4 +418,89 @@ fn another_ranks_file_changed_after_it_was_verified_fails_the_load_naming_it() {
     }
     // The same store unchanged loads.
     assert!(try_load(&store, &model, 1).iter().all(|(e, _)| e.is_none()));
+}
+
+/// `store` with the last byte of every ranged read of a file whose path contains `which` flipped
+/// from the third time the same range start is read: a rank file that changes after the load
+/// verified it (the header read and the verification are the first two).
+fn changing_after_verify(store: &MemStorage, which: &'static str) -> Hooked {
+    let reads = std::sync::Mutex::new(std::collections::HashMap::<(String, u64), u32>::new());
+    Hooked::new(
+        store.fork(),
+        Box::new(move |path, offset, got| {
+            let Some(offset) = offset else { return };
+            let mut reads = reads.lock().unwrap();
+            let n = reads.entry((path.to_string(), offset)).or_default();
+            *n += 1;
+            if *n >= 3
+                && path.contains(which)
+                && let Some(b) = got.as_mut().and_then(|b| b.last_mut())
+            {
+                *b ^= 0x10;
+            }
+        }),
+    )
+}
+
+#[test]
+fn a_load_that_fails_part_way_fails_every_rank_and_refuses_steps_until_a_load_succeeds() {
+    // Rank 1's file changes after rank 0 verified the blocks it needs of it: rank 0's restore
+    // fails part-way, rank 1's (its own file, read whole) succeeds. Rank 1 must fail the load
+    // too, naming rank 0, rather than step into a collective rank 0 never joins; both refuse
+    // steps and saves until a load succeeds, and one from the unchanged store then continues
+    // bit-identically to the uninterrupted run.
+    let store = MemStorage::new();
+    let whole = train(&store, &[2], 4);
+    let changing = changing_after_verify(&store, R1);
+    let (model, corpus) = tiny();
+    let plan = plan_for_model(&model, 1);
+    let elsewhere = MemStorage::new();
+    let got = Launch::new(topo())
+        .timeout(Duration::from_secs(30))
+        .run_with(&model, |comm, model| {
+            let mut e = engine_builder(&plan, comm, model, options()).build()?;
+            let text = |r: Result<(), Error>| r.err().map(|x| x.to_string()).unwrap_or_default();
+            let load = text(e.load(&changing).map(|_| ()));
+            let step = text(corpus_step(&mut e, &corpus, &options()).map(|_| ()));
+            let save = text(e.save(&elsewhere, json!(null)).map(|_| ()));
+            e.load(&store)?;
+            let mut losses = Vec::new();
+            while e.steps() < 4 {
+                losses.push(corpus_step(&mut e, &corpus, &options())?.loss.to_bits());
+            }
+            Ok(([load, step, save], snapshot(&mut e), losses))
+        })
+        .unwrap();
+    let [load0, _, _] = &got[0].0;
+    assert!(
+        load0.contains(R1) && load0.contains("corrupt"),
+        "rank 0: {load0:?}"
+    );
+    let [load1, _, _] = &got[1].0;
+    assert!(
+        load1.contains("load failed on rank 0") && load1.contains(R1),
+        "rank 1: {load1:?}"
+    );
+    for (r, ((errs, snap, losses), (_, want, all))) in got.iter().zip(&whole).enumerate() {
+        for (what, msg) in [("step", &errs[1]), ("save", &errs[2])] {
+            assert!(
+                msg.contains("partly restored") && msg.contains(&format!("rank {r}")),
+                "rank {r}: the {what} after the failed load: {msg:?}"
+            );
+        }
+        assert_eq!(
+            snap, want,
+            "rank {r}: the state after the second load's steps"
+        );
+        assert_eq!(
+            losses[..],
+            all[2..],
+            "rank {r}: the losses after the second load"
+        );
+    }
+    assert!(
+        elsewhere.list("").unwrap().is_empty(),
+        "the refused save wrote {:?}",
+        elsewhere.list("").unwrap()
+    );
 }

@@ -15,10 +15,8 @@ use super::ranged::{Ranged, RankIndex, Reread, Want};
 use super::resolve::{in_manifest, open_file, resolve};
 use super::shard::{self, ShardFile};
 use super::storage::Storage;
-use super::{
-    LoadOptions, Loaded, Scalars, all_gather_bytes, engine_scalars, status_bytes, statuses,
-};
-use crate::error::{Error, Result};
+use super::{LoadOptions, Loaded, Scalars, agree, engine_scalars};
+use crate::error::Result;
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
 
@@ -140,22 +138,30 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
     store: &dyn Storage,
     opts: &LoadOptions,
 ) -> Result<Loaded> {
+    // Everything read and verified on every rank before any state changes.
     let local = prepare(e, store, opts);
-    let msg = status_bytes(local.as_ref().map(|_| Vec::new()));
-    let all = all_gather_bytes(e.ckpt_world(), &msg)?;
-    for (r, st) in statuses(&all).into_iter().enumerate() {
-        if let Err(cause) = st {
-            return Err(match local {
-                Err(err) => err,
-                Ok(_) => Error::CheckpointFailed {
-                    action: "load",
-                    rank: r,
-                    cause,
-                },
-            });
+    let p = agree(e.ckpt_world(), "load", local)?;
+    let restored = restore(e, store, &p);
+    // A rank file that changed since it was verified fails the restore part-way: then every
+    // rank's state is partly the checkpoint's, and every rank refuses to go on.
+    match agree(e.ckpt_world(), "load", restored) {
+        Ok(()) => {
+            e.ckpt_partly_restored(None);
+            Ok(p.loaded)
+        }
+        Err(err) => {
+            e.ckpt_partly_restored(Some(err.to_string()));
+            Err(err)
         }
     }
-    let p = local?;
+}
+
+/// Writes what `p` verified into the engine's state.
+fn restore<C: Communicator, M: Segmented>(
+    e: &mut ZeroEngine<C, M>,
+    store: &dyn Storage,
+    p: &Prepared,
+) -> Result<()> {
     let plan = e.plan().clone();
     e.ckpt_restore(
         |v, state, range, dst| p.fill(store, v, plan.chunk_len(v), state, range, dst),
@@ -166,7 +172,7 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
         let values = p.read_loose(store, pieces, plan.model().params[*param].numel())?;
         e.ckpt_restore_loose(*param, values);
     }
-    Ok(p.loaded)
+    Ok(())
 }
 
 fn prepare<C: Communicator, M: Segmented>(

@@ -92,11 +92,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// from [`Self::load`]. An error on any rank fails the save on every rank and leaves the
     /// previous `LATEST` in place. Its collectives are booked as [`Self::other_traffic`].
     pub fn save(&mut self, store: &dyn Storage, client_state: ClientState) -> Result<SaveReport> {
+        self.check_restored()?;
         self.untracked(|e| save::save(e, store, client_state))
     }
 
     /// Loads the checkpoint `LATEST` names in `store` (saved with the same plan) after verifying
-    /// every byte this rank reads, on every rank, before any state changes. Collective.
+    /// every byte this rank reads, on every rank, before any state changes. Collective. Parts of
+    /// other ranks' files are read and verified again as they are restored; should one change
+    /// in between (or a rank fail its restore), every rank fails the load and refuses steps and
+    /// saves ([`crate::Error::PartlyRestored`]) until a load succeeds.
     pub fn load(&mut self, store: &dyn Storage) -> Result<Loaded> {
         self.load_with(store, &LoadOptions::default())
     }
@@ -218,6 +222,40 @@ pub(crate) fn all_gather_bytes<C: Communicator>(comm: &mut C, mine: &[u8]) -> Re
         .enumerate()
         .map(|(r, &l)| all[r * max..r * max + l].to_vec())
         .collect())
+}
+
+/// One phase of a collective `action` agreed by every rank: `local` when every rank succeeded,
+/// else this rank's own error or the first failing rank's, named.
+pub(crate) fn agree<C: Communicator, T>(
+    comm: &mut C,
+    action: &'static str,
+    local: Result<T>,
+) -> Result<T> {
+    let msg = status_bytes(local.as_ref().map(|_| Vec::new()));
+    let all = match all_gather_bytes(comm, &msg) {
+        Ok(all) => all,
+        Err(err) => return Err(local.err().unwrap_or(err)),
+    };
+    let failure = statuses(&all)
+        .into_iter()
+        .enumerate()
+        .find_map(|(r, st)| st.err().map(|cause| (r, cause)));
+    match failure {
+        Some((r, cause)) => Err(failed(action, r, cause, local)),
+        None => local,
+    }
+}
+
+/// This rank's error if it failed itself, else the peer's failure.
+fn failed<T>(action: &'static str, rank: usize, cause: String, local: Result<T>) -> crate::Error {
+    match local {
+        Err(e) => e,
+        Ok(_) => crate::Error::CheckpointFailed {
+            action,
+            rank,
+            cause,
+        },
+    }
 }
 
 /// A rank's status for the others: `0` and a body, or `1` and its error's message.

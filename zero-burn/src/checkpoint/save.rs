@@ -10,7 +10,9 @@ use zero_core::checkpoint::{
 };
 
 use super::storage::{Storage, join, put};
-use super::{COMMIT, SaveReport, all_gather_bytes, engine_scalars, shard, status_bytes, statuses};
+use super::{
+    COMMIT, SaveReport, all_gather_bytes, engine_scalars, failed, shard, status_bytes, statuses,
+};
 use crate::error::{Error, Result};
 use crate::segmented::Segmented;
 use crate::trainer::ZeroEngine;
@@ -128,18 +130,6 @@ pub(crate) fn save<C: Communicator, M: Segmented>(
         bytes,
         seconds: t0.elapsed().as_secs_f64(),
     })
-}
-
-/// This rank's error if it failed itself, else the peer's failure.
-fn failed<T>(action: &'static str, rank: usize, cause: String, local: Result<T>) -> Error {
-    match local {
-        Err(e) => e,
-        Ok(_) => Error::CheckpointFailed {
-            action,
-            rank,
-            cause,
-        },
-    }
 }
 
 /// Writes this rank's file into the staging directory: for every unit its chunk's saved state

@@ -142,6 +142,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             opt_steps: 0,
             last_step: StepInfo::default(),
             inject_overflow: false,
+            partly_restored: None,
             acc: if accum == GradAccum::Half {
                 Vec::new()
             } else {

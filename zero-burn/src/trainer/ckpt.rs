@@ -47,6 +47,22 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         (self.options.optimizer, self.options.reduction)
     }
 
+    /// Marks the state partly restored by a failed load (`Some(why)`), or whole again (`None`).
+    pub(crate) fn ckpt_partly_restored(&mut self, why: Option<String>) {
+        self.partly_restored = why;
+    }
+
+    /// [`Error::PartlyRestored`] while a failed load left the state partly restored.
+    pub(crate) fn check_restored(&self) -> Result<()> {
+        match &self.partly_restored {
+            None => Ok(()),
+            Some(cause) => Err(crate::Error::PartlyRestored {
+                rank: self.rank,
+                cause: cause.clone(),
+            }),
+        }
+    }
+
     /// The world communicator (at a step boundary the communicators are home).
     pub(crate) fn ckpt_world(&mut self) -> &mut C {
         &mut self.comms().world

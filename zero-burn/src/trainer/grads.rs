@@ -30,6 +30,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// only the clipping norm, when clipping is on, sees it).
     pub fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<StepInfo> {
         self.check_external_grads()?;
+        self.check_restored()?;
         check_lr(lr)?;
         let overlap = self.plan.config().overlap_comm;
         let max_reduces = usize::from(overlap);

@@ -152,6 +152,9 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     last_step: StepInfo,
     /// Testing aid: poison this rank's reduced gradients at the next optimizer step.
     inject_overflow: bool,
+    /// Why the state is partly restored (a load failed after it began restoring): steps and
+    /// saves are refused until a load succeeds.
+    partly_restored: Option<String>,
     /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
     /// otherwise this rank's chunks of trainable units.
     acc: Vec<f32>,
@@ -369,6 +372,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 expected: format!("{a}, the plan's gradient_accumulation_steps"),
             });
         }
+        self.check_restored()?;
         check_lr(lr)?;
         let mut loss = 0.0f64;
         self.micro_losses.clear();
