@@ -121,14 +121,8 @@ impl Ranged {
         let mut held = BTreeMap::new();
         let mut verified = std::collections::BTreeSet::new();
         for want in merged(byte_ranges(&index, hold)?) {
-            let blocks = covering(rec, &want);
-            verified.extend(blocks.start / block..blocks.end.div_ceil(block));
-            let from = blocks.start;
-            let mut bytes = read_blocks(store, file, rec, blocks)?;
-            bytes.truncate((want.end - from) as usize);
-            bytes.drain(..(want.start - from) as usize);
-            bytes.shrink_to_fit();
-            held.insert(want.start, bytes);
+            verified.extend(want.start / block..=(want.end - 1) / block);
+            held.insert(want.start, read_verified(store, file, rec, want.clone())?);
         }
         for at in byte_ranges(&index, stream)? {
             for b in at.start / block..=(at.end - 1) / block {
@@ -238,9 +232,12 @@ fn read_verified(
     }
     let blocks = covering(rec, &range);
     let from = blocks.start;
-    let bytes = read_blocks(store, path, rec, blocks)?;
-    let (a, z) = ((range.start - from) as usize, (range.end - from) as usize);
-    Ok(bytes[a..z].to_vec())
+    // Cut in place: never the blocks and the range both.
+    let mut bytes = read_blocks(store, path, rec, blocks)?;
+    bytes.truncate((range.end - from) as usize);
+    bytes.drain(..(range.start - from) as usize);
+    bytes.shrink_to_fit();
+    Ok(bytes)
 }
 
 /// The bytes of checksum blocks `first..=last` of `rec`'s file (the last block may be shorter).
