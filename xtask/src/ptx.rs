@@ -61,11 +61,9 @@ pub(crate) fn run(a: PtxArgs) -> anyhow::Result<()> {
             anyhow::anyhow!("libnvrtc not found: pass --nvrtc-dir (see `cargo xtask ptx --help`)")
         })?
         .map_err(|e| anyhow::anyhow!("NVRTC: {e:?}"))?;
-    let text = format!(
-        "{}\n{}",
-        zero_quant::cuda_ptx_header(&src),
-        ptx.to_src().trim_end_matches('\0')
-    );
+    let body = ptx.to_src();
+    let body = body.trim_end_matches('\0');
+    let text = format!("{}\n{body}", zero_quant::cuda_ptx_header(&src, body));
     let out = dir.join("kernels.ptx");
     if a.check {
         let old = std::fs::read_to_string(&out).unwrap_or_default();

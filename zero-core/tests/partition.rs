@@ -14,7 +14,7 @@ fn arb_setup() -> impl Strategy<Value = (ModelDesc, Topology, ZeroConfig)> {
         arb_model(),
         1usize..=9,
         1usize..=3,
-        1u8..=3,
+        0u8..=3,
         1u64..2000,
         0u64..300,
     )

@@ -16,13 +16,21 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     })
 }
 
-/// The first line of `kernels.ptx` for a given source text (used by `cargo xtask ptx`).
+/// The first line of `kernels.ptx` for a given source text and the PTX NVRTC made from it (used by
+/// `cargo xtask ptx`): a hash of each, so that a stale source and an edited PTX body both show.
 #[doc(hidden)]
-pub fn cuda_ptx_header(source: &str) -> String {
+pub fn cuda_ptx_header(source: &str, ptx: &str) -> String {
     format!(
-        "// zero-quant kernels.cu fnv1a64={:016x}",
-        fnv1a64(source.as_bytes())
+        "// zero-quant kernels.cu fnv1a64={:016x} ptx fnv1a64={:016x}",
+        fnv1a64(source.as_bytes()),
+        fnv1a64(ptx.as_bytes())
     )
+}
+
+/// `kernels.ptx` split into its header line and the PTX below it.
+#[cfg(test)]
+fn split_ptx(text: &str) -> (&str, &str) {
+    text.split_once('\n').unwrap_or((text, ""))
 }
 
 #[cfg(test)]
@@ -31,11 +39,12 @@ mod tests {
 
     #[test]
     fn checked_in_ptx_was_made_from_this_source() {
-        let first = CUDA_PTX.lines().next().unwrap_or_default();
+        let (first, body) = split_ptx(CUDA_PTX);
         assert_eq!(
             first,
-            cuda_ptx_header(CUDA_SOURCE),
-            "zero-quant/src/cuda/kernels.ptx is stale: run `cargo xtask ptx` (see its --help)"
+            cuda_ptx_header(CUDA_SOURCE, body),
+            "zero-quant/src/cuda/kernels.ptx is stale or was edited by hand: \
+             run `cargo xtask ptx` (see its --help)"
         );
         // And it is PTX for the documented target, with every kernel the wrapper loads.
         assert!(CUDA_PTX.contains(".target sm_80"));
@@ -51,7 +60,11 @@ mod tests {
 
     #[test]
     fn the_hash_sees_every_byte() {
-        assert_ne!(cuda_ptx_header("a"), cuda_ptx_header("b"));
+        assert_ne!(cuda_ptx_header("a", "p"), cuda_ptx_header("b", "p"));
+        // An edit to the PTX body alone changes the header too.
+        assert_ne!(cuda_ptx_header("a", "p"), cuda_ptx_header("a", "q"));
+        let (first, body) = split_ptx("// h\n.version 8.0\n");
+        assert_eq!((first, body), ("// h", ".version 8.0\n"));
         assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
         // A published FNV-1a 64 test vector.
         assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
