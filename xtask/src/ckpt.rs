@@ -165,8 +165,32 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
                 Dtype::F16 => ExportDtype::F16,
             };
             let (store, tag) = locate(&dir)?;
+            anyhow::ensure!(
+                !out.is_dir(),
+                "--out {} is a directory; expected a file name",
+                out.display()
+            );
+            // The export never writes into the checkpoint it reads (it could replace LATEST, a
+            // manifest or a rank file).
+            if let (Ok(root), Ok(p)) = (store.root().canonicalize(), parent.canonicalize()) {
+                anyhow::ensure!(
+                    !p.starts_with(&root),
+                    "--out {} lies inside the checkpoint root {}: write the export elsewhere",
+                    out.display(),
+                    store.root().display()
+                );
+            }
             let out_store = DirStorage::new(parent)?;
-            let r = export_safetensors(&store, tag.as_deref(), &out_store, name, dtype)?;
+            // The export writes `NAME.tmp` and renames it: a failed one leaves nothing behind
+            // (a file of that name that was there before is not touched).
+            let tmp = parent.join(format!("{name}.tmp"));
+            let had_tmp = tmp.exists();
+            let r = export_safetensors(&store, tag.as_deref(), &out_store, name, dtype)
+                .inspect_err(|_| {
+                    if !had_tmp {
+                        let _ = std::fs::remove_file(&tmp);
+                    }
+                })?;
             println!(
                 "{}: {} tensors of {} into {} ({} bytes)",
                 dir.display(),
@@ -182,13 +206,13 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
 
 /// `ckpt gc`: see [`CkptCommand::Gc`].
 pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        keep >= 1,
-        "--keep 0 would delete the checkpoint LATEST names"
-    );
     // LATEST is checked (length and crc of its manifest) before anything is deleted.
     let (latest, _) = read_manifest(&open(dir)?, None)
         .with_context(|| format!("{}: no valid LATEST; nothing deleted", dir.display()))?;
+    anyhow::ensure!(
+        keep >= 1,
+        "--keep 0 would delete {latest}, the checkpoint LATEST names; nothing deleted"
+    );
     let mut tags = Vec::new();
     let mut staging = Vec::new();
     for e in std::fs::read_dir(dir)? {
@@ -248,4 +272,82 @@ fn dir_bytes(p: &std::path::Path) -> u64 {
             _ => e.metadata().map(|m| m.len()).unwrap_or(0),
         })
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        ckpt: CkptArgs,
+    }
+
+    fn ckpt(argv: &[&str]) -> anyhow::Result<()> {
+        run(Cli::try_parse_from([&["ckpt"], argv].concat())?.ckpt)
+    }
+
+    /// The export never writes into the checkpoint it reads, nor onto a directory, and a
+    /// refused one leaves no temporary file; `gc --keep 0` is refused naming LATEST's tag.
+    #[test]
+    fn an_export_into_the_checkpoint_or_onto_a_directory_is_refused_and_leaves_nothing() {
+        let root = std::env::temp_dir().join(format!("zero-rs-ckpt-cli-{}", std::process::id()));
+        let ck = root.join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let train = crate::train::tests::args(
+            &root.join("run"),
+            &[
+                "--model",
+                "tiny",
+                "--micro-batch",
+                "2",
+                "--steps",
+                "1",
+                "--save-every",
+                "1",
+                "--save-dir",
+                ck_s,
+            ],
+        );
+        crate::train::run(train).unwrap();
+        let before: Vec<_> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        let latest = std::fs::read(ck.join("LATEST")).unwrap();
+        for out in [
+            ck.join("LATEST"),
+            ck.join("step-00000001").join("MANIFEST.json"),
+        ] {
+            let e = ckpt(&["export", ck_s, "--out", out.to_str().unwrap()]).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("inside the checkpoint root"),
+                "{e:#}"
+            );
+        }
+        assert_eq!(std::fs::read(ck.join("LATEST")).unwrap(), latest);
+        let dir = root.join("a-dir");
+        std::fs::create_dir_all(&dir).unwrap();
+        let e = ckpt(&["export", ck_s, "--out", dir.to_str().unwrap()]).unwrap_err();
+        assert!(format!("{e:#}").contains("is a directory"), "{e:#}");
+        assert!(!root.join("a-dir.tmp").exists());
+        let after: Vec<_> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(before, after, "the checkpoint root is unchanged");
+        let e = ckpt(&["gc", ck_s, "--keep", "0"]).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("would delete step-00000001"),
+            "{e:#}"
+        );
+        // A good export still works.
+        let good = root.join("model.safetensors");
+        ckpt(&["export", ck_s, "--out", good.to_str().unwrap()]).unwrap();
+        assert!(good.is_file());
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }

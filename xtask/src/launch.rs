@@ -45,6 +45,60 @@ impl LaunchArgs {
     pub(crate) fn is_train(&self) -> bool {
         self.command.first().is_some_and(|c| c == "train")
     }
+
+    /// Checks the launch before anything is built or started: the world (at most
+    /// [`zero_core::MAX_WORLD_SIZE`] ranks), this node's rank, the bootstrap's address and port,
+    /// and, for `train`, that its arguments parse.
+    pub(crate) fn check(&self) -> anyhow::Result<usize> {
+        if self.nproc_per_node == 0 || self.nnodes == 0 {
+            bail!("--nproc-per-node and --nnodes must be at least 1");
+        }
+        let world = self
+            .nproc_per_node
+            .checked_mul(self.nnodes)
+            .filter(|&w| w <= zero_core::MAX_WORLD_SIZE)
+            .with_context(|| {
+                format!(
+                    "--nproc-per-node {} x --nnodes {}: at most {} ranks in all",
+                    self.nproc_per_node,
+                    self.nnodes,
+                    zero_core::MAX_WORLD_SIZE
+                )
+            })?;
+        if self.node_rank >= self.nnodes {
+            bail!(
+                "--node-rank {} is not a node of --nnodes {}",
+                self.node_rank,
+                self.nnodes
+            );
+        }
+        if self.master_port == 0 {
+            bail!("--master-port 0: expected the port rank 0's bootstrap listens on (1-65535)");
+        }
+        let addr = self.master_addr.trim();
+        if addr.is_empty() || addr.contains(char::is_whitespace) {
+            bail!(
+                "--master-addr {:?}: expected rank 0's host name or IP address",
+                self.master_addr
+            );
+        }
+        if self.is_train() {
+            #[derive(clap::Parser)]
+            struct Train {
+                #[command(flatten)]
+                train: crate::train::TrainArgs,
+            }
+            // The first word, `train`, stands where clap expects the program's name.
+            <Train as clap::Parser>::try_parse_from(process_args(self)).map_err(|e| {
+                let text = e.render().to_string();
+                anyhow::anyhow!(
+                    "-- train: {}",
+                    text.trim_start_matches("error: ").trim_end()
+                )
+            })?;
+        }
+        Ok(world)
+    }
 }
 
 /// The arguments of each process: `train` gets the launcher and the world when they are missing.
@@ -62,7 +116,7 @@ fn process_args(a: &LaunchArgs) -> Vec<String> {
         if !has("--world-size") {
             extra.extend([
                 "--world-size".to_string(),
-                (a.nproc_per_node * a.nnodes).to_string(),
+                a.nproc_per_node.saturating_mul(a.nnodes).to_string(),
             ]);
         }
         if !has("--ranks-per-node") {
@@ -97,17 +151,7 @@ pub(crate) fn run(a: LaunchArgs) -> anyhow::Result<()> {
 }
 
 fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
-    if a.nproc_per_node == 0 || a.nnodes == 0 {
-        bail!("--nproc-per-node and --nnodes must be at least 1");
-    }
-    if a.node_rank >= a.nnodes {
-        bail!(
-            "--node-rank {} is not a node of --nnodes {}",
-            a.node_rank,
-            a.nnodes
-        );
-    }
-    let world = a.nproc_per_node * a.nnodes;
+    let world = a.check()?;
     let args = process_args(&a);
     let (program, rest) = if a.is_train() {
         (
@@ -251,6 +295,30 @@ mod tests {
             master_port: 29500,
             command: cmd.iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    /// A bad launch is refused before anything is built or started, saying what is wrong.
+    #[test]
+    fn a_bad_world_address_port_or_train_flag_is_refused_up_front() {
+        assert_eq!(args(&["true"]).check().unwrap(), 4);
+        let refused = |a: LaunchArgs, needle: &str| {
+            let e = format!("{:#}", a.check().unwrap_err());
+            assert!(e.contains(needle), "{needle}: {e}");
+        };
+        let mut a = args(&["true"]);
+        a.nnodes = usize::MAX;
+        refused(a, "at most 1048576 ranks");
+        let mut a = args(&["true"]);
+        a.node_rank = 2;
+        refused(a, "not a node of --nnodes 2");
+        let mut a = args(&["true"]);
+        a.master_port = 0;
+        refused(a, "--master-port 0");
+        let mut a = args(&["true"]);
+        a.master_addr = " ".into();
+        refused(a, "--master-addr");
+        refused(args(&["train", "--bogus"]), "--bogus");
+        assert!(args(&["train", "--steps", "5"]).check().is_ok());
     }
 
     #[test]

@@ -58,8 +58,29 @@ enum Command {
     Ptx(ptx::PtxArgs),
 }
 
+/// Restores SIGPIPE's default action, which Rust's runtime sets to "ignore": a write to a closed
+/// pipe (`cargo xtask plan | head -1`) then ends the process quietly, as it does any Unix tool,
+/// instead of `println!` panicking with "Broken pipe". Cargo does the same. Not for `launch` or a
+/// train with another launcher than threads: a launcher must outlive its output to stop the
+/// processes it started, and a rank's sockets (MPI, NCCL's bootstrap) keep their error path.
+fn restore_sigpipe() {
+    // SAFETY: called first thing in `main`, before any other thread exists; `signal` with
+    // `SIG_DFL` installs no handler code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    let multi_process = match &cli.command {
+        Command::Launch(_) => true,
+        Command::Train(a) => a.launcher() != "threads",
+        _ => false,
+    };
+    if !multi_process {
+        restore_sigpipe();
+    }
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
         Command::Simulate(a) if a.validate_host && release::wanted() => release::rerun(&[]),
@@ -69,8 +90,9 @@ fn main() -> std::process::ExitCode {
         Command::Train(_) | Command::Bench(_) if release::wanted() => release::rerun(&[]),
         Command::Train(a) => train::run(*a),
         // Every process runs this binary as it is: build the release one with NCCL first.
+        // Checked first: a bad launch fails before a release build of minutes.
         Command::Launch(a) if a.is_train() && (release::wanted() || !cfg!(feature = "nccl")) => {
-            release::rerun(&["nccl"])
+            a.check().and_then(|_| release::rerun(&["nccl"]))
         }
         Command::Launch(a) => launch::run(a),
         Command::Test(a) => test::run(a),

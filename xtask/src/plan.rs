@@ -198,8 +198,15 @@ pub(crate) fn parse_count(s: &str) -> anyhow::Result<u64> {
         .parse()
         .with_context(|| format!("--params {s:?} is not a number (e.g. 7.5e9 or 350M)"))?;
     let v = x * mult;
-    if !(v >= 1.0 && v.fract() == 0.0 && v < 1.8e19) {
+    if !(v >= 1.0 && v.fract() == 0.0) {
         bail!("--params {s:?} must be a whole number of parameters ≥ 1");
+    }
+    let max = zero_core::MAX_MODEL_PARAMS;
+    if v > max as f64 {
+        bail!(
+            "--params {s:?} is too large: at most 2^50 ({:.2e}) parameters are planned",
+            max as f64
+        );
     }
     Ok(v as u64)
 }
@@ -229,6 +236,10 @@ mod tests {
         assert!(parse_count("0").is_err());
         assert!(parse_count("1.5").is_err());
         assert!(parse_count("lots").is_err());
+        // Too large says so (a whole number, but its bytes would not fit in 64 bits).
+        assert!(parse_count("1.1e15").is_ok());
+        let e = parse_count("1.2e18").unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
     }
 
     /// `--json` is the plan's own report of the rank asked for, and the table says the same

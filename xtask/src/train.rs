@@ -32,8 +32,9 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value_t = 4)]
     world_size: usize,
     /// Ranks per node (on one machine the nodes are simulated; bytes are classified by it).
-    #[arg(long, default_value_t = 2)]
-    ranks_per_node: usize,
+    /// Default 2, or 1 when the world size is odd.
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
     /// Backend: host (burn flex on the CPU, host loopback) or wgpu (burn's wgpu backend and the
     /// wgpu loopback on one device; needs `cargo run -p xtask --features wgpu -- train ...`,
     /// a debug build: burn-wgpu takes over 20 minutes to build in release). CUDA: see README.
@@ -115,6 +116,11 @@ pub(crate) struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// `--launcher`: threads, mpi or nccl.
+    pub(crate) fn launcher(&self) -> &str {
+        &self.launcher
+    }
+
     /// `--launcher mpi` in a build without MPI: the command reruns itself from one that has it.
     pub(crate) fn needs_mpi_build(&self) -> bool {
         self.launcher == "mpi" && !cfg!(feature = "mpi")
@@ -222,11 +228,14 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(s) = a.stage {
         zero.stage = s;
     }
+    let ranks_per_node = a
+        .ranks_per_node
+        .unwrap_or(if a.world_size.is_multiple_of(2) { 2 } else { 1 });
     let zpp_default = zero.stage == 3 && !from_file;
     zero.quantized_weights = a.qwz.unwrap_or(zpp_default && zero.quantized_weights);
     zero.quantized_gradients = a.qgz.unwrap_or(zpp_default && zero.quantized_gradients);
     zero.hpz_partition_size = a.hpz.unwrap_or(if zpp_default {
-        a.ranks_per_node
+        ranks_per_node
     } else if zero.stage == 3 {
         zero.hpz_partition_size
     } else {
@@ -259,7 +268,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     job.zero = zero;
     job.world_size = a.world_size;
-    job.ranks_per_node = a.ranks_per_node;
+    job.ranks_per_node = ranks_per_node;
     job.steps = a.steps;
     job.micro_batch = a.micro_batch;
     job.lr = a.lr;
@@ -272,6 +281,15 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.data {
         let bytes = std::fs::read(path)
             .with_context(|| format!("cannot read --data {}", path.display()))?;
+        if bytes.len() <= job.model.context {
+            eprintln!(
+                "note: --data {} has {} bytes, less than one sequence of {} tokens and its \
+                 target: every sequence wraps around the text",
+                path.display(),
+                bytes.len(),
+                job.model.context
+            );
+        }
         job.data = DataSource::Text {
             name: path.display().to_string(),
             bytes,
@@ -285,6 +303,11 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| default_run_dir(job.zero.stage));
     job.checkpoint = checkpointing(&a, &out, job.steps)?;
     match a.launcher.as_str() {
+        "threads" if job.world_size > MAX_THREAD_RANKS => bail!(
+            "--world-size {}: in-process ranks are threads of this process, each with a model \
+             replica; at most {MAX_THREAD_RANKS} (more with --launcher mpi, one process per rank)",
+            job.world_size
+        ),
         "threads" => {}
         "mpi" if zero_comm::mpi::launched_by_mpi() => return crate::procs::mpi_rank(&job, &out),
         "mpi" => return crate::procs::launch_mpi(&job, &out, a.out.is_none()),
@@ -293,6 +316,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create run directory {}", out.display()))?;
+    crate::report::check_writable(&out, "the run directory")?;
 
     eprintln!(
         "training: ZeRO-{}{} | {} | {} ranks ({} node(s) x {}) | {} steps x {} tokens | run dir {}",
@@ -326,6 +350,9 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     crate::report::finish(&report?, &out, zero_burn::demo::run::peak_rss_bytes())
 }
 
+/// The most in-process ranks (threads) a run starts.
+const MAX_THREAD_RANKS: usize = 256;
+
 /// The run's checkpointing from the flags: the save and resume stores, checked before any rank
 /// starts (a resume needs a committed checkpoint).
 fn checkpointing(
@@ -353,7 +380,15 @@ fn checkpointing(
             let (store, tag) = crate::ckpt::locate(dir)?;
             let (tag, m) = read_manifest(&store, tag.as_deref())
                 .with_context(|| format!("--resume {}: no checkpoint to resume", dir.display()))?;
-            Some((store, tag, m.scalars.step))
+            let step = m.scalars.step;
+            if step >= steps {
+                bail!(
+                    "--resume {}: the checkpoint is at step {step} and --steps is {steps}, so \
+                     nothing is left to train (--steps counts every step, the checkpoint's too)",
+                    dir.display()
+                );
+            }
+            Some((store, tag, step))
         }
     };
     let save_dir = a
@@ -366,6 +401,20 @@ fn checkpointing(
     }
     let first_step = resumed.as_ref().map_or(0, |(_, _, step)| *step);
     if let Some(d) = &save_dir {
+        // Another run's checkpoints are not taken over: saving there would move its LATEST and
+        // leave its tags to `ckpt gc`. Only the resumed root itself is continued.
+        let resumed_root = resumed.as_ref().map(|(s, ..)| s.root());
+        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if d.join("LATEST").exists() && !resumed_root.is_some_and(|r| same(r, d)) {
+            bail!(
+                "--save-dir {} already holds another run's checkpoints (its LATEST): resume it \
+                 with --resume {0}, or save somewhere else",
+                d.display()
+            );
+        }
         // A committed checkpoint is never rewritten: a run resumed from an older tag would
         // collide with the later tags already there. Refuse it now rather than at that save.
         let every = a.save_every.unwrap_or(0);
@@ -382,9 +431,12 @@ fn checkpointing(
         }
     }
     let save: Option<Arc<dyn Storage>> = match &save_dir {
-        Some(d) => Some(Arc::new(DirStorage::new(d).with_context(|| {
-            format!("cannot create checkpoint directory {}", d.display())
-        })?)),
+        Some(d) => {
+            let store = DirStorage::new(d)
+                .with_context(|| format!("cannot create checkpoint directory {}", d.display()))?;
+            crate::report::check_writable(d, "the checkpoint directory")?;
+            Some(Arc::new(store))
+        }
         None => None,
     };
     let (resume, resume_tag) = match resumed {
@@ -399,12 +451,6 @@ fn checkpointing(
                     "resuming from {tag} (step {step}) in {}",
                     store.root().display()
                 );
-                if step >= steps {
-                    eprintln!(
-                        "the checkpoint is at step {step} and --steps is {steps}: nothing left to \
-                         train"
-                    );
-                }
             }
             (Some(Arc::new(store) as Arc<dyn Storage>), Some(tag))
         }
@@ -449,7 +495,7 @@ fn default_run_dir(stage: u8) -> PathBuf {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::path::Path;
 
     use clap::Parser;
@@ -462,7 +508,7 @@ mod tests {
         train: TrainArgs,
     }
 
-    fn args(out: &Path, extra: &[&str]) -> TrainArgs {
+    pub(crate) fn args(out: &Path, extra: &[&str]) -> TrainArgs {
         let out = out.to_str().expect("a UTF-8 temp path");
         let mut argv = vec!["train", "--out", out];
         argv.extend_from_slice(extra);
@@ -581,6 +627,34 @@ mod tests {
             !root.join("clash").exists(),
             "no run directory on a refusal"
         );
+        // A fresh run does not take over another run's checkpoints (its LATEST stays), and a
+        // resume with nothing left to train is refused up front; neither leaves a run directory.
+        let latest = std::fs::read(ck.join("LATEST")).unwrap();
+        let fresh = ["--steps", "2", "--save-every", "1", "--save-dir", ck_s];
+        let e = run(args(&root.join("takeover"), &with(&fresh))).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("another run's checkpoints"),
+            "{e:#}"
+        );
+        assert_eq!(std::fs::read(ck.join("LATEST")).unwrap(), latest);
+        let e = run(args(
+            &root.join("done"),
+            &with(&["--steps", "6", "--resume", ck_s]),
+        ))
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("nothing is left to train"),
+            "{e:#}"
+        );
+        for d in ["takeover", "done"] {
+            assert!(!root.join(d).exists(), "{d}: no run directory on a refusal");
+        }
+        // An odd world size needs no --ranks-per-node (one rank per node by default).
+        run(args(
+            &root.join("odd"),
+            &with(&["--world-size", "1", "--steps", "1"]),
+        ))
+        .unwrap();
         // Another world without --reshard is refused, naming the plan; with it, it runs.
         let other = ["--world-size", "2", "--ranks-per-node", "1", "--steps", "7"];
         let e = run(args(

@@ -95,8 +95,11 @@ pub enum Error {
     /// A checkpoint is unusable (names the file and what is wrong; boxed: it is large).
     #[error(transparent)]
     Checkpoint(Box<zero_core::CheckpointError>),
-    /// A checkpoint storage operation failed.
-    #[error("checkpoint storage: {op} {path}: {source}")]
+    /// A checkpoint storage operation failed (the IO error is its [`source`], so `{:#}` with
+    /// anyhow, or [`Error::full_message`], prints it once).
+    ///
+    /// [`source`]: std::error::Error::source
+    #[error("checkpoint storage: {op} {path}")]
     Storage {
         /// The operation (`write`, `fsync`, `rename`, ...).
         op: &'static str,
@@ -204,7 +207,51 @@ impl Error {
     pub fn other(e: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
         Error::Other(e.into())
     }
+
+    /// The message with every underlying cause after it (`a: b: c`), as anyhow's `{:#}` prints
+    /// it: what one rank sends the others when it fails a collective checkpoint step.
+    pub fn full_message(&self) -> String {
+        let mut out = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(c) = cause {
+            let text = c.to_string();
+            // An error that also prints its source in its own message is not repeated.
+            if !out.ends_with(&text) {
+                out.push_str(": ");
+                out.push_str(&text);
+            }
+            cause = c.source();
+        }
+        out
+    }
 }
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A storage error prints its IO error once: as its source (anyhow's `{:#}`), and in
+    /// `full_message`, which is what the other ranks of a failed save or load are told.
+    #[test]
+    fn a_storage_error_names_its_io_error_once() {
+        let e = Error::Storage {
+            op: "create_dir",
+            path: "/ck".into(),
+            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+        };
+        assert_eq!(e.to_string(), "checkpoint storage: create_dir /ck");
+        let full = e.full_message();
+        assert!(
+            full.starts_with("checkpoint storage: create_dir /ck: "),
+            "{full}"
+        );
+        let io = std::io::Error::from(std::io::ErrorKind::AlreadyExists).to_string();
+        assert_eq!(full.matches(&io).count(), 1, "{full}");
+        // A transparent variant is not repeated either.
+        let e = Error::from(zero_core::Error::Model("no parameters".into()));
+        assert_eq!(e.full_message(), e.to_string());
+    }
+}

@@ -192,8 +192,8 @@ pub enum Error {
         backend: &'static str,
     },
     /// An invalid topology or group description from zero-core.
-    #[error("invalid topology: {0}")]
-    Topology(#[source] zero_core::Error),
+    #[error(transparent)]
+    Topology(zero_core::Error),
     /// A quantized collective ([`crate::quantized`]) failed because the codec on `failed_rank`
     /// rejected data: a non-finite input element, an `f32` partial sum that overflowed, or a wire
     /// that fails validation. On `failed_rank` itself `source` holds the codec's error; its peers

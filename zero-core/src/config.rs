@@ -254,7 +254,9 @@ impl ZeroConfig {
     }
 
     /// Parses a config file by content: a JSON object with a `zero_optimization` key is read as
-    /// DeepSpeed's format, any other JSON as ours, anything else as our TOML. DeepSpeed's `"auto"`
+    /// DeepSpeed's format, any other JSON as ours, anything else as our TOML; text that starts
+    /// like a JSON object (`{`) but does not parse is reported as JSON, and an empty file is an
+    /// error (not the defaults). DeepSpeed's `"auto"`
     /// values resolve to zero-rs's defaults where they can (see [`ZeroConfig::from_any_with`]).
     pub fn from_any(text: &str) -> Result<DeepSpeedImport> {
         Self::from_any_with(text, &RunValues::default())
@@ -263,12 +265,24 @@ impl ZeroConfig {
     /// [`ZeroConfig::from_any`], resolving a DeepSpeed config's `"auto"` values from `run` as the
     /// Hugging Face Trainer does (see [`RunValues`]).
     pub fn from_any_with(text: &str, run: &RunValues) -> Result<DeepSpeedImport> {
+        let start = text.trim_start();
+        if start.is_empty() {
+            return Err(Error::Parse {
+                what: "ZeRO config".into(),
+                message: "the file is empty; write {} (JSON) for every default".into(),
+            });
+        }
         match serde_json::from_str::<Value>(text) {
             Ok(v) if v.get("zero_optimization").is_some() => Self::from_deepspeed_value(v, run),
             Ok(_) => Ok(DeepSpeedImport {
                 config: Self::from_json(text)?,
                 notes: vec![],
                 resolved: vec![],
+            }),
+            // `[` also starts a TOML table header, so only `{` means JSON.
+            Err(e) if start.starts_with('{') => Err(Error::Parse {
+                what: "ZeRO config (JSON)".into(),
+                message: e.to_string(),
             }),
             Err(_) => Ok(DeepSpeedImport {
                 config: Self::from_toml(text)?,
@@ -725,6 +739,18 @@ mod tests {
         assert_eq!(any.config.stage, 2);
         let any = ZeroConfig::from_any(r#"{"zero_optimization": {"stage": 1}}"#).unwrap();
         assert_eq!(any.config.stage, 1);
+        // A table header starts TOML, not JSON.
+        let any = ZeroConfig::from_any("[topology]\nworld_size = 2\nranks_per_node = 1\n");
+        assert!(!any.is_err_and(|e| e.to_string().contains("JSON")));
+        // Broken JSON is reported as JSON, with serde's line and column; an empty file is refused.
+        let e = ZeroConfig::from_any("{\"stage\": 3,,}")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("JSON") && e.contains("column"), "{e}");
+        for empty in ["", "  \n"] {
+            let e = ZeroConfig::from_any(empty).unwrap_err().to_string();
+            assert!(e.contains("empty"), "{e}");
+        }
     }
 
     #[test]

@@ -103,8 +103,9 @@ pub enum CheckpointError {
         /// Value found.
         found: String,
     },
-    /// The model being loaded into differs from the saved one.
-    #[error("the checkpoint in {file} was saved from a different model: {}", .differences.join("; "))]
+    /// The model being loaded into differs from the saved one (the message lists the first
+    /// differences and counts the rest; `differences` holds them all).
+    #[error("the checkpoint in {file} was saved from a different model: {}", first_few(.differences))]
     ModelMismatch {
         /// The manifest.
         file: String,
@@ -171,3 +172,13 @@ impl Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The first few of a list of differences, `; `-separated, and how many more there are.
+fn first_few(all: &[String]) -> String {
+    const SHOWN: usize = 6;
+    let mut out = all[..all.len().min(SHOWN)].join("; ");
+    if all.len() > SHOWN {
+        out.push_str(&format!("; and {} more", all.len() - SHOWN));
+    }
+    out
+}

@@ -35,8 +35,8 @@ pub use config::{
 };
 pub use error::{CheckpointError, Error, Result};
 pub use memory::MemoryModel;
-pub use model::{DType, ModelDesc, ParamDesc};
+pub use model::{DType, MAX_MODEL_PARAMS, ModelDesc, ParamDesc};
 pub use plan::{Entry, Fragment, HpzLayout, Plan, Unit, UnitKind};
 pub use report::PlanReport;
-pub use topology::{LinkClass, Topology};
+pub use topology::{LinkClass, MAX_WORLD_SIZE, Topology};
 pub use traffic::{Collective, CollectiveTraffic, GroupView, LinkBytes, TrafficTable};

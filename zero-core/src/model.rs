@@ -76,6 +76,10 @@ impl ParamDesc {
     }
 }
 
+/// The most elements a model may have: 2^50 (about 1.1e15, hundreds of times today's largest
+/// models). Every byte figure of a plan (16 bytes per parameter and more) then fits in a `u64`.
+pub const MAX_MODEL_PARAMS: u64 = 1 << 50;
+
 /// A model: its parameters in forward order.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -104,7 +108,8 @@ impl ModelDesc {
             .sum()
     }
 
-    /// Checks that the model is usable: not empty, unique names, no zero-sized tensors.
+    /// Checks that the model is usable: not empty, unique names, no zero-sized tensors, at most
+    /// [`MAX_MODEL_PARAMS`] elements in all.
     pub fn validate(&self) -> Result<()> {
         if self.params.is_empty() {
             return Err(Error::Model(
@@ -144,6 +149,17 @@ impl ModelDesc {
                     p.name, p.shape
                 )));
             }
+        }
+        let total = self
+            .params
+            .iter()
+            .try_fold(0u64, |a, p| a.checked_add(p.numel()));
+        if total.is_none_or(|t| t > MAX_MODEL_PARAMS) {
+            return Err(Error::Model(format!(
+                "the model has {} parameters; at most 2^50 ({MAX_MODEL_PARAMS}) are planned, so \
+                 that every byte count fits in 64 bits",
+                total.map_or_else(|| "over 2^64".to_string(), |t| t.to_string())
+            )));
         }
         Ok(())
     }

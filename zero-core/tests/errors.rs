@@ -289,3 +289,26 @@ fn unknown_preset() {
     let e = ModelDesc::preset("gpt-5").unwrap_err().to_string();
     assert!(e.contains("llama-70b"), "{e}");
 }
+
+#[test]
+fn a_model_beyond_2_pow_50_parameters_is_refused_and_one_below_it_has_exact_bytes() {
+    let topo = Topology::single_node(1).unwrap();
+    let huge = ModelDesc::new(vec![ParamDesc::new("w", &[1 << 50, 2], "a")]);
+    let e = Plan::new(&huge, topo, &ZeroConfig::default()).unwrap_err();
+    assert!(matches!(e, Error::Model(_)));
+    assert!(e.to_string().contains("at most 2^50"), "{e}");
+    // Two tensors whose sum overflows u64 are refused, not wrapped.
+    let wrap = ModelDesc::new(vec![
+        ParamDesc::new("a", &[1 << 32, 1 << 31], "a"),
+        ParamDesc::new("b", &[1 << 32, 1 << 31], "b"),
+    ]);
+    let e = Plan::new(&wrap, topo, &ZeroConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("over 2^64"), "{e}");
+    // At the cap, stage 0 fp32 AdamW is 16 bytes per parameter, exactly (no wrap-around).
+    let max = ModelDesc::new(vec![ParamDesc::new("w", &[1 << 50], "a")]);
+    let m = Plan::new(&max, topo, &ZeroConfig::default())
+        .unwrap()
+        .memory();
+    let states = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
+    assert_eq!(states, 16 << 50);
+}

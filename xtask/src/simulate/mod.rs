@@ -78,7 +78,7 @@ pub(crate) struct SimulateArgs {
     #[arg(long)]
     sweep: Option<String>,
     /// Variants of a sweep, comma-separated (default: zero-3,zero++; all for `variants`).
-    #[arg(long)]
+    #[arg(long, requires = "sweep")]
     variants: Option<String>,
     /// Where a sweep's plot goes (SVG; PNG when the name ends in `.png`).
     #[arg(long, default_value = "runs/simulate.svg")]
@@ -101,7 +101,11 @@ pub(crate) struct SimulateArgs {
 pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
     let cluster = load_cluster(&a)?;
     if a.print_cluster {
-        print!("{}", cluster.to_toml());
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&cluster)?);
+        } else {
+            print!("{}", cluster.to_toml());
+        }
         return Ok(());
     }
     if a.validate_host {
@@ -145,6 +149,13 @@ pub(crate) fn run(a: SimulateArgs) -> anyhow::Result<()> {
         .split(',')
         .map(|v| Variant::named(v.trim(), &cfg, cluster.gpus_per_node))
         .collect::<Result<Vec<_>, _>>()?;
+    let ext = a.plot.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if !ext.eq_ignore_ascii_case("svg") && !ext.eq_ignore_ascii_case("png") {
+        bail!(
+            "--plot {}: expected a file name ending in .svg or .png",
+            a.plot.display()
+        );
+    }
     let table = sweep(&model, &cluster, a.nodes, &axis, &variants, &opts)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&table)?);
@@ -197,12 +208,9 @@ fn load_cluster(a: &SimulateArgs) -> anyhow::Result<Cluster> {
             "inter.nics_per_node",
             a.nics_per_node.map(|v| v.to_string()),
         ),
-        ("inter.nic_gbps", a.nic_gbps.map(|v| format!("{v:?}"))),
-        ("gpu.memory_gib", a.gpu_memory_gib.map(|v| format!("{v:?}"))),
-        (
-            "gpu.compute_efficiency",
-            a.compute_efficiency.map(|v| format!("{v:?}")),
-        ),
+        ("inter.nic_gbps", a.nic_gbps.map(toml_f64)),
+        ("gpu.memory_gib", a.gpu_memory_gib.map(toml_f64)),
+        ("gpu.compute_efficiency", a.compute_efficiency.map(toml_f64)),
     ];
     for (k, v) in flags {
         if let Some(v) = v {
@@ -215,7 +223,28 @@ fn load_cluster(a: &SimulateArgs) -> anyhow::Result<Cluster> {
     Ok(c)
 }
 
+/// A number flag as TOML text: NaN and the infinities as TOML spells them, so that the cluster's
+/// range check names them (`got NaN, expected a finite number > 0`).
+fn toml_f64(v: f64) -> String {
+    if v.is_nan() {
+        "nan".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "inf" } else { "-inf" }.into()
+    } else {
+        format!("{v:?}")
+    }
+}
+
 fn model_and_shape(a: &SimulateArgs) -> anyhow::Result<(ModelDesc, Option<ModelShape>)> {
+    for (flag, v) in [
+        ("--layers", a.layers),
+        ("--hidden", a.hidden),
+        ("--seq-len", a.seq_len),
+    ] {
+        if v == Some(0) {
+            bail!("{flag} 0: expected at least 1");
+        }
+    }
     if let Some(g) = &a.gpt {
         let Some((l, h)) = g
             .split_once('x')

@@ -150,7 +150,7 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
             Ok(p.loaded)
         }
         Err(err) => {
-            e.ckpt_partly_restored(Some(err.to_string()));
+            e.ckpt_partly_restored(Some(err.full_message()));
             Err(err)
         }
     }

@@ -267,7 +267,7 @@ fn status_bytes(r: std::result::Result<Vec<u8>, &crate::Error>) -> Vec<u8> {
         }
         Err(e) => {
             let mut out = vec![1];
-            out.extend_from_slice(e.to_string().as_bytes());
+            out.extend_from_slice(e.full_message().as_bytes());
             out
         }
     }

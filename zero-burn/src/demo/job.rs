@@ -197,6 +197,31 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
     if job.micro_batch == 0 {
         return Err(invalid("micro_batch", 0, "at least 1"));
     }
+    // A step's token batches are made up front: bounded so that a typo fails here, not as an
+    // allocation of terabytes (2^20 tokens per rank per micro-step, 2^24 per optimizer step).
+    let seq = job.model.context.max(1);
+    let micro_tokens = (job.micro_batch as u64).saturating_mul(seq as u64);
+    if micro_tokens > 1 << 20 {
+        return Err(invalid(
+            "micro_batch",
+            job.micro_batch,
+            format!(
+                "at most {} sequences of {seq} tokens (2^20 tokens per rank per micro-step)",
+                (1usize << 20) / seq
+            ),
+        ));
+    }
+    let accum = u64::from(job.zero.gradient_accumulation_steps);
+    if micro_tokens.saturating_mul(accum) > 1 << 24 {
+        return Err(invalid(
+            "gradient_accumulation_steps",
+            accum,
+            format!(
+                "at most {} micro-steps of {micro_tokens} tokens (2^24 tokens per rank per step)",
+                (1u64 << 24) / micro_tokens
+            ),
+        ));
+    }
     if job.model.heads == 0 || !job.model.d_model.is_multiple_of(job.model.heads) {
         return Err(invalid(
             "heads",
@@ -221,8 +246,10 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
     let shared = shared_for(job.backend)?;
     let mut model = model_cfg.init(&device_of(&shared), job.seed);
     if let Some(path) = &job.init {
-        let bytes = std::fs::read(path)
-            .map_err(|e| Error::Data(format!("cannot read --init {}: {e}", path.display())))?;
+        let bytes = std::fs::read(path).map_err(|e| Error::Init {
+            file: path.display().to_string(),
+            detail: format!("cannot read it: {e}"),
+        })?;
         model =
             crate::checkpoint::init_from_safetensors(model, &bytes, &path.display().to_string())?;
     }

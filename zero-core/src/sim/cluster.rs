@@ -245,6 +245,13 @@ impl Cluster {
     /// Sets one field by dotted path (`gpus_per_node`, `inter.nic_gbps`, `gpu.peak_tflops.bf16`)
     /// from its TOML text (`8`, `0.9`, `"name"`), then validates.
     pub fn set(&self, path: &str, value: &str) -> Result<Cluster> {
+        if path.is_empty() {
+            return Err(Error::invalid(
+                "cluster field",
+                "an empty name",
+                format!("one of {}", field_paths(&self.to_table(), "").join(", ")),
+            ));
+        }
         let v: toml::Value = toml::from_str::<toml::Table>(&format!("v = {value}"))
             .ok()
             .and_then(|mut t| t.remove("v"))
@@ -277,6 +284,13 @@ impl Cluster {
 
     /// Sets the total NIC bandwidth of a node, keeping the NIC count.
     pub fn with_nic_gbps_per_node(&self, gbps: f64) -> Result<Cluster> {
+        if !(gbps > 0.0 && gbps.is_finite()) {
+            return Err(Error::invalid(
+                "nic_gbps_per_node",
+                gbps.to_string(),
+                "a finite number > 0",
+            ));
+        }
         let mut c = self.clone();
         c.inter.nic_gbps = gbps / c.inter.nics_per_node.max(1) as f64;
         c.validated()

@@ -47,6 +47,9 @@ impl ModelShape {
     }
 }
 
+/// The most layers [`gpt`] builds (one parameter list entry per tensor, 12 per layer).
+pub const MAX_LAYERS: usize = 100_000;
+
 /// A GPT-2-style decoder of `layers` blocks of width `hidden` (vocabulary 50,257, learned
 /// positions for `seq_len`, biases, MLP 4h): `12·l·h² + 13·l·h + (V + s + 2)·h` parameters,
 /// one module per linear layer and layer norm, as stage 3 gathers them.
@@ -59,6 +62,21 @@ pub fn gpt(layers: usize, hidden: usize, seq_len: usize) -> Result<(ModelDesc, M
         ));
     }
     let (d, v) = (hidden, 50257);
+    // Checked before a parameter list is built (in f64, which cannot overflow here).
+    let (lf, df, sf) = (layers as f64, d as f64, seq_len as f64);
+    let total = v as f64 * df + sf * df + lf * (12.0 * df * df + 13.0 * df) + 2.0 * df;
+    if layers > MAX_LAYERS || total > crate::MAX_MODEL_PARAMS as f64 {
+        return Err(Error::invalid(
+            "gpt",
+            format!(
+                "{layers} layers, hidden {hidden}, sequence {seq_len} ({total:.3e} parameters)"
+            ),
+            format!(
+                "at most {MAX_LAYERS} layers and 2^50 ({:.3e}) parameters",
+                crate::MAX_MODEL_PARAMS as f64
+            ),
+        ));
+    }
     let mut p = vec![
         ParamDesc::new("wte.weight", &[v, d], "wte"),
         ParamDesc::new("wpe.weight", &[seq_len, d], "wpe"),

@@ -135,16 +135,25 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
         return Err(Error::invalid("tokens_per_gpu", "0", "at least 1 token"));
     }
     if let Some(s) = opts.shape
-        && (s.layers == 0
-            || s.hidden == 0
-            || s.seq_len == 0
-            || !opts.tokens_per_gpu.is_multiple_of(s.seq_len))
+        && (s.layers == 0 || s.hidden == 0 || s.seq_len == 0)
+    {
+        return Err(Error::invalid(
+            "shape",
+            format!(
+                "{} layers, hidden {}, sequence length {}",
+                s.layers, s.hidden, s.seq_len
+            ),
+            "layers, hidden size and sequence length of at least 1",
+        ));
+    }
+    if let Some(s) = opts.shape
+        && !opts.tokens_per_gpu.is_multiple_of(s.seq_len)
     {
         return Err(Error::invalid(
             "tokens_per_gpu",
             opts.tokens_per_gpu.to_string(),
             format!(
-                "a multiple of the sequence length {} (whole sequences per GPU), with layers and hidden ≥ 1",
+                "a multiple of the sequence length {} (whole sequences per GPU)",
                 s.seq_len
             ),
         ));
