@@ -165,31 +165,37 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
                 Dtype::F16 => ExportDtype::F16,
             };
             let (store, tag) = locate(&dir)?;
-            anyhow::ensure!(
-                !out.is_dir(),
-                "--out {} is a directory; expected a file name",
-                out.display()
-            );
-            // The export never writes into the checkpoint it reads (it could replace LATEST, a
-            // manifest or a rank file).
-            if let (Ok(root), Ok(p)) = (store.root().canonicalize(), parent.canonicalize()) {
+            // Written as `NAME.tmp`, then renamed over `NAME`: that must be a regular file (a
+            // device or a FIFO would be replaced), and no `NAME.tmp` may be there already.
+            if let Ok(meta) = std::fs::metadata(&out) {
                 anyhow::ensure!(
-                    !p.starts_with(&root),
-                    "--out {} lies inside the checkpoint root {}: write the export elsewhere",
+                    meta.is_file(),
+                    "--out {} exists and is not a regular file (a directory, device or FIFO); \
+                     expected a file name",
+                    out.display()
+                );
+            }
+            let tmp = parent.join(format!("{name}.tmp"));
+            anyhow::ensure!(
+                std::fs::symlink_metadata(&tmp).is_err(),
+                "{} is in the way (the export writes there first): remove it or choose another \
+                 --out",
+                tmp.display()
+            );
+            // The export never writes into a checkpoint (it could replace LATEST, a manifest or
+            // a rank file, or put files into a committed tag).
+            if let Some(c) = enclosing_checkpoint(parent) {
+                anyhow::bail!(
+                    "--out {} lies inside the checkpoint {}: write the export elsewhere",
                     out.display(),
-                    store.root().display()
+                    c.display()
                 );
             }
             let out_store = DirStorage::new(parent)?;
-            // The export writes `NAME.tmp` and renames it: a failed one leaves nothing behind
-            // (a file of that name that was there before is not touched).
-            let tmp = parent.join(format!("{name}.tmp"));
-            let had_tmp = tmp.exists();
+            // A failed export leaves no `NAME.tmp` behind (none was there before: checked above).
             let r = export_safetensors(&store, tag.as_deref(), &out_store, name, dtype)
                 .inspect_err(|_| {
-                    if !had_tmp {
-                        let _ = std::fs::remove_file(&tmp);
-                    }
+                    let _ = std::fs::remove_file(&tmp);
                 })?;
             println!(
                 "{}: {} tensors of {} into {} ({} bytes)",
@@ -202,6 +208,48 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `path` made absolute with its symlinks resolved, as far as it exists (the rest appended as
+/// given), so that a path that is yet to be created can be compared too.
+fn resolved(path: &Path) -> PathBuf {
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut base = abs.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = base.canonicalize() {
+            return rest.iter().rev().fold(real, |p, c| p.join(c));
+        }
+        match (base.parent(), base.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                base = parent;
+            }
+            _ => return abs,
+        }
+    }
+}
+
+/// The checkpoint root (a `LATEST` naming a valid manifest) or committed tag (`MANIFEST.json`
+/// and `COMMIT`) that `path` is, or lies inside, if any: a place a command must not write into
+/// unless it means to.
+pub(crate) fn enclosing_checkpoint(path: &Path) -> Option<PathBuf> {
+    let is_root = |a: &Path| {
+        a.join("LATEST").is_file()
+            && DirStorage::new(a).is_ok_and(|s| read_manifest(&s, None).is_ok())
+    };
+    let is_tag = |a: &Path| {
+        a.join("MANIFEST.json").is_file() && a.join(zero_burn::checkpoint::COMMIT).is_file()
+    };
+    resolved(path)
+        .ancestors()
+        .find(|a| is_tag(a) || is_root(a))
+        .map(Path::to_path_buf)
+}
+
+/// Whether `a` and `b` name the same place (after [`resolved`]).
+pub(crate) fn same_place(a: &Path, b: &Path) -> bool {
+    resolved(a) == resolved(b)
 }
 
 /// `ckpt gc`: see [`CkptCommand::Gc`].
@@ -221,8 +269,16 @@ pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::R
         if !e.file_type()?.is_dir() {
             continue;
         }
-        if name.starts_with("step-") {
+        let is_tag = name
+            .strip_prefix("step-")
+            .is_some_and(|n| n.len() >= 8 && n.bytes().all(|b| b.is_ascii_digit()));
+        if is_tag && e.path().join("MANIFEST.json").is_file() {
             tags.push(name);
+        } else if name.starts_with("step-") {
+            eprintln!(
+                "note: {} is not a committed checkpoint tag; left alone",
+                e.path().display()
+            );
         } else if name.starts_with(".staging-") {
             staging.push(name);
         }
@@ -323,16 +379,13 @@ mod tests {
             ck.join("step-00000001").join("MANIFEST.json"),
         ] {
             let e = ckpt(&["export", ck_s, "--out", out.to_str().unwrap()]).unwrap_err();
-            assert!(
-                format!("{e:#}").contains("inside the checkpoint root"),
-                "{e:#}"
-            );
+            assert!(format!("{e:#}").contains("inside the checkpoint"), "{e:#}");
         }
         assert_eq!(std::fs::read(ck.join("LATEST")).unwrap(), latest);
         let dir = root.join("a-dir");
         std::fs::create_dir_all(&dir).unwrap();
         let e = ckpt(&["export", ck_s, "--out", dir.to_str().unwrap()]).unwrap_err();
-        assert!(format!("{e:#}").contains("is a directory"), "{e:#}");
+        assert!(format!("{e:#}").contains("not a regular file"), "{e:#}");
         assert!(!root.join("a-dir.tmp").exists());
         let after: Vec<_> = std::fs::read_dir(&ck)
             .unwrap()

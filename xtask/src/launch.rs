@@ -40,6 +40,9 @@ pub(crate) struct LaunchArgs {
     command: Vec<String>,
 }
 
+/// The most processes `launch` starts on one machine (each with two output threads here).
+const MAX_PROCS_PER_NODE: usize = 1024;
+
 impl LaunchArgs {
     /// Whether the processes run this xtask's `train`.
     pub(crate) fn is_train(&self) -> bool {
@@ -52,6 +55,12 @@ impl LaunchArgs {
     pub(crate) fn check(&self) -> anyhow::Result<usize> {
         if self.nproc_per_node == 0 || self.nnodes == 0 {
             bail!("--nproc-per-node and --nnodes must be at least 1");
+        }
+        if self.nproc_per_node > MAX_PROCS_PER_NODE {
+            bail!(
+                "--nproc-per-node {}: at most {MAX_PROCS_PER_NODE} processes per machine (one per GPU)",
+                self.nproc_per_node
+            );
         }
         let world = self
             .nproc_per_node
@@ -195,9 +204,16 @@ fn run_with(a: LaunchArgs, sink: Sink) -> anyhow::Result<()> {
                 return Err(e).with_context(|| format!("cannot start rank {rank}: {program:?}"));
             }
         };
-        pumps.push(pump(rank, child.stdout.take(), false, sink.clone()));
-        pumps.push(pump(rank, child.stderr.take(), true, sink.clone()));
+        let out = pump(rank, child.stdout.take(), false, sink.clone());
+        let err = pump(rank, child.stderr.take(), true, sink.clone());
         children.push((rank, child));
+        match out.and_then(|o| Ok((o, err?))) {
+            Ok((o, e)) => pumps.extend([o, e]),
+            Err(e) => {
+                stop(&mut children);
+                return Err(e).context(format!("cannot forward rank {rank}'s output"));
+            }
+        }
     }
     // Wait for all; the first failure stops the rest.
     let mut failed = None;
@@ -260,8 +276,8 @@ fn pump(
     from: Option<impl Read + Send + 'static>,
     stderr: bool,
     sink: Sink,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().spawn(move || {
         let Some(from) = from else { return };
         // Bytes, not UTF-8 lines: a process that prints anything is still drained to the end
         // (a pipe left unread would block it).
@@ -308,6 +324,9 @@ mod tests {
         let mut a = args(&["true"]);
         a.nnodes = usize::MAX;
         refused(a, "at most 1048576 ranks");
+        let mut a = args(&["true"]);
+        a.nproc_per_node = 100_000;
+        refused(a, "at most 1024 processes per machine");
         let mut a = args(&["true"]);
         a.node_rank = 2;
         refused(a, "not a node of --nnodes 2");

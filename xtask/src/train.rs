@@ -281,7 +281,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.data {
         let bytes = std::fs::read(path)
             .with_context(|| format!("cannot read --data {}", path.display()))?;
-        if bytes.len() <= job.model.context {
+        if (2..=job.model.context).contains(&bytes.len()) {
             eprintln!(
                 "note: --data {} has {} bytes, less than one sequence of {} tokens and its \
                  target: every sequence wraps around the text",
@@ -301,6 +301,13 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| default_run_dir(job.zero.stage));
+    if let Some(c) = crate::ckpt::enclosing_checkpoint(&out) {
+        bail!(
+            "--out {} is, or lies inside, the checkpoint {}: a run directory goes elsewhere",
+            out.display(),
+            c.display()
+        );
+    }
     job.checkpoint = checkpointing(&a, &out, job.steps)?;
     match a.launcher.as_str() {
         "threads" if job.world_size > MAX_THREAD_RANKS => bail!(
@@ -402,31 +409,44 @@ fn checkpointing(
     let first_step = resumed.as_ref().map_or(0, |(_, _, step)| *step);
     if let Some(d) = &save_dir {
         // Another run's checkpoints are not taken over: saving there would move its LATEST and
-        // leave its tags to `ckpt gc`. Only the resumed root itself is continued.
-        let resumed_root = resumed.as_ref().map(|(s, ..)| s.root());
-        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-            (Ok(a), Ok(b)) => a == b,
-            _ => false,
-        };
-        if d.join("LATEST").exists() && !resumed_root.is_some_and(|r| same(r, d)) {
-            bail!(
+        // leave its tags to `ckpt gc`. Only the resumed root itself is continued, and nothing is
+        // saved inside a checkpoint (a root or a committed tag).
+        let resuming_here = resumed
+            .as_ref()
+            .is_some_and(|(s, ..)| crate::ckpt::same_place(s.root(), d));
+        match crate::ckpt::enclosing_checkpoint(d) {
+            Some(c) if crate::ckpt::same_place(&c, d) && resuming_here => {}
+            Some(c) if crate::ckpt::same_place(&c, d) && d.join("LATEST").is_file() => bail!(
                 "--save-dir {} already holds another run's checkpoints (its LATEST): resume it \
                  with --resume {0}, or save somewhere else",
                 d.display()
-            );
+            ),
+            Some(c) => bail!(
+                "--save-dir {} is, or lies inside, the checkpoint {}: save somewhere else",
+                d.display(),
+                c.display()
+            ),
+            None => {}
         }
         // A committed checkpoint is never rewritten: a run resumed from an older tag would
         // collide with the later tags already there. Refuse it now rather than at that save.
         let every = a.save_every.unwrap_or(0);
-        let clash = (first_step + 1..=steps)
-            .filter(|s| *s == steps || (every > 0 && s.is_multiple_of(every)))
-            .map(zero_core::checkpoint::Manifest::tag_of)
-            .find(|tag| d.join(tag).exists());
-        if let Some(tag) = clash {
+        let saves_at = |s: u64| {
+            s > first_step && s <= steps && (s == steps || (every > 0 && s.is_multiple_of(every)))
+        };
+        let clash = std::fs::read_dir(d)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+            .filter(|s| saves_at(*s))
+            .min();
+        if let Some(step) = clash {
             bail!(
-                "{} already holds {tag}, which this run would save again (committed checkpoints \
+                "{} already holds {}, which this run would save again (committed checkpoints \
                  are never rewritten): pass another --save-dir, or resume its LATEST",
-                d.display()
+                d.display(),
+                zero_core::checkpoint::Manifest::tag_of(step)
             );
         }
     }

@@ -205,6 +205,16 @@ fn bad_inputs_are_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("multiple of the sequence length 512"), "{e}");
+    // A shape beyond the bounds is refused, not computed into overflowed figures.
+    let huge = ModelShape {
+        layers: u64::MAX,
+        hidden: u64::MAX,
+        seq_len: 512,
+    };
+    let e = simulate(&plan, &c, &opts(1024, Some(huge)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most 100000 layers"), "{e}");
     assert!(simulate(&plan, &c, &opts(0, None)).is_err());
     assert!(c.topology(0).is_err());
     assert!(Overlap::parse("1.5").is_err());

@@ -317,7 +317,8 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         }
         None => 0,
     };
-    let todo = run.steps.saturating_sub(first_step) as usize;
+    // Reserved up to a million steps; a longer run grows them as it goes.
+    let todo = run.steps.saturating_sub(first_step).min(1 << 20) as usize;
     let mut losses = Vec::with_capacity(todo);
     let mut micro_losses = Vec::with_capacity(todo);
     let mut step_info = Vec::with_capacity(todo);

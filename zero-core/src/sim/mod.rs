@@ -135,6 +135,21 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
         return Err(Error::invalid("tokens_per_gpu", "0", "at least 1 token"));
     }
     if let Some(s) = opts.shape
+        && (s.layers > compute::MAX_LAYERS as u64 || s.hidden > 1 << 20 || s.seq_len > 1 << 24)
+    {
+        return Err(Error::invalid(
+            "shape",
+            format!(
+                "{} layers, hidden {}, sequence length {}",
+                s.layers, s.hidden, s.seq_len
+            ),
+            format!(
+                "at most {} layers, hidden 2^20 and sequence length 2^24",
+                compute::MAX_LAYERS
+            ),
+        ));
+    }
+    if let Some(s) = opts.shape
         && (s.layers == 0 || s.hidden == 0 || s.seq_len == 0)
     {
         return Err(Error::invalid(
