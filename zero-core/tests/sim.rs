@@ -216,6 +216,16 @@ fn bad_inputs_are_errors() {
         .to_string();
     assert!(e.contains("at most 100000 layers"), "{e}");
     assert!(simulate(&plan, &c, &opts(0, None)).is_err());
+    // Values that would only give an infinite or a zero step time are refused.
+    for (k, v) in [
+        ("gpu.memory_gib", "1e308"),
+        ("inter.nic_gbps", "1e308"),
+        ("gpu.peak_tflops.fp32", "5e-324"),
+    ] {
+        let e = c.set(k, v).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("1e-6 to 1e9"), "{k}={v}: {e}");
+    }
+    assert!(c.set("gpu.peak_tflops.fp32", "0").is_ok());
     assert!(c.topology(0).is_err());
     assert!(Overlap::parse("1.5").is_err());
     assert_eq!(Overlap::parse("0.25").unwrap().fraction(), 0.25);

@@ -296,13 +296,19 @@ impl Cluster {
         c.validated()
     }
 
-    /// Checks every field's range.
+    /// Checks every field's range. Rates, sizes and latencies lie within `[1e-6, 1e9]` in their
+    /// units (a subnormal speed or a 1e308 one would only give an infinite or zero step time).
     pub fn validated(self) -> Result<Cluster> {
+        const RANGE: std::ops::RangeInclusive<f64> = 1e-6..=1e9;
         let pos = |field: &str, v: f64| {
-            if v > 0.0 && v.is_finite() {
+            if RANGE.contains(&v) {
                 Ok(())
             } else {
-                Err(Error::invalid(field, v.to_string(), "a finite number > 0"))
+                Err(Error::invalid(
+                    field,
+                    v.to_string(),
+                    "a finite number > 0, from 1e-6 to 1e9",
+                ))
             }
         };
         let frac = |field: &str, v: f64| {
@@ -323,11 +329,11 @@ impl Cluster {
         frac("gpu.compute_efficiency", self.gpu.compute_efficiency)?;
         let p = self.gpu.peak_tflops;
         for (f, v) in [("fp32", p.fp32), ("bf16", p.bf16), ("fp16", p.fp16)] {
-            if !(v >= 0.0 && v.is_finite()) {
+            if !(v == 0.0 || RANGE.contains(&v)) {
                 return Err(Error::invalid(
                     format!("gpu.peak_tflops.{f}"),
                     v.to_string(),
-                    "a finite number ≥ 0 (0: unsupported)",
+                    "0 (unsupported) or a number from 1e-6 to 1e9",
                 ));
             }
         }
@@ -348,11 +354,11 @@ impl Cluster {
                 ("intra_hop_us", pr.intra_hop_us),
                 ("inter_hop_us", pr.inter_hop_us),
             ] {
-                if !(v >= 0.0 && v.is_finite()) {
+                if !(v == 0.0 || RANGE.contains(&v)) {
                     return Err(Error::invalid(
                         format!("protocols.{}.{f}", pr.name),
                         v.to_string(),
-                        "a finite number ≥ 0",
+                        "0 or a number from 1e-6 to 1e9 (µs)",
                     ));
                 }
             }
