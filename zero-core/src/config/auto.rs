@@ -22,7 +22,8 @@ use std::fmt;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::config::{Precision, ZeroConfig, int};
+use super::deepspeed::int;
+use crate::config::{Precision, ZeroConfig};
 
 /// What a run uses, for resolving `"auto"`. `None` means the caller does not know (e.g.
 /// `cargo xtask plan` has no batch); see each field.
