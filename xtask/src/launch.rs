@@ -92,13 +92,7 @@ impl LaunchArgs {
             );
         }
         if self.is_train() {
-            #[derive(clap::Parser)]
-            struct Train {
-                #[command(flatten)]
-                train: crate::train::TrainArgs,
-            }
-            // The first word, `train`, stands where clap expects the program's name.
-            <Train as clap::Parser>::try_parse_from(process_args(self)).map_err(|e| {
+            crate::train::TrainArgs::try_parse_words(process_args(self)).map_err(|e| {
                 let text = e.render().to_string();
                 anyhow::anyhow!(
                     "-- train: {}",

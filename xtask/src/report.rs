@@ -11,16 +11,6 @@ use zero_core::{Collective, LinkClass, Precision};
 
 /// Prints the report, writes `report.json` (with the process's peak RSS when known),
 /// `report.svg` and `report.png` into `out`, and fails when measured bytes differ from the plan.
-/// Fails now, not after the training, when `dir` cannot take a new file: one is made and removed
-/// (a permission check alone misses read-only mounts, and root ignores permissions).
-pub(crate) fn check_writable(dir: &Path, what: &str) -> anyhow::Result<()> {
-    let probe = dir.join(format!(".zero-rs-write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"")
-        .with_context(|| format!("{what} {} cannot be written", dir.display()))?;
-    std::fs::remove_file(&probe).with_context(|| format!("cannot remove {}", probe.display()))?;
-    Ok(())
-}
-
 pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> anyhow::Result<()> {
     print_report(report);
     let json = out.join("report.json");

@@ -214,12 +214,8 @@ impl Error {
         let mut out = self.to_string();
         let mut cause = std::error::Error::source(self);
         while let Some(c) = cause {
-            let text = c.to_string();
-            // An error that also prints its source in its own message is not repeated.
-            if !out.ends_with(&text) {
-                out.push_str(": ");
-                out.push_str(&text);
-            }
+            out.push_str(": ");
+            out.push_str(&c.to_string());
             cause = c.source();
         }
         out

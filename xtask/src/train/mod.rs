@@ -1,0 +1,419 @@
+//! `cargo xtask train`: a real training job end to end, with a report.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use zero_burn::demo::job::{Backend, DataSource, JobConfig, check, run_job};
+use zero_burn::optim::Optimizer;
+use zero_core::{AdamWValues, Precision, RunBatch, RunValues, ZeroConfig};
+
+mod checkpointing;
+
+#[derive(Args, Debug)]
+pub(crate) struct TrainArgs {
+    /// Model size: tiny, small (default), medium, or wide (model states dominate memory).
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// ZeRO stage 0–3 (default 3, or the config file's).
+    #[arg(long)]
+    stage: Option<u8>,
+    /// qwZ on or off (default: on at stage 3 without a config file).
+    #[arg(long)]
+    qwz: Option<bool>,
+    /// hpZ group size; 1 turns it off (default: ranks per node at stage 3 without a config file).
+    #[arg(long)]
+    hpz: Option<usize>,
+    /// qgZ on or off (default: on at stage 3 without a config file).
+    #[arg(long)]
+    qgz: Option<bool>,
+    /// Number of ranks (threads; processes with --launcher mpi or nccl).
+    #[arg(long, default_value_t = 4)]
+    world_size: usize,
+    /// Ranks per node (on one machine the nodes are simulated; bytes are classified by it).
+    /// Default 2, or 1 when the world size is odd.
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
+    /// Backend: host (burn flex on the CPU, host loopback) or wgpu (burn's wgpu backend and the
+    /// wgpu loopback on one device; needs `cargo run -p xtask --features wgpu -- train ...`,
+    /// a debug build: burn-wgpu takes over 20 minutes to build in release). CUDA: see README.
+    #[arg(long, default_value = "host")]
+    backend: String,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Sequences per rank per micro-step.
+    #[arg(long, default_value_t = 8)]
+    micro_batch: usize,
+    /// Gradient accumulation steps.
+    #[arg(long)]
+    grad_accum: Option<u32>,
+    /// Learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    /// Seed for weights and data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Global-norm clipping threshold (0 = off).
+    #[arg(long)]
+    clip: Option<f64>,
+    /// Precision: fp32, bf16 or fp16 (16-bit weights and gradients with fp32 master weights;
+    /// fp16 with dynamic loss scaling). Default fp32, or the config file's.
+    #[arg(long)]
+    precision: Option<String>,
+    /// Overlap communication with compute: each rank's collectives run on a thread of their own
+    /// (reductions during the next segment's backward, stage-3 prefetches during the current
+    /// segment), bit-identical to off. Default off (on 2 CPU cores it gains nothing), or the
+    /// config file's `overlap_comm`; on also turns stage-3 prefetching on.
+    #[arg(long)]
+    overlap_comm: Option<bool>,
+    /// Activation checkpointing: the backward recomputes each segment from its saved input.
+    /// Default: on at stage 3 (each segment's weights gathered again for the backward), off at
+    /// stages 0–2 (one autodiff graph); off at stage 3 keeps the gathered weights for the backward.
+    #[arg(long)]
+    checkpoint_activations: Option<bool>,
+    /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config; a Hugging Face Trainer
+    /// style config's `"auto"` values resolve from this run (one `auto:` line each).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Train a byte-level model on this text file instead of the synthetic language.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Run directory (default: `runs/<time>-stage<N>`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Collective timeout in seconds.
+    #[arg(long, default_value_t = 120)]
+    timeout: u64,
+    /// How ranks run: `threads` (one process, the host loopback); `mpi` (one process per rank
+    /// under OpenMPI's `mpirun`, started by this command; builds xtask with its `mpi` feature;
+    /// run under `mpirun` yourself, on a cluster, each process is one rank); `nccl` (this process
+    /// is one rank of a torchrun-style launch, `cargo xtask launch`, on the GPU `LOCAL_RANK`).
+    #[arg(long, default_value = "threads")]
+    launcher: String,
+    /// Save a checkpoint after every N optimizer steps, and after the last (into --save-dir,
+    /// by default `<run dir>/checkpoints`).
+    #[arg(long)]
+    save_every: Option<u64>,
+    /// Where checkpoints are saved (a save also happens after the last step). Default: the
+    /// --resume checkpoint root, or `<run dir>/checkpoints` with --save-every.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Continue from a checkpoint: a checkpoint root (the one its `LATEST` names) or one tag's
+    /// directory in it (`DIR/step-00000004`); `--steps` counts optimizer steps in all, so the run
+    /// goes on from the checkpoint's step up to it.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// With --resume: the checkpoint may come from another plan (world size, ranks per node,
+    /// stage, buckets, hpZ); it is resharded on load. Without it, another plan is refused.
+    #[arg(long)]
+    reshard: bool,
+    /// Start from the weights in this safetensors file (burn's parameter paths as names, e.g. a
+    /// `cargo xtask ckpt export`) instead of the seed's: fine-tuning. Not with --resume.
+    #[arg(long)]
+    init: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    /// Parses `train`'s flags from `words`, whose first is `train` itself (where clap expects
+    /// the program's name): what `launch -- train ...` passes on, and what the tests build.
+    pub(crate) fn try_parse_words<S: Into<std::ffi::OsString> + Clone>(
+        words: impl IntoIterator<Item = S>,
+    ) -> Result<TrainArgs, clap::Error> {
+        #[derive(clap::Parser)]
+        struct Train {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        <Train as clap::Parser>::try_parse_from(words).map(|t| t.train)
+    }
+
+    /// `--launcher`: threads, mpi or nccl.
+    pub(crate) fn launcher(&self) -> &str {
+        &self.launcher
+    }
+
+    /// `--launcher mpi` in a build without MPI: the command reruns itself from one that has it.
+    pub(crate) fn needs_mpi_build(&self) -> bool {
+        self.launcher == "mpi" && !cfg!(feature = "mpi")
+    }
+}
+
+/// What this run uses, for a DeepSpeed config's `"auto"` values (HF Trainer style): the model's
+/// width, the batch, the flags that set engine keys, and the trainer's AdamW with `--lr`.
+fn run_values(a: &TrainArgs, job: &JobConfig, precision: Option<Precision>) -> RunValues {
+    // The job trains with `Optimizer::default()` at `--lr`.
+    let adamw = match Optimizer::default() {
+        Optimizer::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => Some(AdamWValues {
+            lr: a.lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        }),
+        Optimizer::Sgd { .. } => None,
+    };
+    RunValues {
+        hidden_size: Some(job.model.d_model as u64),
+        batch: Some(RunBatch {
+            world_size: a.world_size as u64,
+            micro_batch_per_rank: a.micro_batch as u64,
+        }),
+        gradient_accumulation_steps: a.grad_accum,
+        gradient_clipping: a.clip,
+        precision,
+        adamw,
+    }
+}
+
+fn model_preset(name: &str) -> anyhow::Result<zero_burn::demo::gpt::GptConfig> {
+    use zero_burn::demo::gpt::GptConfig;
+    Ok(match name {
+        "tiny" => GptConfig {
+            vocab: 64,
+            context: 16,
+            d_model: 32,
+            heads: 2,
+            layers: 2,
+        },
+        "small" => JobConfig::default_job().model,
+        // Wide, with short sequences and tiny batches: model states dominate memory.
+        "wide" => GptConfig {
+            vocab: 64,
+            context: 16,
+            d_model: 384,
+            heads: 4,
+            layers: 8,
+        },
+        "medium" => GptConfig {
+            vocab: 64,
+            context: 64,
+            d_model: 128,
+            heads: 4,
+            layers: 6,
+        },
+        // The 10M-parameter GPT of the engine issue's benchmark (global batch 8 = 2 ranks x 4).
+        "gpt-10m" => GptConfig {
+            vocab: 2048,
+            context: 128,
+            d_model: 384,
+            heads: 6,
+            layers: 5,
+        },
+        o => bail!("--model {o:?}: expected tiny, small, medium, wide or gpt-10m"),
+    })
+}
+
+pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
+    let backend = match a.backend.as_str() {
+        "host" => Backend::Host,
+        "wgpu" if !cfg!(feature = "wgpu") => bail!(
+            "--backend wgpu: this xtask was built without its `wgpu` feature; run `cargo run -p \
+             xtask --features wgpu -- train --backend wgpu ...` (a debug build: burn-wgpu takes \
+             over 20 minutes to build in release)"
+        ),
+        "wgpu" => Backend::Wgpu,
+        "cuda" => bail!(
+            "--backend cuda: burn's CUDA backend cannot be built offline (cubecl-cuda downloads \
+             LLVM at build time); the trainer runs over NCCL with `cargo xtask gpu-check` (README)"
+        ),
+        o => bail!("--backend {o:?}: expected host or wgpu"),
+    };
+    let mut job = JobConfig::default_job();
+    job.backend = backend;
+    job.model = model_preset(&a.model)?;
+    // The synthetic language has the model's vocabulary (a --data file brings its own).
+    job.data = DataSource::Markov {
+        vocab: job.model.vocab,
+    };
+    let from_file = a.config.is_some();
+    let precision = a.precision.as_deref().map(Precision::parse).transpose()?;
+    let mut zero = match &a.config {
+        Some(path) => crate::plan::load_config(path, &run_values(&a, &job, precision))?,
+        None => job.zero.clone(),
+    };
+    if let Some(s) = a.stage {
+        zero.stage = s;
+    }
+    let ranks_per_node = a
+        .ranks_per_node
+        .unwrap_or(if a.world_size.is_multiple_of(2) { 2 } else { 1 });
+    let zpp_default = zero.stage == 3 && !from_file;
+    zero.quantized_weights = a.qwz.unwrap_or(zpp_default && zero.quantized_weights);
+    zero.quantized_gradients = a.qgz.unwrap_or(zpp_default && zero.quantized_gradients);
+    zero.hpz_partition_size = a.hpz.unwrap_or(if zpp_default {
+        ranks_per_node
+    } else if zero.stage == 3 {
+        zero.hpz_partition_size
+    } else {
+        1
+    });
+    if let Some(g) = a.grad_accum {
+        zero.gradient_accumulation_steps = g;
+    }
+    if let Some(c) = a.clip {
+        zero.gradient_clipping = c;
+    }
+    if let Some(p) = precision {
+        zero.precision = p;
+    }
+    if let Some(c) = a.checkpoint_activations {
+        zero.checkpoint_activations = Some(c);
+    }
+    if let Some(o) = a.overlap_comm {
+        zero.overlap_comm = o;
+        if !from_file {
+            // The default job turns stage-3 prefetching off only because synchronous collectives
+            // gain nothing from it (it would only hold one more gathered unit); overlapped,
+            // DeepSpeed's default applies.
+            zero.prefetch_bucket_size = if o {
+                ZeroConfig::default().prefetch_bucket_size
+            } else {
+                0
+            };
+        }
+    }
+    job.zero = zero;
+    job.world_size = a.world_size;
+    job.ranks_per_node = ranks_per_node;
+    job.steps = a.steps;
+    job.micro_batch = a.micro_batch;
+    job.lr = a.lr;
+    job.seed = a.seed;
+    job.timeout = Duration::from_secs(a.timeout);
+    if a.init.is_some() && a.resume.is_some() {
+        bail!("--init and --resume: a resumed run restores its weights from the checkpoint");
+    }
+    job.init = a.init.clone();
+    if let Some(path) = &a.data {
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("cannot read --data {}", path.display()))?;
+        if (2..=job.model.context).contains(&bytes.len()) {
+            eprintln!(
+                "note: --data {} has {} bytes, less than one sequence of {} tokens and its \
+                 target: every sequence wraps around the text",
+                path.display(),
+                bytes.len(),
+                job.model.context
+            );
+        }
+        job.data = DataSource::Text {
+            name: path.display().to_string(),
+            bytes,
+        };
+    }
+    // Every flag and config value is checked before the run directory exists or a rank starts.
+    check(&job)?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| default_run_dir(job.zero.stage));
+    if let Some(c) = crate::ckpt::enclosing_checkpoint(&out) {
+        bail!(
+            "--out {} is, or lies inside, the checkpoint {}: a run directory goes elsewhere",
+            out.display(),
+            c.display()
+        );
+    }
+    job.checkpoint = checkpointing::checkpointing(&a, &out, job.steps)?;
+    match a.launcher.as_str() {
+        "threads" if job.world_size > MAX_THREAD_RANKS => bail!(
+            "--world-size {}: in-process ranks are threads of this process, each with a model \
+             replica; at most {MAX_THREAD_RANKS} (more with --launcher mpi, one process per rank)",
+            job.world_size
+        ),
+        "threads" => {}
+        "mpi" if zero_comm::mpi::launched_by_mpi() => return crate::procs::mpi_rank(&job, &out),
+        "mpi" => return crate::procs::launch_mpi(&job, &out, a.out.is_none()),
+        "nccl" => return crate::procs::nccl_rank(&job, &out),
+        o => bail!("--launcher {o:?}: expected threads, mpi or nccl"),
+    }
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create run directory {}", out.display()))?;
+    check_writable(&out, "the run directory")?;
+
+    eprintln!(
+        "training: ZeRO-{}{} | {} | {} ranks ({} node(s) x {}) | {} steps x {} tokens | run dir {}",
+        job.zero.stage,
+        zpp_label(&job.zero),
+        precision_label(job.zero.precision),
+        job.world_size,
+        job.world_size / job.ranks_per_node.max(1),
+        job.ranks_per_node,
+        job.steps,
+        job.tokens_per_step(),
+        out.display()
+    );
+    let bar = ProgressBar::new(job.steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps  {elapsed_precise}<{eta_precise}  {msg}",
+        )
+        .expect("valid template"),
+    );
+    let tokens_per_step = job.tokens_per_step();
+    let started = std::time::Instant::now();
+    let on_step = |step: u64, loss: f32| {
+        let tps =
+            (step + 1) as f64 * tokens_per_step as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_position(step + 1);
+        bar.set_message(format!("loss {loss:.4} (rank 0)  {tps:.0} tok/s"));
+    };
+    let report = run_job(&job, &on_step);
+    bar.finish_and_clear();
+    crate::report::finish(&report?, &out, zero_burn::demo::run::peak_rss_bytes())
+}
+
+/// The most in-process ranks (threads) a run starts.
+const MAX_THREAD_RANKS: usize = 256;
+
+/// Fails now, not after the training, when `dir` cannot take a new file: one is made and removed
+/// (a permission check alone misses read-only mounts, and root ignores permissions).
+fn check_writable(dir: &Path, what: &str) -> anyhow::Result<()> {
+    let probe = dir.join(format!(".zero-rs-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("{what} {} cannot be written", dir.display()))?;
+    std::fs::remove_file(&probe).with_context(|| format!("cannot remove {}", probe.display()))?;
+    Ok(())
+}
+
+fn precision_label(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16 (fp32 master; compute f32 on the CPU backend)",
+        Precision::Fp16 => "fp16 (fp32 master, loss scaling; compute f32 on the CPU backend)",
+    }
+}
+
+fn zpp_label(z: &ZeroConfig) -> String {
+    let mut s = String::new();
+    if z.quantized_weights {
+        s += " + qwZ";
+    }
+    if z.hpz_partition_size > 1 {
+        let _ = write!(s, " + hpZ({})", z.hpz_partition_size);
+    }
+    if z.quantized_gradients {
+        s += " + qgZ";
+    }
+    s
+}
+
+fn default_run_dir(stage: u8) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    Path::new("runs").join(format!("{secs}-zero{stage}"))
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,263 @@
+//! `cargo xtask train` end to end: flags, checkpoints from the command line, the report.
+
+use std::path::Path;
+
+use super::{TrainArgs, run};
+
+pub(crate) fn args(out: &Path, extra: &[&str]) -> TrainArgs {
+    let out = out.to_str().expect("a UTF-8 temp path");
+    let mut argv = vec!["train", "--out", out];
+    argv.extend_from_slice(extra);
+    TrainArgs::try_parse_words(argv).expect("flags parse")
+}
+
+/// Each bad flag is refused before any rank starts, naming the value, and leaves no run
+/// directory behind.
+#[test]
+fn invalid_flags_fail_before_a_run_directory_exists() {
+    let root = std::env::temp_dir().join(format!("zero-rs-train-flags-{}", std::process::id()));
+    let cases: [(&[&str], &str); 7] = [
+        (&["--lr", "nan"], "lr"),
+        (&["--timeout", "0"], "timeout"),
+        (&["--stage", "4"], "stage"),
+        (&["--steps", "0"], "steps"),
+        (&["--micro-batch", "0"], "micro_batch"),
+        (
+            &["--world-size", "3", "--ranks-per-node", "2"],
+            "ranks_per_node",
+        ),
+        (&["--stage", "3", "--hpz", "3"], "hpz_partition_size"),
+    ];
+    for (i, (flags, field)) in cases.into_iter().enumerate() {
+        let out = root.join(format!("run-{i}"));
+        let err = run(args(&out, flags)).expect_err("a bad flag fails");
+        let msg = format!("{err:#}");
+        assert!(msg.contains(field), "{flags:?}: {msg}");
+        assert!(!out.exists(), "{flags:?} left {}", out.display());
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+fn losses(dir: &Path) -> (u64, Vec<u32>) {
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let loss = v["loss"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| (x.as_f64().unwrap() as f32).to_bits())
+        .collect();
+    (v["first_step"].as_u64().unwrap(), loss)
+}
+
+/// `--save-every` saves every N steps and after the last; `--resume` continues bit-identically
+/// up to `--steps` in all and saves into the same directory; another plan is refused without
+/// `--reshard` and resharded with it; `ckpt gc` keeps the newest.
+#[test]
+fn save_resume_reshard_and_gc_from_the_command_line() {
+    let root = std::env::temp_dir().join(format!("zero-rs-train-ckpt-{}", std::process::id()));
+    let tiny = ["--model", "tiny", "--micro-batch", "2"];
+    fn with<'a>(tiny: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+        [tiny, extra].concat()
+    }
+    let with = |extra: &[&'static str]| with(&tiny, extra);
+    let whole = root.join("whole");
+    run(args(&whole, &with(&["--steps", "6"]))).unwrap();
+    let first = root.join("first");
+    run(args(&first, &with(&["--steps", "4", "--save-every", "2"]))).unwrap();
+    let ck = first.join("checkpoints");
+    let mut tags: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    tags.sort();
+    assert_eq!(tags, ["step-00000002", "step-00000004"]);
+    let ck_s: &'static str = Box::leak(ck.to_str().unwrap().to_owned().into_boxed_str());
+    let second = root.join("second");
+    run(args(&second, &with(&["--steps", "6", "--resume", ck_s]))).unwrap();
+    let (start, tail) = losses(&second);
+    let (_, all) = losses(&whole);
+    assert_eq!(start, 4);
+    assert_eq!(
+        tail,
+        all[4..],
+        "the resumed steps differ from the uninterrupted run"
+    );
+    // An older tag resumes too (its directory names it), into another --save-dir; into its
+    // own root it would save step 6 again, which is refused before any rank starts.
+    let tag2: &'static str = Box::leak(
+        ck.join("step-00000002")
+            .to_str()
+            .unwrap()
+            .to_owned()
+            .into_boxed_str(),
+    );
+    let again = root.join("again");
+    let again_ck: &'static str = Box::leak(
+        again
+            .join("ck")
+            .to_str()
+            .unwrap()
+            .to_owned()
+            .into_boxed_str(),
+    );
+    run(args(
+        &again,
+        &with(&["--steps", "6", "--resume", tag2, "--save-dir", again_ck]),
+    ))
+    .unwrap();
+    let (start, tail) = losses(&again);
+    assert_eq!(start, 2);
+    assert_eq!(tail, all[2..], "the steps resumed from step 2 differ");
+    let e = run(args(
+        &root.join("clash"),
+        &with(&["--steps", "6", "--resume", tag2]),
+    ))
+    .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("already holds step-00000006"),
+        "{e:#}"
+    );
+    assert!(
+        !root.join("clash").exists(),
+        "no run directory on a refusal"
+    );
+    // A fresh run does not take over another run's checkpoints (its LATEST stays), and a
+    // resume with nothing left to train is refused up front; neither leaves a run directory.
+    let latest = std::fs::read(ck.join("LATEST")).unwrap();
+    let fresh = ["--steps", "2", "--save-every", "1", "--save-dir", ck_s];
+    let e = run(args(&root.join("takeover"), &with(&fresh))).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("another run's checkpoints"),
+        "{e:#}"
+    );
+    assert_eq!(std::fs::read(ck.join("LATEST")).unwrap(), latest);
+    let e = run(args(
+        &root.join("done"),
+        &with(&["--steps", "6", "--resume", ck_s]),
+    ))
+    .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("nothing is left to train"),
+        "{e:#}"
+    );
+    for d in ["takeover", "done"] {
+        assert!(!root.join(d).exists(), "{d}: no run directory on a refusal");
+    }
+    // An odd world size needs no --ranks-per-node (one rank per node by default).
+    run(args(
+        &root.join("odd"),
+        &with(&["--world-size", "1", "--steps", "1"]),
+    ))
+    .unwrap();
+    // Another world without --reshard is refused, naming the plan; with it, it runs.
+    let other = ["--world-size", "2", "--ranks-per-node", "1", "--steps", "7"];
+    let e = run(args(
+        &root.join("other"),
+        &with(&[&other[..], &["--resume", ck_s]].concat()),
+    ))
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("plan"), "{e:#}");
+    let resharded = root.join("resharded");
+    run(args(
+        &resharded,
+        &with(&[&other[..], &["--resume", ck_s, "--reshard"]].concat()),
+    ))
+    .unwrap();
+    assert_eq!(losses(&resharded).0, 6);
+    crate::ckpt::gc(&ck, 1, false).unwrap();
+    let left: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(left, ["step-00000007"]);
+    assert!(run(args(&root.join("bad"), &with(&["--reshard"]))).is_err());
+    // Fine-tuning from an export of the checkpoint; not together with --resume.
+    let st = root.join("model.safetensors");
+    let st_s: &'static str = Box::leak(st.to_str().unwrap().to_owned().into_boxed_str());
+    let store = zero_burn::checkpoint::DirStorage::new(&ck).unwrap();
+    let out = zero_burn::checkpoint::DirStorage::new(&root).unwrap();
+    zero_burn::checkpoint::export_safetensors(
+        &store,
+        None,
+        &out,
+        "model.safetensors",
+        zero_burn::checkpoint::ExportDtype::F32,
+    )
+    .unwrap();
+    run(args(
+        &root.join("init"),
+        &with(&["--steps", "2", "--init", st_s]),
+    ))
+    .unwrap();
+    let e = run(args(
+        &root.join("both"),
+        &with(&["--init", st_s, "--resume", ck_s]),
+    ))
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("--init and --resume"), "{e:#}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// report.svg is well-formed XML (SVG) holding the loss line, its legend, the tokens/s of
+/// each step and the memory bars; report.png decodes; report.json has one tokens/s figure per
+/// step.
+#[test]
+fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
+    let out = std::env::temp_dir().join(format!("zero-rs-train-svg-{}", std::process::id()));
+    run(args(
+        &out,
+        &["--model", "tiny", "--steps", "3", "--micro-batch", "2"],
+    ))
+    .unwrap();
+    let text = std::fs::read_to_string(out.join("report.svg")).unwrap();
+    let (mut texts, mut rects, mut lines, mut root) = (String::new(), 0, 0, None);
+    for e in xml::reader::EventReader::from_str(&text) {
+        match e.expect("report.svg is well-formed XML") {
+            xml::reader::XmlEvent::StartElement { name, .. } => {
+                root.get_or_insert_with(|| name.local_name.clone());
+                match name.local_name.as_str() {
+                    "rect" => rects += 1,
+                    "polyline" | "path" => lines += 1,
+                    _ => {}
+                }
+            }
+            xml::reader::XmlEvent::Characters(c) => texts += &c,
+            _ => {}
+        }
+    }
+    assert_eq!(root.as_deref(), Some("svg"));
+    for want in [
+        "loss per step",
+        "entropy floor",
+        "throughput per step",
+        "tokens/s (slowest rank)",
+        "measured",
+        "planned",
+        "gradients",
+    ] {
+        assert!(
+            texts.contains(want),
+            "no {want:?} in the figure's text: {texts}"
+        );
+    }
+    // 7 categories x 2 bars, plus legend boxes and the background.
+    assert!(rects >= 14, "{rects} rectangles");
+    assert!(lines >= 3, "{lines} lines");
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let per_step = v["step_tokens_per_sec"].as_array().unwrap();
+    assert_eq!(per_step.len(), 3);
+    assert!(
+        per_step.iter().all(|t| t.as_f64().is_some_and(|t| t > 0.0)),
+        "{per_step:?}"
+    );
+    // The same figure as a PNG, at the SVG's size, not blank.
+    let (w, h, rgb) = crate::plot::tests::decode_png(&out.join("report.png"));
+    assert_eq!((w, h), (1500, 420));
+    let inked = rgb.chunks(3).filter(|p| p.iter().any(|&c| c < 200)).count();
+    assert!(inked > 5_000, "{inked} inked pixels of {}", w * h);
+    let _ = std::fs::remove_dir_all(&out);
+}
