@@ -42,11 +42,67 @@ const BURN_TRAIN_TESTS: [&str; 7] = [
     "burn_train",
 ];
 
-/// Clippy's features: the test features, NCCL and CUDA, and the GPU tests (compiled here, run
-/// only by `cargo xtask gpu-check`), so GPU-only code is linted without a GPU.
+/// Clippy's features: the test features, NCCL and CUDA (burn's CUDA backend included), and the
+/// GPU tests (compiled here, run only by `cargo xtask gpu-check`), so GPU-only code is linted
+/// without a GPU.
 const LINT_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
                              zero-quant/cuda,zero-quant/gpu-tests,zero-burn/mpi,zero-burn/wgpu,zero-burn/nccl,zero-burn/burn-train,\
-                             xtask/mpi,xtask/nccl";
+                             zero-burn/cuda,zero-burn/gpu-tests,xtask/mpi,xtask/nccl";
+
+/// burn's CUDA backend, built and linked with LLVM in one test program of its own (LLVM is
+/// linked statically: no other test binary carries it): the driver guard runs here, the GPU test
+/// only with `ZERO_GPU_TESTS=1` on a GPU.
+const CUDA_TESTS: [&str; 7] = [
+    "test",
+    "-p",
+    "zero-burn",
+    "--features",
+    "cuda",
+    "--test",
+    "cuda_path",
+];
+
+/// The LLVM burn's CUDA backend links: tracel-llvm-bundler's folder under
+/// `$XDG_DATA_HOME/tracel` (default `~/.local/share`), named by its version in `Cargo.lock`, with
+/// its "installed" marker. Without it the bundler downloads LLVM, which an offline machine cannot:
+/// the error names `.ci/llvm-sdk.sh`, which installs it (`ZERO_LLVM_DOWNLOAD=1` lets the bundler
+/// download instead, with internet).
+fn check_llvm_sdk(root: &Path) -> anyhow::Result<()> {
+    if std::env::var("ZERO_LLVM_DOWNLOAD").as_deref() == Ok("1") {
+        return Ok(());
+    }
+    let lock = std::fs::read_to_string(root.join("Cargo.lock")).context("reading Cargo.lock")?;
+    let version = bundler_version(&lock)
+        .context("Cargo.lock has no tracel-llvm-bundler (burn's CUDA backend needs it)")?;
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .context("neither XDG_DATA_HOME nor HOME is set")?;
+    let marker = data
+        .join("tracel")
+        .join(format!("tracel-llvm-{version}"))
+        .join(".tracel-llvm-installed");
+    if !marker.exists() {
+        bail!(
+            "burn's CUDA backend (feature zero-burn/cuda, built by the checks) needs LLVM 23 and \
+             {} is missing: run `.ci/llvm-sdk.sh` once (offline-safe; CI does), or set \
+             ZERO_LLVM_DOWNLOAD=1 to let the build download LLVM",
+            marker.display()
+        );
+    }
+    Ok(())
+}
+
+/// tracel-llvm-bundler's version in a `Cargo.lock`.
+fn bundler_version(lock: &str) -> Option<&str> {
+    let mut lines = lock.lines();
+    lines.find(|l| l.trim() == "name = \"tracel-llvm-bundler\"")?;
+    lines
+        .next()?
+        .trim()
+        .strip_prefix("version = \"")?
+        .strip_suffix('"')
+}
 
 /// Where the test gates record a test that did not run: one line `<crate>/<binary>::<test>\t<why>`
 /// (`record_skip` in zero-comm/tests/comm/common.rs, zero-quant/tests/common/mod.rs and
@@ -172,6 +228,7 @@ pub(crate) fn workspace_root() -> PathBuf {
 pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     let root = workspace_root();
     std::env::set_current_dir(&root)?;
+    check_llvm_sdk(&root)?;
     if !a.no_lint {
         let mut fmt = cargo();
         fmt.args(["fmt", "--all", "--", "--check"]);
@@ -220,6 +277,10 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     learner.args(BURN_TRAIN_TESTS);
     insta_strictness(&mut learner, a.accept_snapshots);
     run_step("tests (burn-train, a build of its own)", learner)?;
+    let mut cuda = cargo();
+    cuda.args(CUDA_TESTS).env(SKIP_LOG, &skip_log);
+    run_step("tests (burn's CUDA backend, a build of its own)", cuda)?;
+    let skips = parse_skip_log(&std::fs::read_to_string(&skip_log).unwrap_or_default());
     if !skips.is_empty() && !a.allow_device_skips {
         bail!(
             "{} tests did not run; every test must run here (pass --allow-device-skips to accept \
@@ -391,6 +452,22 @@ fn find_pending_snapshots(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bundler_version_is_read_from_the_lock_file() {
+        let lock = "[[package]]\nname = \"tracel-llvm\"\nversion = \"1\"\n\n[[package]]\n\
+                    name = \"tracel-llvm-bundler\"\nversion = \"23.1.0-4\"\n";
+        assert_eq!(bundler_version(lock), Some("23.1.0-4"));
+        assert_eq!(bundler_version("name = \"other\"\nversion = \"1\"\n"), None);
+        // This workspace's: what .ci/llvm-sdk.sh installs LLVM for.
+        let ours = std::fs::read_to_string(workspace_root().join("Cargo.lock")).unwrap();
+        let script = std::fs::read_to_string(workspace_root().join(".ci/llvm-sdk.sh")).unwrap();
+        let v = bundler_version(&ours).expect("burn-cuda's bundler is in Cargo.lock");
+        assert!(
+            script.contains(&format!("expected=\"{v}\"")),
+            "Cargo.lock has tracel-llvm-bundler {v}; .ci/llvm-sdk.sh installs another"
+        );
+    }
 
     #[test]
     fn insta_is_strict_whatever_the_environment() {

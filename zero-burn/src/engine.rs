@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
 use crate::segmented::Segmented;
-use crate::trainer::{EngineOptions, MeasuredMemory, ZeroEngine};
+use crate::trainer::{BufferSync, EngineOptions, MeasuredMemory, ZeroEngine};
 
 /// Where the engine's plan comes from.
 #[derive(Debug)]
@@ -47,6 +47,8 @@ pub struct EngineBuilder<C: Communicator, M: Segmented> {
     reduction: Option<Reduction>,
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
     device_quant: Option<Box<dyn DeviceQuant<C>>>,
+    seed: u64,
+    buffers: BufferSync,
 }
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
@@ -63,6 +65,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             reduction: None,
             device_tensors: None,
             device_quant: None,
+            seed: 0,
+            buffers: BufferSync::default(),
         }
     }
 }
@@ -97,6 +101,23 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
         self
     }
 
+    /// The base seed of the randomness the model draws in training (Dropout): before every
+    /// forward of a segment the engine seeds the device with
+    /// [`crate::rng::segment_seed`]`(seed, step, micro, segment, rank)`, so the recompute of
+    /// activation checkpointing replays the forward's draws and runs are reproducible. 0 by
+    /// default; every rank must pass the same.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// How the model's buffers (BatchNorm's running statistics) are kept equal across ranks;
+    /// [`BufferSync::Broadcast`] (rank 0's, as DDP's `broadcast_buffers`) by default.
+    pub fn buffers(mut self, sync: BufferSync) -> Self {
+        self.buffers = sync;
+        self
+    }
+
     /// Moves fp32 gradients and gathered weights between burn and the communicator's memory
     /// through `hook` instead of through host memory (the wgpu path's zero-copy bridge). The
     /// arithmetic is the same, so are the bits.
@@ -116,6 +137,11 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
     /// trainable flags) and the communicator's world, the optimizer against the plan, the
     /// reduction order against the communicator, the segments against the parameters.
     pub fn build(self) -> Result<ZeroEngine<C, M>> {
+        if let Some(device) = self.model.devices().into_iter().find(|d| !d.is_autodiff()) {
+            return Err(Error::NotAutodiff {
+                device: format!("{device:?}"),
+            });
+        }
         let reduction = self.reduction.unwrap_or(match self.comm.reduce_order() {
             Some(ReduceOrder::PairwiseTree) => Reduction::CanonicalTree,
             _ => Reduction::RankOrdered,
@@ -142,6 +168,8 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
         let options = EngineOptions {
             optimizer,
             reduction,
+            seed: self.seed,
+            buffers: self.buffers,
         };
         let mut engine = ZeroEngine::new(plan, self.comm, self.model, options)?;
         if let Some(hook) = self.device_tensors {
@@ -247,6 +275,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub fn consolidated_model(&mut self) -> Result<M> {
         let values = self.untracked(|e| e.gather_all_params())?;
         let fresh = self.params_with(values);
-        Ok(crate::params::write_values(self.model().clone(), fresh))
+        // A deep copy: the caller's model shares no buffer with the engine's.
+        let model = crate::launch::deep_copy(self.model());
+        Ok(crate::params::write_values(model, fresh))
     }
 }

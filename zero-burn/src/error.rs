@@ -182,6 +182,68 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+    /// A rank of a [`crate::Launch`] failed: the root cause, the first error in rank order that
+    /// is not a consequence of another rank's failure, and what the other ranks then reported.
+    #[error("rank {rank} failed: {source}{}", then_line(consequences))]
+    RankFailed {
+        /// The failing rank.
+        rank: usize,
+        /// Its error.
+        source: Box<Error>,
+        /// The other failing ranks' errors, `(rank, message)`, in rank order.
+        consequences: Vec<(usize, String)>,
+    },
+    /// One parameter is reachable from two places in the module (tied weights).
+    #[error(
+        "parameter `{path}` is also visited as `{again}` (tied weights); the engine shards, \
+         gathers and reduces each parameter once, so a tied parameter is refused: untie it (two \
+         parameters) or share it outside the module's visit"
+    )]
+    TiedParameter {
+        /// The first path it is visited by.
+        path: String,
+        /// The second.
+        again: String,
+    },
+    /// The model is on a device without autodiff, so nothing in it can be trained.
+    #[error(
+        "the model is on a device without autodiff ({device}); build it on an autodiff device, \
+         e.g. `Device::flex().autodiff()`"
+    )]
+    NotAutodiff {
+        /// The device, as burn prints it.
+        device: String,
+    },
+    /// A segment's recompute (activation checkpointing) did not reproduce its forward: the
+    /// gradients would belong to neither.
+    #[error(
+        "step {step}, micro-step {micro} on rank {rank}: the recomputed loss {recomputed:e} differs \
+         from the forward's {forward:e}; the model draws randomness the engine cannot replay or \
+         computes nondeterministically (see `zero_burn::rng`)"
+    )]
+    RecomputeMismatch {
+        /// The optimizer step (1-based).
+        step: u64,
+        /// The micro-step (0-based).
+        micro: u32,
+        /// The rank.
+        rank: usize,
+        /// The forward's loss.
+        forward: f32,
+        /// The recompute's.
+        recomputed: f32,
+    },
+}
+
+fn then_line(consequences: &[(usize, String)]) -> String {
+    if consequences.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = consequences
+        .iter()
+        .map(|(r, m)| format!("rank {r}: {m}"))
+        .collect();
+    format!(" (then {})", list.join("; "))
 }
 
 impl From<zero_core::Error> for Error {
@@ -206,6 +268,29 @@ impl Error {
     /// rank's closure in [`crate::launch`].
     pub fn other(e: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
         Error::Other(e.into())
+    }
+
+    /// Whether this error, raised on rank `rank`, is only the consequence of another rank's
+    /// failure (a peer that dropped its communicator, an aborted world, a timeout waiting for
+    /// peers, a codec or a collective checkpoint step that failed on another rank) rather than a
+    /// root cause.
+    pub fn is_consequence_on(&self, rank: usize) -> bool {
+        use zero_comm::Error as C;
+        match self {
+            Error::Comm(C::PeerFailed { .. } | C::Aborted { .. } | C::Timeout { .. }) => true,
+            Error::Comm(C::Quant { failed_rank, .. }) => *failed_rank != rank,
+            Error::CheckpointFailed { rank: failed, .. } => *failed != rank,
+            Error::RankFailed { rank, source, .. } => source.is_consequence_on(*rank),
+            _ => false,
+        }
+    }
+
+    /// The root cause: the error inside [`Error::RankFailed`], or this one.
+    pub fn root_cause(&self) -> &Error {
+        match self {
+            Error::RankFailed { source, .. } => source.root_cause(),
+            e => e,
+        }
     }
 
     /// The message with every underlying cause after it (`a: b: c`), as anyhow's `{:#}` prints

@@ -1,12 +1,14 @@
 //! Running one closure per rank in this process: each closure gets its rank's communicator,
 //! builds its [`crate::ZeroEngine`] and drives its own loop. A rank that fails (an error or a
 //! panic) drops its communicator, which fails its peers' pending collectives fast with an error
-//! naming it; [`Launch::run`] returns the first rank's error.
+//! naming it; [`Launch::run`] returns the root cause, naming its rank ([`Error::RankFailed`]).
 
 use std::sync::Mutex;
 use std::thread;
 use std::time::Duration;
 
+use burn::module::Module;
+use burn::tensor::Device;
 use zero_comm::ReduceOrder;
 use zero_comm::host::{HostComm, HostWorld};
 use zero_core::Topology;
@@ -49,8 +51,9 @@ impl Launch {
     }
 
     /// Runs `f` once per rank on the host loopback, each on its own thread, and returns the
-    /// ranks' results in rank order, or the first failing rank's error (a panic becomes
-    /// [`Error::RankPanicked`]).
+    /// ranks' results in rank order, or [`Error::RankFailed`]: the root cause (the first error in
+    /// rank order that is not a consequence of another rank's failure; a panic is
+    /// [`Error::RankPanicked`]) and the other ranks' errors.
     pub fn run<T, F>(self, f: F) -> Result<Vec<T>>
     where
         T: Send,
@@ -73,11 +76,11 @@ impl Launch {
         collect(results)
     }
 
-    /// [`Launch::run`] handing every rank its own clone of `model` (burn modules are `Send` but
-    /// not `Sync`, so a closure cannot share one): every rank then starts from the same values.
+    /// [`Launch::run`] handing every rank its own deep copy of `model` (see [`deep_copy`]):
+    /// every rank then starts from the same values and shares no state with another.
     pub fn run_with<M, T, F>(self, model: &M, f: F) -> Result<Vec<T>>
     where
-        M: Clone + Send,
+        M: Module,
         T: Send,
         F: Fn(HostComm, M) -> Result<T> + Sync,
     {
@@ -113,13 +116,31 @@ impl Launch {
     }
 }
 
-/// One clone of a value per rank, each taken once (a `Mutex` makes a `Send` value shareable).
+/// A copy of `model` that shares no mutable state with it.
+///
+/// burn's `clone()` of a module shares its buffers: a `RunningState` (BatchNorm's running
+/// statistics) is an `Arc` that both clones update, so ranks handed clones would write each
+/// other's statistics. The copy is the module made `valid()` (fresh buffers holding the same
+/// values) and, on an autodiff device, `train()` again (each parameter's training state
+/// restored). Tensors are immutable values and stay shared. A module of the caller's own whose
+/// `valid()` keeps state shared is not made independent by this.
+pub fn deep_copy<M: Module>(model: &M) -> M {
+    let copy = model.valid();
+    if model.devices().iter().any(Device::is_autodiff) {
+        copy.train()
+    } else {
+        copy
+    }
+}
+
+/// One deep copy of a module per rank, each taken once (a `Mutex` makes a `Send` value
+/// shareable).
 #[derive(Debug)]
 pub(crate) struct Clones<M>(Mutex<Vec<Option<M>>>);
 
-impl<M: Clone> Clones<M> {
+impl<M: Module> Clones<M> {
     pub(crate) fn new(model: &M, n: usize) -> Self {
-        Clones(Mutex::new((0..n).map(|_| Some(model.clone())).collect()))
+        Clones(Mutex::new((0..n).map(|_| Some(deep_copy(model))).collect()))
     }
 
     pub(crate) fn take(&self, rank: usize) -> Result<M> {
@@ -145,33 +166,44 @@ where
     Launch::new(topology).run(f)
 }
 
-/// The ranks' results in rank order, or the first error (a panicking rank becomes
-/// [`Error::RankPanicked`]). A rank whose peer failed first fails with a communication error
-/// naming that peer; the first error in rank order is returned, so callers see a root cause when
-/// the lowest failing rank is it.
+/// The ranks' results in rank order, or [`Error::RankFailed`] with the root cause: the first
+/// error in rank order that is not a consequence of another rank's failure (a rank whose peer
+/// failed first fails with a communication error naming that peer; see
+/// [`Error::is_consequence_on`]), or the first error when every one is a consequence. A panicking
+/// rank's error is [`Error::RankPanicked`]. The other ranks' errors follow as consequences.
 fn collect<T>(results: Vec<thread::Result<Result<T>>>) -> Result<Vec<T>> {
     let mut out = Vec::with_capacity(results.len());
-    let mut first_err = None;
+    let mut errors: Vec<(usize, Error)> = Vec::new();
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(Ok(v)) => out.push(v),
-            Ok(Err(e)) => {
-                first_err.get_or_insert(e);
-            }
+            Ok(Err(e)) => errors.push((rank, e)),
             Err(p) => {
                 let message = p
                     .downcast_ref::<String>()
                     .cloned()
                     .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "unknown panic".into());
-                first_err.get_or_insert(Error::RankPanicked { rank, message });
+                errors.push((rank, Error::RankPanicked { rank, message }));
             }
         }
     }
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok(out),
+    if errors.is_empty() {
+        return Ok(out);
     }
+    let root = errors
+        .iter()
+        .position(|(rank, e)| !e.is_consequence_on(*rank))
+        .unwrap_or(0);
+    let (rank, source) = errors.remove(root);
+    Err(Error::RankFailed {
+        rank,
+        source: Box::new(source),
+        consequences: errors
+            .into_iter()
+            .map(|(r, e)| (r, e.full_message()))
+            .collect(),
+    })
 }
 
 /// burn's wgpu runtime and the wgpu loopback on **one** `wgpu::Device` and queue (feature

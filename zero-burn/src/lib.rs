@@ -68,6 +68,8 @@
 pub mod bridge;
 pub mod checkpoint;
 mod comms;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod demo;
 pub mod device;
 mod engine;
@@ -79,6 +81,7 @@ pub mod optim;
 pub mod params;
 pub mod precision;
 pub mod reduction;
+pub mod rng;
 pub mod segmented;
 pub mod trainer;
 
@@ -87,12 +90,12 @@ pub use engine::{EngineBuilder, RankReport};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]
 pub use launch::WgpuShared;
-pub use launch::{Launch, launch};
+pub use launch::{Launch, deep_copy, launch};
 pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;
 pub use segmented::{Activation, SegmentOut, Segmented, Whole};
-pub use trainer::{MeasuredMemory, StepOutput, ZeroEngine};
+pub use trainer::{BufferSync, MeasuredMemory, StepOutput, ZeroEngine};
 
 use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 
@@ -100,6 +103,7 @@ use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
 /// gathers by segment.
 pub fn describe_model<M: Segmented>(model: &M) -> Result<ModelDesc> {
     let params = params::describe(model);
+    params::check_untied(&params)?;
     let segment = segmented::param_segments(model, &params)?;
     params::model_desc(&params, |i| format!("segment.{}", segment[i]))
 }

@@ -26,6 +26,9 @@ pub struct ParamInfo {
     pub rank: usize,
     /// Whether it requires a gradient.
     pub trainable: bool,
+    /// Whether it is a buffer: module state that is not a parameter (burn's `RunningState`, e.g.
+    /// BatchNorm's running mean and variance), updated by the forward pass. Never trainable.
+    pub buffer: bool,
 }
 
 impl ParamInfo {
@@ -56,15 +59,59 @@ impl ModuleVisitor for Describe {
             shape: t.dims().to_vec(),
             rank: D,
             trainable: t.is_require_grad(),
+            buffer: false,
         });
     }
 }
 
-/// The module's float parameters in visit order.
+/// Makes every float tensor require a gradient: burn's `RunningState` (a buffer) refuses, so
+/// what still requires none afterwards is a buffer.
+struct RequireGrad;
+
+impl ModuleMapper for RequireGrad {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, t, mapper) = p.consume();
+        Param::from_mapped_value(id, t.require_grad(), mapper)
+    }
+}
+
+/// The module's float parameters (and buffers) in visit order.
+///
+/// burn visits a buffer (`RunningState`) like a parameter that needs no gradient; it differs from
+/// a frozen parameter in that it cannot be made to need one. On an autodiff device every float
+/// tensor is probed that way on a copy of the model (a buffer's value is written back unchanged);
+/// without autodiff nothing can be trained and nothing is classified as a buffer.
 pub fn describe<M: Module>(model: &M) -> Vec<ParamInfo> {
     let mut d = Describe::default();
     model.visit(&mut d);
-    d.out
+    let mut out = d.out;
+    if model
+        .devices()
+        .iter()
+        .any(burn::tensor::Device::is_autodiff)
+    {
+        let mut probe = Describe::default();
+        model.clone().map(&mut RequireGrad).visit(&mut probe);
+        for (p, q) in out.iter_mut().zip(&probe.out) {
+            p.buffer = !q.trainable;
+        }
+    }
+    out
+}
+
+/// Refuses a parameter the module visits twice (tied weights: one `Param` reachable from two
+/// fields, e.g. an embedding shared with the output head), naming both paths.
+pub fn check_untied(params: &[ParamInfo]) -> Result<()> {
+    let mut first: HashMap<ParamId, &str> = HashMap::with_capacity(params.len());
+    for p in params {
+        if let Some(path) = first.insert(p.id, &p.path) {
+            return Err(Error::TiedParameter {
+                path: path.to_string(),
+                again: p.path.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A zero-core model description. `group_of(i)` names the unit parameter `i` is gathered with at
@@ -76,6 +123,9 @@ pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(usize) -> String) -> R
         .map(|(i, p)| {
             let mut d = ParamDesc::new(p.path.clone(), &p.shape, group_of(i));
             d.trainable = p.trainable;
+            if p.buffer {
+                d = d.buffer();
+            }
             d
         })
         .collect();
@@ -191,6 +241,58 @@ pub fn write_values<M: Module>(model: M, mut values: NewValues) -> M {
     model.map(&mut WriteValues {
         values: &mut values,
     })
+}
+
+/// Settles burn's pending buffer updates: a training forward records a `RunningState`'s new value
+/// per thread, and it reaches the value read by a visit only when the state is next synced
+/// (making the module `valid()` syncs every one).
+pub(crate) fn settle_buffers<M: Module>(model: &M) {
+    drop(model.valid());
+}
+
+/// Every buffer of the module (see [`ParamInfo::buffer`]), as `(path, values)` in visit order,
+/// after settling burn's pending updates of them.
+pub fn buffers<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
+    settle_buffers(model);
+    let infos: Vec<ParamInfo> = describe(model).into_iter().filter(|p| p.buffer).collect();
+    let want: HashMap<ParamId, usize> = infos.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
+    let mut r = ReadValues {
+        want: &want,
+        out: vec![None; want.len()],
+    };
+    model.visit(&mut r);
+    infos
+        .into_iter()
+        .zip(r.out)
+        .map(|(p, v)| (p.path, v.unwrap_or_default()))
+        .collect()
+}
+
+struct ReadTensors<'a> {
+    want: &'a HashMap<ParamId, usize>,
+    out: NewTensors,
+}
+
+impl ModuleVisitor for ReadTensors<'_> {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        if self.want.contains_key(&p.id) {
+            let t = p.val();
+            let shape = t.dims().to_vec();
+            let n: usize = shape.iter().product();
+            self.out.insert(p.id, (t.reshape([n]), shape, false));
+        }
+    }
+}
+
+/// The current tensors of the parameters in `want`, where they live (no copy): a snapshot that
+/// [`write_tensors`] puts back.
+pub(crate) fn read_tensors<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> NewTensors {
+    let mut r = ReadTensors {
+        want,
+        out: HashMap::with_capacity(want.len()),
+    };
+    model.visit(&mut r);
+    r.out
 }
 
 struct ReadGrads<'a, F> {

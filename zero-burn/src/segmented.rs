@@ -5,7 +5,10 @@
 //! (`ZeroConfig::checkpoint_activations`, by default at stage 3 only) it keeps only the
 //! activation between segments and runs the backward in reverse, recomputing each segment under
 //! autodiff from its saved input; without, one autodiff graph spans the segments and one backward
-//! runs. Segment boundaries are where stage 3 gathers (and, with checkpointing, releases)
+//! runs. Either way every training forward runs in training mode (BatchNorm on batch statistics,
+//! Dropout on) with the device's generator seeded per segment ([`crate::rng`]), so the recompute
+//! reproduces the forward bit for bit and checkpointing changes only memory and time; the
+//! recompute's updates of the model's buffers are dropped. Segment boundaries are where stage 3 gathers (and, with checkpointing, releases)
 //! weights and where a unit's gradients are complete and can be reduced: burn 0.22.1 has no
 //! forward pre-hook and no public gradient-ready hook, so a model names its segments itself.
 
@@ -17,7 +20,8 @@ use burn::module::{Devices, Module, ModuleMapper, ModuleVisitor};
 use burn::tensor::{Device, Gradients, Tensor};
 
 /// What flows from one segment to the next: a float tensor of any rank, a tuple of activations,
-/// or a `Vec` of them. Values arrive without autodiff (the forward runs on `model.valid()`).
+/// or a `Vec` of them. Values carry no gradient: in training the first forward runs on the
+/// autodiff device with no parameter requiring one, in evaluation on `model.valid()`.
 pub trait Activation: Clone + Send + 'static {
     /// The same values as a fresh autodiff leaf that keeps its gradient: the input of a
     /// recomputed segment.
@@ -133,7 +137,8 @@ pub enum SegmentOut<A, O = ()> {
 ///
 /// Segments follow the module's parameter visit order: the engine groups parameters by the
 /// segment whose [`visit_segment`](Segmented::visit_segment) visits them, and every float
-/// parameter must be visited by exactly one segment. At stage 3 each segment's parameters form
+/// parameter must be visited by exactly one segment, once (a parameter reachable twice, tied
+/// weights, is refused naming it). At stage 3 each segment's parameters form
 /// its gather group: gathered before the segment runs, released after.
 pub trait Segmented: Module + 'static {
     /// One rank's micro-batch: any type (burn-train's `TrainStep::Input`, a `Batcher`'s output).

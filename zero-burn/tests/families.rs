@@ -483,7 +483,7 @@ fn segments_must_cover_every_parameter_once() {
             .unwrap_err();
         let msg = err.to_string();
         assert!(
-            matches!(err, zero_burn::Error::Segmentation { .. }),
+            matches!(err.root_cause(), zero_burn::Error::Segmentation { .. }),
             "{msg}"
         );
         assert!(msg.contains(want), "{msg}");

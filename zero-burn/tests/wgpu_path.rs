@@ -278,7 +278,7 @@ fn a_model_off_the_shared_device_is_rejected() {
     )
     .expect_err("a flex model on the wgpu path");
     assert!(
-        matches!(&err, Error::Backend(m) if m.contains("shared device")),
+        matches!(err.root_cause(), Error::Backend(m) if m.contains("shared device")),
         "{err}"
     );
 }

@@ -2,7 +2,7 @@
 //!
 //! Categories (per rank, bytes):
 //! - `parameters`: working-precision weights resident between steps. Stages 0–2: the whole model.
-//!   Stage 3: the rank's shard, plus full copies of persistent parameters.
+//!   Stage 3: the rank's shard, plus full copies of persistent parameters and of the buffers.
 //! - `gradients`: the gradient accumulator, in the working precision (or fp32 with
 //!   `grad_accum_dtype = fp32`). Stage 0 (and stage 1 with
 //!   `accumulate_before_reduce`, DeepSpeed's behaviour): the whole flat buffer of trainable units.
@@ -106,7 +106,8 @@ impl Plan {
                     .filter(|u| u.kind == UnitKind::Persistent)
                     .map(|u| u.numel)
                     .sum();
-                m.parameters = (self.shard_len() + persistent) * w;
+                // Buffers are in no unit: every rank holds them whole.
+                m.parameters = (self.shard_len() + persistent + self.model().buffer_numel()) * w;
                 m.gradients = shard_t * g;
                 m.optimizer_states = shard_t * k;
                 m.master_weights = shard_t * master;

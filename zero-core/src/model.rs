@@ -48,6 +48,12 @@ pub struct ParamDesc {
     /// Frozen parameters get no gradient and no optimizer state.
     #[serde(default = "yes")]
     pub trainable: bool,
+    /// A buffer: module state that is not a parameter (BatchNorm's running mean and variance),
+    /// updated by the forward pass, not by the optimizer. Never trainable; in no unit at any
+    /// stage (replicated on every rank, never sharded or gathered), kept equal across ranks by
+    /// the engine.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub buffer: bool,
     /// The module the parameter belongs to; stage 3 gathers per module.
     pub module: String,
 }
@@ -60,6 +66,7 @@ impl ParamDesc {
             shape: shape.to_vec(),
             dtype: DType::F32,
             trainable: true,
+            buffer: false,
             module: module.into(),
         }
     }
@@ -67,6 +74,13 @@ impl ParamDesc {
     /// Marks the parameter frozen.
     pub fn frozen(mut self) -> Self {
         self.trainable = false;
+        self
+    }
+
+    /// Marks the tensor a buffer (and so not trainable).
+    pub fn buffer(mut self) -> Self {
+        self.trainable = false;
+        self.buffer = true;
         self
     }
 
@@ -108,6 +122,15 @@ impl ModelDesc {
             .sum()
     }
 
+    /// Elements of the buffers (module state that is not a parameter; see [`ParamDesc::buffer`]).
+    pub fn buffer_numel(&self) -> u64 {
+        self.params
+            .iter()
+            .filter(|p| p.buffer)
+            .map(ParamDesc::numel)
+            .sum()
+    }
+
     /// Checks that the model is usable: not empty, unique names, no zero-sized tensors, at most
     /// [`MAX_MODEL_PARAMS`] elements in all.
     pub fn validate(&self) -> Result<()> {
@@ -124,6 +147,12 @@ impl ModelDesc {
             if !seen.insert(p.name.as_str()) {
                 return Err(Error::Model(format!(
                     "duplicate parameter name `{}` (parameter #{i}); names must be unique",
+                    p.name
+                )));
+            }
+            if p.buffer && p.trainable {
+                return Err(Error::Model(format!(
+                    "`{}` is marked both a buffer and trainable; a buffer is never trained",
                     p.name
                 )));
             }

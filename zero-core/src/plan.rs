@@ -16,6 +16,8 @@
 //!   bucket of its own). One reduction per bucket: an all-reduce at stage 0, a reduce-scatter at
 //!   stages 1–2 (each rank receives exactly its chunk), then one all-gather per bucket after the
 //!   optimizer step at stages 1–2. Frozen parameters are replicated and belong to no unit.
+//!   **Buffers** ([`crate::ParamDesc::buffer`], e.g. BatchNorm's running statistics) belong to no
+//!   unit at any stage: every rank holds them whole, and the engine keeps them equal.
 //!   (DeepSpeed cuts one flat buffer into N contiguous partitions and then all-reduces buckets,
 //!   moving twice the bytes; sharding each bucket, as Megatron's distributed optimizer does, makes
 //!   the reduction a true reduce-scatter.)
@@ -151,7 +153,8 @@ impl Plan {
             }
             if b.units.is_empty() {
                 return Err(Error::Model(
-                    "no trainable parameters: every parameter is frozen, so there is nothing to train"
+                    "no trainable parameters: every parameter is frozen, so there is nothing to train \
+                     (a burn model built on a device without `.autodiff()` has none)"
                         .into(),
                 ));
             }
@@ -161,6 +164,9 @@ impl Plan {
             let mut total = 0u64;
             for (i, p) in model.params.iter().enumerate() {
                 let k = p.numel();
+                if p.buffer {
+                    continue;
+                }
                 if k <= config.param_persistence_threshold
                     && total + k <= config.model_persistence_threshold
                 {
@@ -171,7 +177,9 @@ impl Plan {
             let mut cur: Vec<usize> = Vec::new();
             let mut key: Option<(&str, bool)> = None;
             for (i, p) in model.params.iter().enumerate() {
-                if persistent[i] {
+                // Buffers, like persistent parameters, are in no gather unit; they are in no
+                // unit at all (replicated on every rank, at every stage).
+                if persistent[i] || p.buffer {
                     continue;
                 }
                 let k = (p.module.as_str(), p.trainable);
@@ -193,7 +201,7 @@ impl Plan {
                 let mut cur: Vec<usize> = Vec::new();
                 let mut cur_numel = 0;
                 for (i, p) in model.params.iter().enumerate() {
-                    if !persistent[i] || p.trainable != trainable {
+                    if !persistent[i] || p.buffer || p.trainable != trainable {
                         continue;
                     }
                     if !cur.is_empty() && cur_numel + p.numel() > config.allgather_bucket_size {
@@ -214,7 +222,8 @@ impl Plan {
             }
             if !model.params.iter().any(|p| p.trainable) {
                 return Err(Error::Model(
-                    "no trainable parameters: every parameter is frozen, so there is nothing to train"
+                    "no trainable parameters: every parameter is frozen, so there is nothing to train \
+                     (a burn model built on a device without `.autodiff()` has none)"
                         .into(),
                 ));
             }
@@ -276,8 +285,8 @@ impl Plan {
         &self.entries[self.units[unit].entries.clone()]
     }
 
-    /// The unit and offset of parameter `param`, or `None` for a replicated (frozen, stage ≤ 2)
-    /// parameter.
+    /// The unit and offset of parameter `param`, or `None` for a replicated one (a buffer, or a
+    /// frozen parameter at stages 0–2).
     pub fn locate(&self, param: usize) -> Option<(usize, u64)> {
         self.param_entry[param].map(|(u, e)| (u as usize, self.entries[e as usize].offset))
     }

@@ -22,6 +22,12 @@ pub struct LayoutSummary {
     pub shard_elems: u64,
     /// Peak gathered elements (stage 3).
     pub peak_gathered_elems: u64,
+    /// Stage 3: elements of the persistent units, which every rank holds whole (parameters of at
+    /// most `param_persistence_threshold` elements); 0 at stages 0–2.
+    pub persistent_elems: u64,
+    /// Elements of the buffers (module state that is not a parameter), which every rank holds
+    /// whole at every stage.
+    pub buffer_elems: u64,
 }
 
 /// Everything a person or a script needs to know about a plan, for one rank. Bytes are per rank;
@@ -61,6 +67,13 @@ impl Plan {
                 padding_elems: self.padding(),
                 shard_elems: self.shard_len(),
                 peak_gathered_elems: self.peak_gathered(),
+                persistent_elems: self
+                    .units()
+                    .iter()
+                    .filter(|u| u.kind == crate::plan::UnitKind::Persistent)
+                    .map(|u| u.numel)
+                    .sum(),
+                buffer_elems: self.model().buffer_numel(),
             },
             memory: self.memory(),
             comm: self.comm(rank),
@@ -122,6 +135,28 @@ impl fmt::Display for PlanReport {
             self.layout.padding_elems,
             self.layout.shard_elems
         )?;
+        let l = &self.layout;
+        if c.stage == 3 && l.persistent_elems > 0 {
+            writeln!(
+                f,
+                "replicated: {} of {} elements stay whole on every rank: parameters of at most {} \
+                 elements (param_persistence_threshold){}",
+                l.persistent_elems + l.buffer_elems,
+                self.params,
+                c.param_persistence_threshold,
+                if l.buffer_elems > 0 {
+                    format!(" and {} buffer elements", l.buffer_elems)
+                } else {
+                    String::new()
+                },
+            )?;
+        } else if l.buffer_elems > 0 {
+            writeln!(
+                f,
+                "buffers: {} elements stay whole on every rank, kept equal by the engine",
+                l.buffer_elems
+            )?;
+        }
         writeln!(f, "\nmemory per rank")?;
         for (name, b) in self.memory.rows() {
             writeln!(f, "  {name:<24} {:>12}  {b:>16} B", human_bytes(b))?;

@@ -62,18 +62,30 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if options.reduction == Reduction::CanonicalTree {
             check_canonical_tree(&plan, &world)?;
         }
+        let device = model
+            .devices()
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Invalid {
+                field: "model",
+                got: "a module with no tensor".into(),
+                expected: "at least one parameter".into(),
+            })?;
         let params = params::describe(&model);
+        params::check_untied(&params)?;
 
         let desc = &plan.model().params;
         if desc.len() != params.len()
-            || desc
-                .iter()
-                .zip(&params)
-                .any(|(d, p)| d.name != p.path || d.shape != p.shape || d.trainable != p.trainable)
+            || desc.iter().zip(&params).any(|(d, p)| {
+                d.name != p.path
+                    || d.shape != p.shape
+                    || d.trainable != p.trainable
+                    || d.buffer != p.buffer
+            })
         {
             return Err(Error::PlanMismatch {
-                what: "the plan was made for a different model (names, shapes or trainable \
-                       flags differ)"
+                what: "the plan was made for a different model (names, shapes, trainable flags \
+                       or buffers differ)"
                     .into(),
             });
         }
@@ -124,6 +136,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 qgz_scratch: QuantScratch::new(),
             }),
             model,
+            device,
             options,
             params,
             layout,
@@ -228,7 +241,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let mut values = params::read_values(&t.model, &want)?;
         if let Some(h) = half {
             // The working weights: the initial values rounded to 16 bits (widened for burn).
-            for v in &mut values {
+            // Buffers keep their precision: they are not weights.
+            for (v, &i) in values.iter_mut().zip(&slots) {
+                if t.params[i].buffer {
+                    continue;
+                }
                 for x in v.iter_mut() {
                     *x = h.quantize(*x);
                 }
@@ -303,10 +320,12 @@ fn check_ranks_agree<C: Communicator, M: Segmented>(
     model: &M,
 ) -> Result<()> {
     let setup = format!(
-        "{}|{:?}|{:?}",
+        "{}|{:?}|{:?}|{}|{:?}",
         zero_core::checkpoint::fingerprint(plan),
         options.optimizer,
-        options.reduction
+        options.reduction,
+        options.seed,
+        options.buffers
     );
     let setup = setup.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)

@@ -59,6 +59,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
             Ok(())
         })?;
+        // The caller's forward updated the buffers (a clone of the engine's model shares them).
+        self.sync_buffers()?;
         self.micro += 1;
         self.sample_memory();
         self.micro_losses.clear();

@@ -17,6 +17,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let overlap = self.plan.config().overlap_comm;
         let r = self.with_exec(overlap, |t, exec| t.micro_step_with(exec, batch));
         let loss = r?;
+        self.sync_buffers()?;
         self.micro += 1;
         self.sample_memory();
         Ok(loss)
@@ -44,7 +45,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if !plan.config().recompute() {
             return self.micro_step_one_graph(exec, batch, scale, max_reduces);
         }
-        let (loss, acts, _) = self.forward(exec, batch)?;
+        let (loss, acts, _) = self.forward(exec, batch, true)?;
+        // The buffers as the forward left them: the recompute updates them again.
+        let buffers = self.has_buffers().then(|| self.snapshot_buffers());
         // Backward, recomputing each segment.
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
             (0..plan.units().len()).map(|_| None).collect();
@@ -54,8 +57,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.gather_segment(exec, i, true)?;
             }
             let x = (i > 0).then(|| acts[i - 1].leaf());
-            let surrogate = match (self.model.forward_segment(i, batch, x.clone()), &grad_out) {
+            let out = self.seeded_forward(&self.model, i, batch, x.clone());
+            let surrogate = match (out, &grad_out) {
                 (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), None) => {
+                    self.check_recomputed_loss(loss, l.clone())?;
                     l.mul_scalar(scale).sum()
                 }
                 (SegmentOut::Next(y), Some(g)) => y.dot(g),
@@ -73,6 +78,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.release_segment(i);
             }
             self.reduce_completed(exec, i, &mut pending, max_reduces)?;
+        }
+        if let Some(b) = buffers {
+            self.restore_buffers(b);
         }
         Ok(loss)
     }
@@ -119,7 +127,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.gather_segment(exec, i, false)?;
             }
             match (
-                self.model.forward_segment(i, batch, x.take()),
+                self.seeded_forward(&self.model, i, batch, x.take()),
                 i + 1 == segments,
             ) {
                 (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), true) => loss = Some(l),
@@ -146,13 +154,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(value)
     }
 
-    /// The forward pass: each segment without autodiff (stage 3: gathered before, released
-    /// after), keeping only the activations between segments. Returns the loss and those
-    /// activations.
+    /// The forward pass segment by segment (stage 3: gathered before, released after), keeping
+    /// only the activations between segments. Returns the loss and those activations.
+    ///
+    /// `train`: the first forward of activation checkpointing, in training mode exactly as the
+    /// recompute will run it (BatchNorm on batch statistics, updating its running statistics;
+    /// Dropout drawing from the seeded generator), on the autodiff device with no parameter
+    /// requiring a gradient, so no graph is kept. Otherwise an evaluation: the model made
+    /// `valid()` (inference mode, no autodiff).
     pub(super) fn forward(
         &mut self,
         exec: &mut Exec<C, Ticket>,
         batch: &M::Batch,
+        train: bool,
     ) -> Result<Forward<M>> {
         let stage3 = self.plan.stage() == 3;
         let segments = self.model.num_segments();
@@ -163,13 +177,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if stage3 {
                 self.gather_segment(exec, i, false)?;
             }
-            // Without autodiff: a graph recorded here would never be consumed, and it would keep
-            // the released weights alive. The backward recomputes the segment under autodiff.
+            // No parameter requires a gradient: a graph recorded here would never be consumed,
+            // and it would keep the released weights alive. The backward recomputes the segment
+            // with gradients.
             let x = (i > 0).then(|| acts[i - 1].clone());
-            match (
-                self.model.valid().forward_segment(i, batch, x),
-                i + 1 == segments,
-            ) {
+            let out = if train {
+                let model = self.model.clone().no_grad();
+                self.seeded_forward(&model, i, batch, x)
+            } else {
+                self.model.valid().forward_segment(i, batch, x)
+            };
+            match (out, i + 1 == segments) {
                 (SegmentOut::Loss(l), true) => loss = crate::segmented::loss_value(l)?,
                 (SegmentOut::LossAnd(l, o), true) => {
                     loss = crate::segmented::loss_value(l)?;

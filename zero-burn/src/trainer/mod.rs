@@ -53,10 +53,12 @@ mod layout;
 mod memory;
 mod micro;
 mod step;
+mod train_mode;
 mod weights;
 
 pub(crate) use ckpt::Scalars;
 pub use memory::MeasuredMemory;
+pub use train_mode::BufferSync;
 
 /// The engine's options that are not part of the ZeRO plan (set through
 /// [`crate::EngineBuilder`]).
@@ -66,6 +68,10 @@ pub(crate) struct EngineOptions {
     pub(crate) optimizer: Optimizer,
     /// How gradients are summed over micro-steps and ranks.
     pub(crate) reduction: Reduction,
+    /// The base seed of the segments' forwards (see [`crate::rng`]).
+    pub(crate) seed: u64,
+    /// How buffers are kept equal across ranks.
+    pub(crate) buffers: BufferSync,
 }
 
 /// What one optimizer step did.
@@ -126,6 +132,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     /// micro-step, home otherwise (see [`crate::comms`]).
     comms: Option<Comms<C>>,
     model: M,
+    /// The model's device: the one whose generator the segments' forwards seed.
+    device: burn::tensor::Device,
     options: EngineOptions,
     /// Parameter infos, indexed like the plan's model.
     params: Vec<ParamInfo>,
@@ -299,7 +307,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub fn eval_output(&mut self, batch: &M::Batch) -> Result<(f32, Option<M::Output>)> {
         self.untracked(|e| {
             let r = e.with_exec(false, |e, exec| {
-                e.forward(exec, batch).map(|(loss, _, out)| (loss, out))
+                e.forward(exec, batch, false)
+                    .map(|(loss, _, out)| (loss, out))
             });
             // Nothing of an eval's gathers outlives it: no hpZ secondary (kept for a backward).
             e.secondary.iter_mut().for_each(|s| *s = None);

@@ -38,6 +38,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
                 }
             }
+            // The buffers are in no unit: every rank holds them (equal across ranks).
+            let loose: HashMap<ParamId, usize> = (0..self.params.len())
+                .filter(|&i| plan.locate(i).is_none())
+                .enumerate()
+                .map(|(k, i)| (self.params[i].id, k))
+                .collect();
+            let values = params::read_values(&self.model, &loose)?;
+            let idx = (0..self.params.len()).filter(|&i| plan.locate(i).is_none());
+            for (i, v) in idx.zip(values) {
+                out[i] = v;
+            }
         } else {
             let want: HashMap<ParamId, usize> = self
                 .params

@@ -3,6 +3,7 @@
 
 pub(crate) mod points;
 pub(crate) mod store;
+pub(crate) mod train_mode;
 
 use std::sync::Arc;
 use std::time::Duration;
