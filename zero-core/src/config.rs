@@ -9,6 +9,9 @@ use crate::model::DType;
 
 mod auto;
 mod deepspeed;
+mod validate;
+
+pub(crate) use validate::validate;
 
 pub use auto::{AdamWValues, AutoResolution, RunBatch, RunValues};
 pub use deepspeed::DeepSpeedImport;

@@ -39,14 +39,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 }
             }
             // The buffers are in no unit: every rank holds them (equal across ranks).
-            let loose: HashMap<ParamId, usize> = (0..self.params.len())
+            let loose: Vec<usize> = (0..self.params.len())
                 .filter(|&i| plan.locate(i).is_none())
-                .enumerate()
-                .map(|(k, i)| (self.params[i].id, k))
                 .collect();
-            let values = params::read_values(&self.model, &loose)?;
-            let idx = (0..self.params.len()).filter(|&i| plan.locate(i).is_none());
-            for (i, v) in idx.zip(values) {
+            let want: HashMap<ParamId, usize> = loose
+                .iter()
+                .enumerate()
+                .map(|(k, &i)| (self.params[i].id, k))
+                .collect();
+            for (&i, v) in loose.iter().zip(params::read_values(&self.model, &want)?) {
                 out[i] = v;
             }
         } else {
