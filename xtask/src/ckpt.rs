@@ -23,9 +23,11 @@ enum CkptCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Re-read and check every byte of a checkpoint (sizes, block crc32c, headers).
+    /// Re-read and check every byte of a checkpoint (sizes, block crc32c, headers): of every
+    /// committed tag in a root (and LATEST itself), or of one tag's directory. Each tag checked
+    /// is printed; any bad one fails the command, naming them all.
     Verify {
-        /// The checkpoint root (the checkpoint LATEST names), or one tag's directory in it.
+        /// The checkpoint root (every committed tag), or one tag's directory in it.
         dir: PathBuf,
     },
     /// Delete old checkpoints: every committed tag but the newest `--keep` (never the one LATEST
@@ -136,19 +138,7 @@ pub(crate) fn run(args: CkptArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        CkptCommand::Verify { dir } => {
-            let (store, tag) = locate(&dir)?;
-            let r = verify(&store, tag.as_deref())
-                .with_context(|| format!("verifying {}", dir.display()))?;
-            println!(
-                "{}: {} ok ({} files, {} bytes)",
-                dir.display(),
-                r.tag,
-                r.files,
-                r.bytes
-            );
-            Ok(())
-        }
+        CkptCommand::Verify { dir } => verify_all(&dir),
         CkptCommand::Gc { dir, keep, dry_run } => gc(&dir, keep, dry_run),
         CkptCommand::Export { dir, out, dtype } => {
             let parent = out
@@ -253,17 +243,60 @@ pub(crate) fn same_place(a: &Path, b: &Path) -> bool {
 }
 
 /// `ckpt gc`: see [`CkptCommand::Gc`].
-pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::Result<()> {
-    // LATEST is checked (length and crc of its manifest) before anything is deleted.
-    let (latest, _) = read_manifest(&open(dir)?, None)
-        .with_context(|| format!("{}: no valid LATEST; nothing deleted", dir.display()))?;
+/// `ckpt verify`: one tag's directory, or every committed tag of a root and its LATEST.
+fn verify_all(dir: &Path) -> anyhow::Result<()> {
+    let (store, tag) = locate(dir)?;
+    let (tags, latest) = match tag {
+        Some(t) => (vec![t], false),
+        None => (scan(dir)?.tags, true),
+    };
+    let mut bad = Vec::new();
+    if latest && let Err(e) = read_manifest(&store, None) {
+        eprintln!("{}: LATEST: {e:#}", dir.display());
+        bad.push("LATEST".to_string());
+    }
+    for t in &tags {
+        match verify(&store, Some(t)) {
+            Ok(r) => println!(
+                "{}: {} ok ({} files, {} bytes)",
+                dir.display(),
+                r.tag,
+                r.files,
+                r.bytes
+            ),
+            Err(e) => {
+                eprintln!("{}: {t}: {e:#}", dir.display());
+                bad.push(t.clone());
+            }
+        }
+    }
     anyhow::ensure!(
-        keep >= 1,
-        "--keep 0 would delete {latest}, the checkpoint LATEST names; nothing deleted"
+        bad.is_empty(),
+        "verifying {}: {} of {} checked failed: {} (see above)",
+        dir.display(),
+        bad.len(),
+        tags.len() + usize::from(latest),
+        bad.join(", ")
     );
-    let mut tags = Vec::new();
-    let mut staging = Vec::new();
-    for e in std::fs::read_dir(dir)? {
+    Ok(())
+}
+
+/// What a checkpoint root holds besides LATEST.
+struct Scan {
+    /// Committed tags (`step-NNNNNNNN` directories holding a `MANIFEST.json`), oldest first.
+    tags: Vec<String>,
+    /// Staging directories crashed saves left (`.staging-*`).
+    staging: Vec<String>,
+}
+
+/// Lists `dir`'s committed tags and staging directories; a `step-*` directory that is not a
+/// committed tag is named on stderr and left out.
+fn scan(dir: &Path) -> anyhow::Result<Scan> {
+    let mut out = Scan {
+        tags: Vec::new(),
+        staging: Vec::new(),
+    };
+    for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
         let e = e?;
         let name = e.file_name().to_string_lossy().into_owned();
         if !e.file_type()?.is_dir() {
@@ -273,18 +306,30 @@ pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::R
             .strip_prefix("step-")
             .is_some_and(|n| n.len() >= 8 && n.bytes().all(|b| b.is_ascii_digit()));
         if is_tag && e.path().join("MANIFEST.json").is_file() {
-            tags.push(name);
+            out.tags.push(name);
         } else if name.starts_with("step-") {
             eprintln!(
                 "note: {} is not a committed checkpoint tag; left alone",
                 e.path().display()
             );
         } else if name.starts_with(".staging-") {
-            staging.push(name);
+            out.staging.push(name);
         }
     }
     // Tags are `step-NNNNNNNN`: zero-padded, so the names sort by step.
-    tags.sort();
+    out.tags.sort();
+    Ok(out)
+}
+
+pub(crate) fn gc(dir: &std::path::Path, keep: usize, dry_run: bool) -> anyhow::Result<()> {
+    // LATEST is checked (length and crc of its manifest) before anything is deleted.
+    let (latest, _) = read_manifest(&open(dir)?, None)
+        .with_context(|| format!("{}: no valid LATEST; nothing deleted", dir.display()))?;
+    anyhow::ensure!(
+        keep >= 1,
+        "--keep 0 would delete {latest}, the checkpoint LATEST names; nothing deleted"
+    );
+    let Scan { tags, staging } = scan(dir)?;
     let mut doomed: Vec<String> = tags
         .iter()
         .rev()
@@ -401,6 +446,63 @@ mod tests {
         let good = root.join("model.safetensors");
         ckpt(&["export", ck_s, "--out", good.to_str().unwrap()]).unwrap();
         assert!(good.is_file());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// `ckpt verify ROOT` checks every committed tag, not only LATEST's: a byte flipped in an
+    /// older tag fails it, naming that tag, while the newer tag's directory still verifies.
+    /// `ckpt gc` then deletes a planted staging directory and the old tags, and leaves a
+    /// `step-*` directory that was never committed.
+    #[test]
+    fn verify_checks_every_tag_and_gc_clears_staging() {
+        let root = std::env::temp_dir().join(format!("zero-rs-ckpt-verify-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let ck = root.join("ck");
+        let ck_s = ck.to_str().unwrap();
+        let train = crate::train::tests::args(
+            &root.join("run"),
+            &[
+                "--model",
+                "tiny",
+                "--micro-batch",
+                "2",
+                "--steps",
+                "2",
+                "--save-every",
+                "1",
+                "--save-dir",
+                ck_s,
+            ],
+        );
+        crate::train::run(train).unwrap();
+        ckpt(&["verify", ck_s]).unwrap();
+        let old = ck.join("step-00000001");
+        let file = std::fs::read_dir(&old)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.file_name().is_some_and(|n| n != "MANIFEST.json"))
+            .unwrap();
+        let mut bytes = std::fs::read(&file).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x40;
+        std::fs::write(&file, bytes).unwrap();
+        let e = format!("{:#}", ckpt(&["verify", ck_s]).unwrap_err());
+        assert!(e.contains("1 of 3 checked failed: step-00000001"), "{e}");
+        ckpt(&["verify", ck.join("step-00000002").to_str().unwrap()]).unwrap();
+        let staging = ck.join(".staging-step-00000003-1");
+        let uncommitted = ck.join("step-00000009");
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::write(staging.join("rank-0.bin"), b"partial").unwrap();
+        std::fs::create_dir_all(&uncommitted).unwrap();
+        ckpt(&["gc", ck_s]).unwrap();
+        assert!(!staging.exists(), "the staging directory is gone");
+        assert!(!old.exists(), "the older tag is gone");
+        assert!(ck.join("step-00000002").exists(), "LATEST's tag stays");
+        assert!(
+            uncommitted.exists(),
+            "a directory never committed is left alone"
+        );
+        ckpt(&["verify", ck_s]).unwrap();
         let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -3,13 +3,17 @@
 //! - `plan`: the estimator: memory per rank and bytes on the wire for a model, topology and config.
 //! - `simulate`: the plan's step time, throughput and memory on a modelled GPU cluster (sweeps, plots).
 //! - `train`: a real training job end to end (default: a small GPT on a synthetic language, 4
-//!   in-process ranks as 2 nodes of 2, ZeRO-3 + qwZ + hpZ + qgZ).
-//! - `test`: what CI runs: formatting, lints (the `nccl` feature included, so GPU-only code
-//!   compiles), and the whole test suite with snapshot checks.
+//!   in-process ranks as 2 nodes of 2, ZeRO-3 + qwZ + hpZ + qgZ), or one rank per process
+//!   (`--launcher mpi`, or under `launch`).
+//! - `launch`: a torchrun: starts N processes with torchrun's variables (e.g. `-- train ...` over
+//!   NCCL), prefixes their output, and stops them all when one fails.
+//! - `ckpt`: offline checkpoint tools (`inspect`, `verify`, `gc`, `export` to safetensors).
+//! - `bench`: trainer benchmarks, one `train` process per configuration.
+//! - `test`: what CI runs: formatting, lints (the GPU-only features included, so GPU-only code
+//!   compiles), rustdoc, and the whole test suite with snapshot checks.
 //! - `gpu-check`: the short script for a machine with a GPU: the NCCL and CUDA-codec tests, the
 //!   trainer over NCCL, the wgpu programs on the GPU's Vulkan driver, bandwidth figures, a report;
 //!   `--bundle` builds it for a GPU machine without cargo.
-//! - `ckpt`: offline checkpoint tools (`inspect`, `verify`, `export` to safetensors).
 //! - `ptx`: compiles zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
 
 mod bench;
@@ -52,7 +56,7 @@ enum Command {
     Test(test::TestArgs),
     /// On a GPU machine: every GPU test (NCCL, CUDA codecs, the trainer, wgpu on Vulkan), figures.
     GpuCheck(gpu_check::GpuCheckArgs),
-    /// Offline checkpoint tools: inspect, verify, export to safetensors.
+    /// Offline checkpoint tools: inspect, verify, gc, export to safetensors.
     Ckpt(ckpt::CkptArgs),
     /// Compile zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
     Ptx(ptx::PtxArgs),

@@ -23,11 +23,12 @@ pub(crate) struct TestArgs {
     allow_device_skips: bool,
 }
 
-/// The test features: the MPI communicator (OpenMPI), the wgpu loopback, the WGSL codecs and the
-/// trainer on burn's wgpu backend (on Mesa's lavapipe without a GPU). zero-burn/wgpu is for these debug builds only: burn-wgpu
-/// takes more than 20 minutes to build in release, so `cargo xtask train` never enables it.
+/// The test features: the MPI communicator (OpenMPI), the wgpu loopback, the WGSL codecs, the
+/// trainer on burn's wgpu backend (on Mesa's lavapipe without a GPU) and xtask's own MPI launcher
+/// (its command-line test). zero-burn/wgpu is for these debug builds only: burn-wgpu takes more
+/// than 20 minutes to build in release, so `cargo xtask train` never enables it.
 const TEST_FEATURES: &str =
-    "zero-comm/mpi,zero-comm/wgpu,zero-quant/wgpu,zero-burn/mpi,zero-burn/wgpu";
+    "zero-comm/mpi,zero-comm/wgpu,zero-quant/wgpu,zero-burn/mpi,zero-burn/wgpu,xtask/mpi";
 
 /// The burn-train adapter's tests, in a build of their own: burn-train asks for burn-flex's
 /// default features (SIMD kernels, rayon), which change flex's float results for everything in

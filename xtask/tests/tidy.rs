@@ -1,4 +1,5 @@
-//! Tidy checks that run under `cargo test`: the one-way dependency graph and test hygiene.
+//! Tidy checks that run under `cargo test`: the one-way dependency graph, test hygiene, and docs
+//! that stay short and name nothing outside the repository.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -125,4 +126,218 @@ fn no_ignored_or_should_panic_tests() {
             f.display()
         );
     }
+}
+
+/// The longest a Markdown table cell may be: a table is for scanning, and evidence that needs more
+/// words goes in bullets (STATUS.md) or prose.
+const MAX_TABLE_CELL: usize = 300;
+/// README is the front door: it fits a few screens.
+const README_MAX_LINES: usize = 200;
+const README_MAX_CHARS: usize = 12_000;
+/// Words that, followed by a number, name the project's history rather than the code.
+const HISTORY_WORDS: &[&str] = &["session ", "issue ", "stop "];
+/// Files that are not in the repository (a reader cannot open them), spelled so that this file
+/// does not name them itself.
+const OUTSIDE_FILES: &[&str] = &[
+    concat!("zero", "-spec"),
+    concat!("../", "shared"),
+    concat!("aesthetics", "-review"),
+    concat!("test", "-audit"),
+];
+
+/// README, STATUS, ARCHITECTURE, BENCHMARKS and every Markdown file under `docs/`.
+fn markdown_docs() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "md") {
+                out.push(p);
+            }
+        }
+    }
+    let root = root();
+    let mut docs: Vec<PathBuf> = ["README.md", "STATUS.md", "ARCHITECTURE.md", "BENCHMARKS.md"]
+        .iter()
+        .map(|f| root.join(f))
+        .collect();
+    walk(&root.join("docs"), &mut docs);
+    docs
+}
+
+/// The cells of a Markdown table row (`| a | b |`), split as GitHub does: at every `|` not
+/// escaped with a backslash. Empty for a line that is not a table row.
+fn table_cells(line: &str) -> Vec<&str> {
+    let row = line.trim();
+    if !row.starts_with('|') {
+        return Vec::new();
+    }
+    let mut cells = Vec::new();
+    let mut start = 1;
+    let mut escaped = false;
+    for (i, c) in row.char_indices().skip(1) {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '|' => {
+                cells.push(row[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if !row[start..].trim().is_empty() {
+        cells.push(row[start..].trim());
+    }
+    cells
+}
+
+/// The first history word in `line` that is followed by a digit and starts a word of its own
+/// (so "tissue" does not count), in any case.
+fn history_word(line: &str) -> Option<&'static str> {
+    let lower = line.to_lowercase();
+    for word in HISTORY_WORDS {
+        let mut from = 0;
+        while let Some(k) = lower[from..].find(word) {
+            let at = from + k;
+            let before = lower[..at].chars().next_back();
+            let starts_word = before.is_none_or(|c| !c.is_alphanumeric());
+            let numbered = lower[at + word.len()..].starts_with(|c: char| c.is_ascii_digit());
+            if starts_word && numbered {
+                return Some(word.trim_end());
+            }
+            from = at + 1;
+        }
+    }
+    None
+}
+
+/// Every rule of `docs_are_short_and_self_contained` that `text` (the file `name`) breaks.
+fn doc_problems(name: &str, text: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut in_code = false;
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        if line.trim_start().starts_with("```") {
+            in_code = !in_code;
+        }
+        if !in_code {
+            for cell in table_cells(line) {
+                let len = cell.chars().count();
+                if len > MAX_TABLE_CELL {
+                    problems.push(format!(
+                        "{name}:{n}: a table cell of {len} characters (at most {MAX_TABLE_CELL}): \
+                         move the evidence to bullets"
+                    ));
+                }
+            }
+        }
+        if let Some(word) = history_word(line) {
+            problems.push(format!(
+                "{name}:{n}: \"{word}\" with a number is project history: say what is, not how it \
+                 came to be"
+            ));
+        }
+        for outside in OUTSIDE_FILES {
+            if line.contains(outside) {
+                problems.push(format!(
+                    "{name}:{n}: `{outside}` is not in the repository: state the fact itself, or \
+                     point to a doc in the repository"
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn docs_are_short_and_self_contained() {
+    let root = root();
+    let mut problems = Vec::new();
+    for f in markdown_docs() {
+        let name = f.strip_prefix(&root).unwrap_or(&f).display().to_string();
+        let text = std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("{name}: {e}"));
+        problems.extend(doc_problems(&name, &text));
+        if name == "README.md" {
+            let (lines, chars) = (text.lines().count(), text.chars().count());
+            if lines > README_MAX_LINES || chars > README_MAX_CHARS {
+                problems.push(format!(
+                    "README.md: {lines} lines and {chars} characters (at most {README_MAX_LINES} \
+                     and {README_MAX_CHARS}): evidence goes to STATUS.md"
+                ));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{} problems in the docs:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn comments_name_no_history_and_no_outside_files() {
+    let root = root();
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    let mut problems = Vec::new();
+    for f in files {
+        let name = f.strip_prefix(&root).unwrap_or(&f).display().to_string();
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            let n = i + 1;
+            for outside in OUTSIDE_FILES {
+                if line.contains(outside) {
+                    problems.push(format!("{name}:{n}: `{outside}` is not in the repository"));
+                }
+            }
+            let comment = line.trim_start();
+            if !comment.starts_with("//") {
+                continue;
+            }
+            if let Some(word) = history_word(comment) {
+                problems.push(format!(
+                    "{name}:{n}: \"{word}\" with a number in a comment is project history"
+                ));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{} problems in comments:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+}
+
+/// The checkers above can fail: each finds what it looks for, and leaves alone what it must.
+#[test]
+fn the_doc_checks_find_what_they_look_for() {
+    assert_eq!(
+        table_cells("| a | `b` | c \\| d |"),
+        ["a", "`b`", "c \\| d"]
+    );
+    assert_eq!(table_cells("|---|---:|"), ["---", "---:"]);
+    assert!(table_cells("not | a row").is_empty());
+    assert_eq!(
+        history_word(concat!("as in Session", " 5, below")),
+        Some("session")
+    );
+    assert_eq!(history_word(concat!("(issue", " 11)")), Some("issue"));
+    assert_eq!(history_word(concat!("the tissue", " 3")), None);
+    assert_eq!(history_word("the issue's bound; a stop sign"), None);
+    let long = format!("| x | {} |", "y".repeat(MAX_TABLE_CELL + 1));
+    let text = format!("# T\n\n{long}\n```\n{long}\n```\n");
+    assert_eq!(
+        doc_problems("T.md", &text).len(),
+        1,
+        "a cell in a code block is not a cell"
+    );
+    let outside = format!("see `{}.md`", OUTSIDE_FILES[0]);
+    assert_eq!(doc_problems("T.md", &outside).len(), 1);
 }

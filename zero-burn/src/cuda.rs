@@ -5,8 +5,8 @@
 //! so a machine without them gets an error naming what is missing.
 //!
 //! What works: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`) and [`device`] guards
-//! it. Not yet: the engine's state on the device, the CUDA loopback and NCCL on device pointers
-//! (the engine stages through host memory, as on the other backends); see README's status table.
+//! it. Not yet: the shards and accumulators on the device (only the optimizer's state lives
+//! there), the CUDA loopback and NCCL on device pointers; see STATUS.md.
 
 use burn::tensor::Device;
 

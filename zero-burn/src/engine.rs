@@ -224,6 +224,9 @@ pub struct RankReport {
     pub device_grad_bytes: u64,
     /// Weight bytes a [`DeviceTensors`] hook installed straight from the communicator's memory.
     pub device_weight_bytes: u64,
+    /// The device holding the optimizer's state (moments, bf16/fp16 master weights), as burn
+    /// names it; `None` for host memory (see [`ZeroEngine::optimizer_device`]).
+    pub optimizer_device: Option<String>,
 }
 
 impl RankReport {
@@ -266,6 +269,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             planned_memory: plan.memory(),
             device_grad_bytes: self.device_grad_bytes(),
             device_weight_bytes: self.device_weight_bytes(),
+            optimizer_device: self.optimizer_device().map(|d| format!("{d:?}")),
         }
     }
 

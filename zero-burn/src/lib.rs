@@ -4,7 +4,7 @@
 //! executes a `zero_core::Plan` over one `zero_comm` communicator; the caller owns the model, the
 //! batches, the loss and the loop.
 //!
-//! - A model is [`Segmented`]: it names its segments (the points where stage 3 gathers and
+//! - A model is [`Segmented`]: it splits itself into segments (the points where stage 3 gathers and
 //!   releases weights and where gradients are complete) and runs them one at a time, with any
 //!   batch type and any [`Activation`] between segments. [`Whole`] makes any burn module plus a
 //!   loss closure a one-segment model.
@@ -21,12 +21,13 @@
 //! The demo (a GPT-style decoder, corpora and the job `cargo xtask train` runs) lives in
 //! [`demo`] and uses this API alone.
 //!
+//! A user's loop needs one import, [`prelude`]. README's snippet is the middle of this example,
+//! line for line (`zero-burn/tests/readme.rs` checks it):
+//!
 //! ```
 //! use burn::nn::loss::CrossEntropyLossConfig;
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::tensor::{Device, Int, Tensor, TensorData};
-//! use zero_burn::{Launch, Whole, ZeroEngine};
-//! use zero_core::{Topology, ZeroConfig};
 //!
 //! // Any burn module and a loss: here a linear classifier of 4 features into 2 classes.
 //! struct Batch { x: Tensor<2>, y: Tensor<1, Int> }
@@ -34,35 +35,36 @@
 //! let model = Whole::new(LinearConfig::new(4, 2).init(&device), |m: &Linear, b: &Batch| {
 //!     CrossEntropyLossConfig::new().init(&b.x.device()).forward(m.forward(b.x.clone()), b.y.clone())
 //! });
-//! // Rank r's batch at step s: two points of its own.
-//! let batch = |s: usize, r: usize| {
+//! // Rank r's micro-batches at step s: one of two points of its own.
+//! let my_batches = |s: usize, r: usize| {
 //!     let v = (s * 2 + r) as f32;
-//!     Batch {
+//!     vec![Batch {
 //!         x: Tensor::from_data(TensorData::new(vec![v, 1.0, -v, 0.5, -1.0, v, 0.0, 2.0], [2, 4]), &Device::flex()),
 //!         y: Tensor::from_data(TensorData::new(vec![0i64, 1], [2]), &Device::flex()),
-//!     }
+//!     }]
 //! };
-//! // Two ranks in this process, ZeRO-3: each builds its engine and drives its own loop.
-//! let topology = Topology::single_node(2)?;
-//! let losses = Launch::new(topology).run_with(&model, |comm, model| {
-//!     let rank = zero_comm::Communicator::rank(&comm);
+//! let (steps, lr) = (3, 1e-2);
+//! use zero_burn::prelude::*; // Launch, ZeroEngine, ZeroConfig, Topology, Optimizer, Communicator…
+//!
+//! let models = Launch::new(Topology::single_node(2)?).run_with(&model, |comm, model| {
+//!     let rank = comm.rank();
 //!     let mut engine = ZeroEngine::builder(comm, model)
-//!         .config(ZeroConfig { stage: 3, ..Default::default() })
-//!         .build()?;
-//!     let mut losses = Vec::new();
-//!     for step in 0..3 {
-//!         losses.push(engine.step(1e-2, &[batch(step, rank)])?.loss);
+//!         .config(ZeroConfig { stage: 3, ..Default::default() })   // or .plan(Arc<Plan>)
+//!         .optimizer(Optimizer::default())                          // AdamW; or Optimizer::Sgd { .. }
+//!         .build()?;                                                // every check happens here
+//!     for step in 0..steps {
+//!         let out = engine.step(lr, &my_batches(step, rank))?;      // A micro-batches of this rank
+//!         println!("rank {rank} step {step}: loss {}", out.loss);
 //!     }
-//!     assert!(engine.report().traffic_matches_plan());
-//!     let _full = engine.consolidated_model()?; // collective: every rank calls it
-//!     Ok(losses)
+//!     assert!(engine.report().traffic_matches_plan());              // measured vs planned
+//!     engine.consolidated_model()                                   // collective: the full model
 //! })?;
-//! assert_eq!(losses.len(), 2);
+//! assert_eq!(models.len(), 2);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! **May depend on:** zero-core, zero-comm, zero-quant and burn. It is the only library crate that
-//! names burn types. What works and what does not is in README's status table.
+//! names burn types. What works and what does not is in STATUS.md.
 
 #[cfg(feature = "wgpu")]
 pub mod bridge;
@@ -96,8 +98,25 @@ pub use precision::StepInfo;
 pub use reduction::Reduction;
 pub use segmented::{Activation, SegmentOut, Segmented, Whole};
 pub use trainer::{BufferSync, MeasuredMemory, StepOutput, ZeroEngine};
+pub use zero_comm::Communicator;
+pub use zero_core::{Placement, Plan, Precision, Topology, ZeroConfig};
 
-use zero_core::{ModelDesc, Plan, Topology, ZeroConfig};
+/// What a training loop names, in one import: `use zero_burn::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        Activation, BufferSync, Communicator, EngineBuilder, Error, Launch, Optimizer, Placement,
+        Plan, Precision, Reduction, SegmentOut, Segmented, Topology, Whole, ZeroConfig, ZeroEngine,
+        parameters, plan_for,
+    };
+}
+
+/// Every parameter and buffer of `model`, in visit order: its path (`blocks.0.attn.query.weight`,
+/// the name the plan, its report and errors use), shape, and whether it is trainable or a buffer.
+pub fn parameters<M: burn::module::Module>(model: &M) -> Vec<params::ParamInfo> {
+    params::describe(model)
+}
+
+use zero_core::ModelDesc;
 
 /// The zero-core description of a segmented model: parameters in visit order, grouped for stage-3
 /// gathers by segment.

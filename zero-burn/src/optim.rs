@@ -1,6 +1,11 @@
-//! Optimizers over flat `f32` slices: each rank steps only its shard, element by element, so the
-//! result does not depend on how the flat buffer is sharded.
+//! Optimizers over flat `f32` buffers: each rank steps only its shard, element by element, so the
+//! result does not depend on how the flat buffer is sharded. One algorithm in two forms with the
+//! same bits (tested): [`step`], one fused loop over host slices, for state in host memory (on a
+//! CPU backend, or offloaded), and [`step_tensors`], the same operations as burn tensor
+//! operations, for state on a device. The loop is the CPU's form because the tensor form makes a
+//! pass over memory per operation: about 5× slower on flex (5.25M elements: 16 ms against 88 ms).
 
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 /// The optimizer.
@@ -56,40 +61,17 @@ impl Optimizer {
     }
 }
 
-/// Optimizer state of one flat slice.
-#[derive(Clone, Debug, Default)]
-pub struct OptimState {
-    /// First moment (Adam) or momentum buffer (SGD).
-    pub m: Vec<f32>,
-    /// Second moment (Adam).
-    pub v: Vec<f32>,
-}
-
-impl OptimState {
-    /// Zeroed state for `len` elements.
-    pub fn new(opt: &Optimizer, len: usize) -> Self {
-        let n = opt.state_buffers();
-        OptimState {
-            m: if n >= 1 { vec![0.0; len] } else { Vec::new() },
-            v: if n >= 2 { vec![0.0; len] } else { Vec::new() },
-        }
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> u64 {
-        4 * (self.m.capacity() + self.v.capacity()) as u64
-    }
-}
-
-/// One step over `params[range]` with `grads[range]`; `step` counts from 1.
+/// One step over `params` with `grads`, in host memory; `step` counts from 1. `m` and `v` are
+/// the moments ([`Optimizer::state_buffers`] of them hold `params.len()` elements; the others
+/// may be empty).
 pub fn step(
     opt: &Optimizer,
     lr: f32,
     step: u64,
     params: &mut [f32],
     grads: &[f32],
-    st: &mut OptimState,
-    offset: usize,
+    m: &mut [f32],
+    v: &mut [f32],
 ) {
     let n = params.len();
     match *opt {
@@ -99,10 +81,8 @@ pub fn step(
             eps,
             weight_decay,
         } => {
-            let bc1 = 1.0 - beta1.powi(step as i32);
-            let bc2 = 1.0 - beta2.powi(step as i32);
-            let m = &mut st.m[offset..offset + n];
-            let v = &mut st.v[offset..offset + n];
+            let (bc1, bc2) = bias_corrections(beta1, beta2, step);
+            let (m, v) = (&mut m[..n], &mut v[..n]);
             for i in 0..n {
                 let g = grads[i];
                 m[i] = beta1 * m[i] + (1.0 - beta1) * g;
@@ -118,10 +98,131 @@ pub fn step(
                     params[i] -= lr * grads[i];
                 }
             } else {
-                let m = &mut st.m[offset..offset + n];
+                let m = &mut m[..n];
                 for i in 0..n {
                     m[i] = momentum * m[i] + grads[i];
                     params[i] -= lr * m[i];
+                }
+            }
+        }
+    }
+}
+
+/// Adam's bias corrections `1 − β^t`.
+fn bias_corrections(beta1: f32, beta2: f32, step: u64) -> (f32, f32) {
+    (1.0 - beta1.powi(step as i32), 1.0 - beta2.powi(step as i32))
+}
+
+/// [`step`] as burn tensor operations on the tensors' own device: the same IEEE operations in
+/// the same order, element by element, so on the CPU backend the bits equal [`step`]'s (tested),
+/// and on a GPU they differ at most by the device's `sqrt` and division rounding. Returns the new
+/// weights and moments; `m` and `v` are `Some` exactly when the optimizer keeps them.
+pub fn step_tensors(
+    opt: &Optimizer,
+    lr: f32,
+    step: u64,
+    params: Tensor<1>,
+    grads: Tensor<1>,
+    m: Option<Tensor<1>>,
+    v: Option<Tensor<1>>,
+) -> (Tensor<1>, Option<Tensor<1>>, Option<Tensor<1>>) {
+    match (*opt, m, v) {
+        (
+            Optimizer::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            },
+            Some(m),
+            Some(v),
+        ) => {
+            let (bc1, bc2) = bias_corrections(beta1, beta2, step);
+            let m = m.mul_scalar(beta1) + grads.clone().mul_scalar(1.0 - beta1);
+            let v = v.mul_scalar(beta2) + grads.clone().mul_scalar(1.0 - beta2) * grads;
+            let mhat = m.clone().div_scalar(bc1);
+            let vhat = v.clone().div_scalar(bc2);
+            let update =
+                mhat / vhat.sqrt().add_scalar(eps) + params.clone().mul_scalar(weight_decay);
+            (params - update.mul_scalar(lr), Some(m), Some(v))
+        }
+        (Optimizer::Sgd { momentum }, m, _) if momentum != 0.0 => {
+            let m = m.expect("momentum SGD keeps a momentum buffer");
+            let m = m.mul_scalar(momentum) + grads;
+            (params - m.clone().mul_scalar(lr), Some(m), None)
+        }
+        (Optimizer::Sgd { .. }, _, _) => (params - grads.mul_scalar(lr), None, None),
+        (Optimizer::AdamW { .. }, _, _) => {
+            unreachable!("AdamW keeps both moments (Optimizer::state_buffers)")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, TensorData};
+
+    fn tensor(x: &[f32]) -> Tensor<1> {
+        Tensor::from_data(TensorData::new(x.to_vec(), [x.len()]), &Device::flex())
+    }
+
+    fn host(t: &Tensor<1>) -> Vec<u32> {
+        t.clone()
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// On the CPU backend the tensor step gives the host step's bits, step after step, for every
+    /// optimizer (weight decay on, and the awkward values: zeros, signed zeros, tiny and huge).
+    #[test]
+    fn the_tensor_step_equals_the_host_step_bit_for_bit() {
+        let n = 1000;
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let mut w0: Vec<f32> = (0..n).map(|_| next()).collect();
+        w0[..4].copy_from_slice(&[0.0, -0.0, 1e-30, -3e30]);
+        for opt in [
+            Optimizer::default(),
+            Optimizer::AdamW {
+                beta1: 0.8,
+                beta2: 0.95,
+                eps: 1e-6,
+                weight_decay: 0.1,
+            },
+            Optimizer::Sgd { momentum: 0.9 },
+            Optimizer::Sgd { momentum: 0.0 },
+        ] {
+            let k = opt.state_buffers();
+            let mut w = w0.clone();
+            let (mut m, mut v) = (
+                vec![0.0; n * usize::from(k >= 1)],
+                vec![0.0; n * usize::from(k >= 2)],
+            );
+            let mut tw = tensor(&w);
+            let mut tm = (k >= 1).then(|| tensor(&m));
+            let mut tv = (k >= 2).then(|| tensor(&v));
+            for t in 1..=5u64 {
+                let mut g: Vec<f32> = (0..n).map(|_| next() * 1e-2).collect();
+                g[..3].copy_from_slice(&[0.0, -0.0, 1e-38]);
+                step(&opt, 1e-3, t, &mut w, &g, &mut m, &mut v);
+                (tw, tm, tv) = step_tensors(&opt, 1e-3, t, tw, tensor(&g), tm, tv);
+                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(host(&tw), bits(&w), "{opt:?} step {t}: weights");
+                if let Some(tm) = &tm {
+                    assert_eq!(host(tm), bits(&m), "{opt:?} step {t}: m");
+                }
+                if let Some(tv) = &tv {
+                    assert_eq!(host(tv), bits(&v), "{opt:?} step {t}: v");
                 }
             }
         }

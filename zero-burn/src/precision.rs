@@ -16,7 +16,7 @@
 //! beyond the 16-bit working copy the plan budgets; [`crate::MeasuredMemory::f32_compute_copies`]
 //! reports that excess separately so the model-state categories stay comparable with the plan.
 //!
-//! **Loss scaling (fp16 only)** follows DeepSpeed's `DynamicLossScaler` (zero-spec.md §3.4): the
+//! **Loss scaling (fp16 only)** follows DeepSpeed's `DynamicLossScaler`: the
 //! loss is multiplied by the scale before the backward; after the reduction every rank checks its
 //! reduced gradient shard for inf/NaN; the flag travels in the 8-byte f64 sum-of-squares partial
 //! the plan already schedules for the fp16 overflow check (a non-finite partial on any rank makes

@@ -1,4 +1,4 @@
-//! Checkpoints (issue 11): same-plan resume is bit-exact (losses, every parameter, optimizer
+//! Checkpoints: same-plan resume is bit-exact (losses, every parameter, optimizer
 //! state and loss-scaler bit) at stages 0–3, ZeRO++, bf16 and fp16 with a skipped step; every
 //! kind of corruption is detected before any state changes, naming the file; a crash at every
 //! write step of the save protocol leaves `LATEST` loadable.
@@ -40,9 +40,9 @@ fn state(e: &mut ZeroEngine<HostComm, Gpt>, losses: Vec<f32>) -> State {
     State {
         losses: to_bits(&losses),
         params,
-        master: to_bits(e.master_weights()),
-        m: to_bits(m),
-        v: to_bits(v),
+        master: to_bits(&e.master_weights()),
+        m: to_bits(&m),
+        v: to_bits(&v),
         scale: e.loss_scale().map(f64::to_bits),
         steps: e.steps(),
         skipped: e.skipped_steps(),

@@ -1,4 +1,4 @@
-//! Consolidated safetensors export of a sharded checkpoint (issue 11): names and shapes are the
+//! Consolidated safetensors export of a sharded checkpoint: names and shapes are the
 //! model's, the f32 export equals the gathered fp32 weights bit for bit, and a bf16 export
 //! equals a bf16 run's working weights bit for bit. Parsed by the reference `safetensors` crate.
 

@@ -1,4 +1,4 @@
-//! Checkpoint faults (issue 11): truncated, extended, flipped, foreign and missing files, a
+//! Checkpoint faults: truncated, extended, flipped, foreign and missing files, a
 //! different model or plan are each refused before any state changes, with an error naming the
 //! file; a simulated crash at every write step of the save protocol leaves `LATEST` loadable
 //! and the continuation bit-exact; a committed tag is never rewritten; another rank's file that
@@ -26,7 +26,7 @@ fn snapshot(e: &mut ZeroEngine<HostComm, Gpt>) -> (Vec<Vec<u32>>, Vec<u32>, Vec<
     let p = bits(&e.gather_all_params().unwrap());
     let (m, v) = e.optimizer_state();
     let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    (p, b(m), b(v), e.steps())
+    (p, b(&m), b(&v), e.steps())
 }
 
 fn cfg(stage: u8) -> ZeroConfig {

@@ -1,4 +1,4 @@
-//! Frozen parameters in checkpoints (issue 11, invariant I14): a parameter with
+//! Frozen parameters in checkpoints (invariant I14): a parameter with
 //! `require_grad` off never moves, is saved whole by one rank at stages 0–2 (where it is in no
 //! unit) and as shards at stage 3, comes back from the checkpoint whatever values the loading
 //! model was built with, reshards both ways between replicated and sharded, and is in the
@@ -123,7 +123,7 @@ fn world(
             let p = bits(&e.gather_all_params()?);
             let (m, v) = e.optimizer_state();
             let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect();
-            Ok((p, b(m), b(v), losses))
+            Ok((p, b(&m), b(&v), losses))
         })
         .unwrap()
 }

@@ -1,4 +1,4 @@
-//! The memory bounds of a save, a load and an export (issue 11), besides the engine's own state:
+//! The memory bounds of a save, a load and an export, besides the engine's own state:
 //! no rank holds more than its shard plus about one tensor's worth of buffer. The save and the
 //! export stream, each within one rank file plus the largest tensor per rank, and well under it.
 //! A load verifies every byte before any state changes: it holds its own rank file (its shard);
@@ -11,7 +11,6 @@
 //! of the stage-3 checkpoint into stage 1, where every rank restores the whole weights from
 //! chunks in both files and holds only those of its new shard.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -23,56 +22,10 @@ use zero_burn::{Launch, ZeroEngine};
 use zero_comm::Communicator;
 use zero_core::{Topology, ZeroConfig};
 
-/// Counts the bytes live on the heap and their high-water mark.
-struct Counting;
+#[path = "common/counting.rs"]
+mod counting;
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(n: usize) {
-    let now = LIVE.fetch_add(n, Ordering::SeqCst) + n;
-    PEAK.fetch_max(now, Ordering::SeqCst);
-}
-
-// SAFETY: every call is forwarded to the system allocator unchanged; only counters are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::SeqCst);
-    }
-
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_sub(l.size(), Ordering::SeqCst);
-            grew(new);
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
+use counting::{LIVE, PEAK};
 
 #[test]
 fn save_load_and_export_stay_within_their_memory_bounds() {

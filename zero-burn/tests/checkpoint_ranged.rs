@@ -1,4 +1,4 @@
-//! A resharding load reads about what it restores (issue 11): each rank reads only the checksum
+//! A resharding load reads about what it restores: each rank reads only the checksum
 //! blocks its part of the state lies in, not every saved file it touches. A 2-rank stage-3
 //! checkpoint of one 4096 × 2048 linear layer (rank files of 50 MB, tensors of 17 MB, far larger
 //! than the 1 MiB blocks) loaded on 4 ranks: each new rank needs half of one old rank's file,

@@ -1,4 +1,4 @@
-//! Resharding at load (issue 11): a checkpoint saved with one plan loads into another world
+//! Resharding at load: a checkpoint saved with one plan loads into another world
 //! size, ranks per node, stage, bucket size or hpZ with every fp32 state element where the new
 //! plan puts it (round trips A → B → A give back every bit of the optimizer state), and with
 //! the canonical tree the continuation on the new world size is bit-identical to a run that used
@@ -65,7 +65,7 @@ fn world(
             let p = bits(&e.gather_all_params()?);
             let (m, v) = e.optimizer_state();
             let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect();
-            Ok((p, b(m), b(v), losses))
+            Ok((p, b(&m), b(&v), losses))
         })
 }
 

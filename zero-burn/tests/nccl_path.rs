@@ -3,9 +3,9 @@
 //!
 //! One GPU allows one NCCL rank (NCCL refuses two ranks on one device), so this is world size 1,
 //! where NCCL's results are exact: the run must be **bit-identical** to the host loopback's, and
-//! its measured traffic must equal the plan. The model computes on burn's flex (CPU) backend:
-//! burn's CUDA backend cannot be built offline (cubecl-cuda downloads LLVM in its build script),
-//! so parameters and gradients are staged through host memory around each collective.
+//! its measured traffic must equal the plan. The model computes on burn's flex (CPU) backend
+//! (the trainer has no burn-cuda path yet), so parameters and gradients are staged through host
+//! memory around each collective.
 //!
 //! It runs with the `gpu-tests` feature and `ZERO_GPU_TESTS=1` (what `cargo xtask gpu-check`
 //! sets) and otherwise prints why it skips. When it passes it appends its name to the gpu-check
@@ -177,7 +177,7 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
     cookie(test);
 }
 
-/// A checkpoint on the NCCL path (issue 11): half the steps, save, a fresh NCCL engine loads and
+/// A checkpoint on the NCCL path: half the steps, save, a fresh NCCL engine loads and
 /// runs the rest; every loss and final parameter equals the host loopback's uninterrupted run.
 #[test]
 fn a_checkpoint_over_nccl_resumes_bit_identically() {

@@ -1,5 +1,5 @@
 //! The wgpu path (feature `wgpu`): the trainer on burn's wgpu backend with the wgpu loopback, both
-//! on one `wgpu::Device` (`world::train_wgpu`), against the reference path (flex CPU backend, host
+//! on one `wgpu::Device` (`demo::run::train_wgpu`), against the reference path (flex CPU backend, host
 //! loopback) on the same job: losses per step within a stated tolerance, and measured traffic and
 //! model-state bytes equal to the plan exactly.
 //!

@@ -13,6 +13,9 @@
 //! - `wgpu_loopback` (feature `wgpu`): N ranks on one wgpu adapter (Mesa's lavapipe in CI), data
 //!   in `wgpu::Buffer`s, reductions in WGSL, bit-identical to the host loopback. It can adopt an
 //!   existing device and wrap existing buffers (the zero-copy bridge to burn-wgpu).
+//! - [`mpi`] (feature `mpi`, rsmpi over OpenMPI): one rank per process, host buffers. MPI moves
+//!   the chunks and the host kernels sum them, so results are bit-identical to the host loopback.
+//!   Without the feature, [`mpi::MpiComm::world`] returns [`Error::NotCompiled`].
 //! - [`nccl`] (feature `nccl`, via cudarc with dynamic loading): one rank per GPU, torchrun-style
 //!   bootstrap. It compiles everywhere; without the feature, or without libcuda/libnccl at run
 //!   time, constructors return an error ([`Error::NotCompiled`] or [`Error::Backend`]), never a
@@ -21,7 +24,7 @@
 //!   over any communicator.
 //!
 //! **May depend on:** zero-core (topology, traffic accounting), zero-quant (codecs), half, bytemuck
-//! and thiserror; wgpu/pollster and cudarc only behind their features.
+//! and thiserror; wgpu/pollster, cudarc and rsmpi (`mpi`) only behind their features.
 //!
 //! **Architecture Invariant:** zero-comm knows nothing about burn, tensors or models: it moves
 //! typed flat buffers ([`Element`]: `f32`, `bf16`, `f16`, `u8`) between ranks and counts the bytes.

@@ -79,9 +79,28 @@ impl OptimizerKind {
     }
 }
 
+/// Where the optimizer's state lives: its moments and, in mixed precision, the fp32 master
+/// weights. The optimizer step runs where they are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// On the model's device (host memory on a CPU backend).
+    #[default]
+    Device,
+    /// In host memory, stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`):
+    /// the device keeps the working weights, the gradients and the gathered units.
+    Host,
+}
+
+impl Placement {
+    fn is_device(&self) -> bool {
+        *self == Placement::Device
+    }
+}
+
 /// A ZeRO configuration. Sizes are in elements, as in DeepSpeed.
 ///
-/// Every field has DeepSpeed's default (zero-spec.md §9) except where noted; unknown keys are
+/// Every field has DeepSpeed's default except where noted; unknown keys are
 /// rejected with the list of valid ones.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -141,9 +160,13 @@ pub struct ZeroConfig {
     /// backward instead: no backward gathers, ZeRO-2-like peak memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_activations: Option<bool>,
+    /// Where the optimizer's moments and fp32 master weights live, and so where the optimizer
+    /// step runs: on the model's device (the default) or offloaded to host memory.
+    #[serde(skip_serializing_if = "Placement::is_device")]
+    pub optimizer_placement: Placement,
 }
 
-/// fp16 loss scaling, with DeepSpeed's keys, defaults and semantics (zero-spec.md §3.4).
+/// fp16 loss scaling, with DeepSpeed's keys, defaults and semantics.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossScaleConfig {
@@ -219,6 +242,7 @@ impl Default for ZeroConfig {
             grad_accum_dtype: None,
             loss_scaler: LossScaleConfig::default(),
             checkpoint_activations: None,
+            optimizer_placement: Placement::Device,
         }
     }
 }

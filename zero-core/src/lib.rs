@@ -30,8 +30,8 @@ pub mod traffic;
 
 pub use comm_model::{CommModel, GroupKind, Payload, Phase, PlannedOp};
 pub use config::{
-    AdamWValues, AutoResolution, DeepSpeedImport, LossScaleConfig, OptimizerKind, Precision,
-    RunBatch, RunValues, ZeroConfig,
+    AdamWValues, AutoResolution, DeepSpeedImport, LossScaleConfig, OptimizerKind, Placement,
+    Precision, RunBatch, RunValues, ZeroConfig,
 };
 pub use error::{CheckpointError, Error, Result};
 pub use memory::MemoryModel;

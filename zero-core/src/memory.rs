@@ -12,7 +12,7 @@
 //! - `master_weights`: fp32 master copy in mixed precision (4 B/element), sized like the optimizer
 //!   state. Zero in fp32, where the weight is the master.
 //! - `hpz_secondary`: stage 3 with hpZ: `len/hpz` elements of every gather unit (2Ψ/hpz for 16-bit
-//!   weights, zero-spec.md §1.4).
+//!   weights).
 //! - `gathered_working_set`: stage 3: the peak of gathered units alive at once (the current unit
 //!   plus one prefetched unit when `prefetch_bucket_size` and `max_live_parameters` allow it).
 //! - `communication_buffers`: the flat gradient buffer a bucket or unit is reduced from (doubled
@@ -20,6 +20,10 @@
 //!
 //! `model_states_bytes` is the ZeRO paper's figure: parameters + gradients + optimizer states +
 //! master weights. Activations are not modelled.
+//!
+//! Placement: every category is on the model's device, except with
+//! `optimizer_placement = host`, where `optimizer_states` and `master_weights` are in host memory
+//! (`host_bytes`); `device_bytes` is what the accelerator holds.
 
 use serde::Serialize;
 
@@ -47,6 +51,16 @@ pub struct MemoryModel {
     pub model_states_bytes: u64,
     /// Sum of every category.
     pub total_bytes: u64,
+    /// The part of `total_bytes` in host memory (`optimizer_placement = host`: optimizer states
+    /// and master weights); zero otherwise.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub host_bytes: u64,
+    /// The part of `total_bytes` on the model's device.
+    pub device_bytes: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 impl MemoryModel {
@@ -169,6 +183,10 @@ impl Plan {
         }
         m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
         m.total_bytes = m.rows().iter().map(|(_, b)| b).sum();
+        if c.optimizer_placement == crate::config::Placement::Host {
+            m.host_bytes = m.optimizer_states + m.master_weights;
+        }
+        m.device_bytes = m.total_bytes - m.host_bytes;
         m
     }
 

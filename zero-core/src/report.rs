@@ -175,6 +175,15 @@ impl fmt::Display for PlanReport {
             human_bytes(self.memory.total_bytes),
             self.memory.total_bytes
         )?;
+        if self.memory.host_bytes > 0 {
+            writeln!(
+                f,
+                "  {:<24} {:>12}  {:>16} B  (optimizer_placement = host)",
+                "of which in host memory",
+                human_bytes(self.memory.host_bytes),
+                self.memory.host_bytes
+            )?;
+        }
         writeln!(
             f,
             "\ncommunication per rank per optimizer step (bytes sent; received is the same)"

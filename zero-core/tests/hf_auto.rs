@@ -113,12 +113,31 @@ fn hf_zero3_config_resolves_to_the_stated_values_for_gpt2_medium() {
     Plan::new(&model, Topology::new(8, 8).unwrap(), c).unwrap();
 }
 
+/// HF's ZeRO-3 offload example: the optimizer offloaded to the CPU is host placement.
+#[test]
+fn the_optimizer_offloaded_to_the_cpu_is_host_placement() {
+    let text = HF_ZERO3.replace(
+        r#""stage": 3,"#,
+        r#""stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true},"#,
+    );
+    let imp = ZeroConfig::from_deepspeed_json_with(&text, &run()).unwrap();
+    assert_eq!(imp.config.optimizer_placement, zero_core::Placement::Host);
+    assert!(imp.notes.iter().any(|n| n.contains("host memory")));
+    let model = ModelDesc::preset("gpt2-medium").unwrap();
+    let m = Plan::new(&model, Topology::new(8, 8).unwrap(), &imp.config)
+        .unwrap()
+        .memory();
+    assert_eq!(m.host_bytes, m.optimizer_states + m.master_weights);
+    assert_eq!(m.device_bytes + m.host_bytes, m.total_bytes);
+    assert!(m.host_bytes > 0);
+}
+
 #[test]
 fn an_unsupported_key_is_still_refused_by_name() {
     for (key, value) in [
         (
             "offload_optimizer",
-            r#"{"device": "cpu", "pin_memory": true}"#,
+            r#"{"device": "nvme", "nvme_path": "/local_nvme"}"#,
         ),
         (
             "offload_param",

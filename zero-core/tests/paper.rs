@@ -22,7 +22,7 @@ fn gb(b: u64) -> f64 {
 
 #[test]
 fn zero_paper_figure_1_mixed_precision_adam() {
-    // 120 -> 31.4 -> 16.6 -> 1.9 GB for 7.5B parameters on 64 ranks (zero-spec.md §1.1).
+    // 120 -> 31.4 -> 16.6 -> 1.9 GB for 7.5B parameters on 64 ranks (the ZeRO paper).
     let want = [120.0, 31.4, 16.6, 1.9];
     for (stage, want) in want.into_iter().enumerate() {
         let m = plan(stage as u8, Precision::Bf16, 64, 8).memory();
@@ -79,7 +79,7 @@ fn fp32_gradient_accumulation_doubles_only_the_gradients() {
 
 #[test]
 fn zero_paper_fp32_variant() {
-    // 120 -> 60.9 -> 31.4 -> 1.9 GB (zero-spec.md §1.2).
+    // 120 -> 60.9 -> 31.4 -> 1.9 GB (the ZeRO paper).
     let want = [120.0, 60.9, 31.4, 1.9];
     for (stage, want) in want.into_iter().enumerate() {
         let m = plan(stage as u8, Precision::Fp32, 64, 8).memory();

@@ -1,4 +1,4 @@
-//! Property tests of the partition invariants I2 and I3 (zero-spec.md §8).
+//! Property tests of the partition invariants I2 and I3 (ARCHITECTURE.md, "Invariants").
 
 mod common;
 

@@ -14,7 +14,8 @@
 //!
 //! Dependencies: `half` (bf16/f16 types and F16C conversions), `thiserror`,
 //! and `bytemuck` (used by the `wgpu` feature); `wgpu` and `pollster` with
-//! that feature. It depends on no other `zero-*` crate.
+//! that feature, and `cudarc` with feature `cuda`. It depends on no other
+//! `zero-*` crate.
 //!
 //! # API in one screen
 //!
@@ -177,9 +178,9 @@
 //! variants split on block boundaries over `std::thread::scope` threads and
 //! return exactly what the serial ones return. Single-thread throughput on a
 //! 16 MiB f32 tensor, relative to `memcpy` of the same bytes (AVX2 build):
-//! int8 encode 0.96x and decode 1.2x, int4 encode 0.8x and decode 1.3x; the
-//! baseline build reaches about 0.5x / 0.4x for encode. Figures and commands
-//! are in the `## zero-quant` section of the workspace `BENCHMARKS.md`.
+//! int8 encode 0.96x and decode 1.2x, int4 encode 0.8x and decode 1.3x.
+//! Figures and commands are in the `## zero-quant` section of the workspace
+//! `BENCHMARKS.md`.
 
 mod codec;
 #[cfg(feature = "cuda")]

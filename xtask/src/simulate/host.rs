@@ -33,7 +33,24 @@ const PHASES: [Phase; 5] = [
     Phase::PostStep,
 ];
 
+/// Communication per optimizer step and per phase ([`PHASES`]), in seconds: predicted on the
+/// given cluster (A) and on the in-process calibration (B), and measured by the replay.
+pub(crate) struct Validation {
+    topo: Topology,
+    label: String,
+    calibrated: Cluster,
+    pub(crate) bench: Vec<f64>,
+    pub(crate) inproc: Vec<f64>,
+    pub(crate) measured: Vec<f64>,
+}
+
 pub(crate) fn validate(cluster: &Cluster, steps: usize, json: bool) -> anyhow::Result<()> {
+    let v = measure(cluster, steps)?;
+    print(cluster, steps, json, &v)
+}
+
+/// Calibrates, predicts and replays the default job's communication (see the module docs).
+pub(crate) fn measure(cluster: &Cluster, steps: usize) -> anyhow::Result<Validation> {
     let job = JobConfig::default_job();
     let model_cfg = GptConfig {
         vocab: 64,
@@ -70,8 +87,27 @@ pub(crate) fn validate(cluster: &Cluster, steps: usize, json: bool) -> anyhow::R
     };
     let (bench, inproc) = (per_phase(cluster)?, per_phase(&calibrated)?);
     let measured = replay(&plan, steps)?;
+    Ok(Validation {
+        topo,
+        label: zero_core::sim::config_label(plan.config()),
+        calibrated,
+        bench,
+        inproc,
+        measured,
+    })
+}
+
+fn print(cluster: &Cluster, steps: usize, json: bool, v: &Validation) -> anyhow::Result<()> {
+    let Validation {
+        topo,
+        label,
+        calibrated,
+        bench,
+        inproc,
+        measured,
+    } = v;
     let sum = |v: &[f64]| v.iter().sum::<f64>();
-    let (tb, ti, tm) = (sum(&bench), sum(&inproc), sum(&measured));
+    let (tb, ti, tm) = (sum(bench), sum(inproc), sum(measured));
     if json {
         let rows: Vec<serde_json::Value> = PHASES
             .iter()
@@ -95,7 +131,7 @@ pub(crate) fn validate(cluster: &Cluster, steps: usize, json: bool) -> anyhow::R
         topo.world_size(),
         topo.num_nodes(),
         topo.ranks_per_node(),
-        zero_core::sim::config_label(plan.config()),
+        label,
     );
     println!(
         "predicted A: zero_core::sim on `{}`; predicted B: on the in-process calibration \

@@ -39,7 +39,8 @@ pub(crate) struct TrainArgs {
     ranks_per_node: Option<usize>,
     /// Backend: host (burn flex on the CPU, host loopback) or wgpu (burn's wgpu backend and the
     /// wgpu loopback on one device; needs `cargo run -p xtask --features wgpu -- train ...`,
-    /// a debug build: burn-wgpu takes over 20 minutes to build in release). CUDA: see README.
+    /// a debug build: burn-wgpu takes over 20 minutes to build in release; with --launcher mpi,
+    /// `--features mpi,wgpu`: each process on its own wgpu device). CUDA: not yet (STATUS.md).
     #[arg(long, default_value = "host")]
     backend: String,
     /// Optimizer steps.
@@ -75,6 +76,11 @@ pub(crate) struct TrainArgs {
     /// stages 0–2 (one autodiff graph); off at stage 3 keeps the gathered weights for the backward.
     #[arg(long)]
     checkpoint_activations: Option<bool>,
+    /// Offload the optimizer: its moments and fp32 master weights live in host memory and are
+    /// stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`). Default off: they
+    /// live on the model's device (host memory on the host backend). Or the config file's.
+    #[arg(long)]
+    offload_optimizer: Option<bool>,
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config; a Hugging Face Trainer
     /// style config's `"auto"` values resolve from this run (one `auto:` line each).
     #[arg(long)]
@@ -136,9 +142,10 @@ impl TrainArgs {
         &self.launcher
     }
 
-    /// `--launcher mpi` in a build without MPI: the command reruns itself from one that has it.
+    /// `--launcher mpi` in a build without MPI: the command reruns itself from one that has it
+    /// (a release build; not for a wgpu build, whose features a rerun would lose: see `run`).
     pub(crate) fn needs_mpi_build(&self) -> bool {
-        self.launcher == "mpi" && !cfg!(feature = "mpi")
+        self.launcher == "mpi" && !cfg!(feature = "mpi") && !cfg!(feature = "wgpu")
     }
 }
 
@@ -200,7 +207,8 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::demo::gpt::GptConfig> {
             heads: 4,
             layers: 6,
         },
-        // The 10M-parameter GPT of the engine issue's benchmark (global batch 8 = 2 ranks x 4).
+        // The 10M-parameter GPT of BENCHMARKS.md's comparison with plain data parallel (global
+        // batch 8 = 2 ranks x 4).
         "gpt-10m" => GptConfig {
             vocab: 2048,
             context: 128,
@@ -222,8 +230,9 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         ),
         "wgpu" => Backend::Wgpu,
         "cuda" => bail!(
-            "--backend cuda: burn's CUDA backend cannot be built offline (cubecl-cuda downloads \
-             LLVM at build time); the trainer runs over NCCL with `cargo xtask gpu-check` (README)"
+            "--backend cuda: not yet: burn's CUDA backend builds (feature `zero-burn/cuda`), but \
+             the trainer has no CUDA path yet; the trainer runs over NCCL with `cargo xtask \
+             gpu-check` (STATUS.md)"
         ),
         o => bail!("--backend {o:?}: expected host or wgpu"),
     };
@@ -267,6 +276,13 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(c) = a.checkpoint_activations {
         zero.checkpoint_activations = Some(c);
+    }
+    if let Some(o) = a.offload_optimizer {
+        zero.optimizer_placement = if o {
+            zero_core::Placement::Host
+        } else {
+            zero_core::Placement::Device
+        };
     }
     if let Some(o) = a.overlap_comm {
         zero.overlap_comm = o;
@@ -325,6 +341,11 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     job.checkpoint = checkpointing::checkpointing(&a, &out, job.steps)?;
     match a.launcher.as_str() {
+        "mpi" if !cfg!(feature = "mpi") => bail!(
+            "--launcher mpi: this xtask was built without its `mpi` feature; with --backend wgpu \
+             run `cargo run -p xtask --features mpi,wgpu -- train --backend wgpu --launcher mpi \
+             ...` (one wgpu device per process)"
+        ),
         "threads" if job.world_size > MAX_THREAD_RANKS => bail!(
             "--world-size {}: in-process ranks are threads of this process, each with a model \
              replica; at most {MAX_THREAD_RANKS} (more with --launcher mpi, one process per rank)",

@@ -261,3 +261,43 @@ fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
     assert!(inked > 5_000, "{inked} inked pixels of {}", w * h);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `--offload-optimizer true` keeps the optimizer's state in host memory: on the host backend
+/// the same bits as the default, and the plan books that state as host bytes.
+#[test]
+fn offloading_the_optimizer_changes_where_not_what() {
+    let root = std::env::temp_dir().join(format!("zero-rs-train-offload-{}", std::process::id()));
+    let base = [
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--micro-batch",
+        "2",
+        "--stage",
+        "2",
+        "--precision",
+        "bf16",
+    ];
+    let mut results = Vec::new();
+    for offload in ["false", "true"] {
+        let out = root.join(offload);
+        let mut flags = base.to_vec();
+        flags.extend(["--offload-optimizer", offload]);
+        run(args(&out, &flags)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        let planned = &v["memory"]["planned"][0];
+        let host = planned["host_bytes"].as_u64().unwrap_or(0);
+        let states = planned["optimizer_states"].as_u64().unwrap()
+            + planned["master_weights"].as_u64().unwrap();
+        assert_eq!(
+            host,
+            if offload == "true" { states } else { 0 },
+            "{offload}"
+        );
+        results.push(losses(&out));
+    }
+    assert_eq!(results[0], results[1], "the same losses, bit for bit");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -322,19 +322,14 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
 /// One rank of `job` in this process, on `comm`, for jobs whose ranks are processes (MPI, NCCL):
 /// `comm`'s world must be the job's (`world_size`, `ranks_per_node`). Every rank trains from the
 /// same seed-determined model and returns the whole job's report, merged from every rank's
-/// numbers; `on_step` is called on rank 0. Only the host backend runs this way.
+/// numbers; `on_step` is called on rank 0. The model computes on the job's backend: flex, or
+/// this process's own wgpu device (wgpu's default adapter; `CUBECL_WGPU_DEFAULT_DEVICE` picks
+/// another), with the optimizer's state on it and the collectives staged through host memory.
 pub fn run_job_rank<C: Communicator>(
     job: &JobConfig,
     comm: C,
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<RunReport> {
-    if job.backend != Backend::Host {
-        return Err(invalid(
-            "backend",
-            format!("{:?}", job.backend),
-            "host: one rank per process runs burn on the CPU",
-        ));
-    }
     let Prepared {
         corpus,
         model_cfg,

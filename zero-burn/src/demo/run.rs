@@ -70,6 +70,8 @@ pub struct RankResult<M> {
     /// Weight bytes a [`DeviceTensors`] hook installed in the model straight from the
     /// communicator's memory; 0 on the host path.
     pub device_weight_bytes: u64,
+    /// The device holding the optimizer's state; `None` for host memory.
+    pub optimizer_device: Option<String>,
     /// The step training started from: 0, or the step of the checkpoint it resumed.
     pub first_step: u64,
     /// The checkpoints saved.
@@ -367,6 +369,7 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         memory: report.memory,
         device_grad_bytes: report.device_grad_bytes,
         device_weight_bytes: report.device_weight_bytes,
+        optimizer_device: report.optimizer_device,
         model: t.model().clone(),
         final_params,
         first_step,

@@ -10,12 +10,12 @@ use zero_core::{Plan, TrafficTable, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
 use super::layout::RankLayout;
+use super::opt_state::{self, OptState};
 use super::{EngineOptions, GradAccum, MeasuredMemory, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
-use crate::optim::OptimState;
 use crate::params;
-use crate::precision::{Half, LossScaler, StepInfo};
+use crate::precision::{Half, LossScaler};
 use crate::reduction::{Reduction, TreeAccumulator};
 use crate::segmented::Segmented;
 
@@ -95,7 +95,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         check_ranks_agree(&mut world, &plan, &options, &model)?;
         let units = plan.units();
         let stage = plan.stage();
-        let (acc_len, opt_len) = (layout.acc_len, layout.opt_len);
+        let acc_len = layout.acc_len;
         let hpz = if plan.config().hpz() {
             let h = plan.config().hpz_partition_size;
             Some(world.split(rank / h, rank)?)
@@ -117,6 +117,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         } else {
             None
         };
+        // The optimizer's slot of each trainable unit: the whole unit at stage 0, else the
+        // rank's chunk.
+        let slot_lens: Vec<Option<usize>> = (0..units.len())
+            .map(|u| {
+                layout.opt_offset[u].map(|_| {
+                    if stage == 0 {
+                        units[u].len as usize
+                    } else {
+                        plan.chunk_len(u) as usize
+                    }
+                })
+            })
+            .collect();
         let mut t = ZeroEngine {
             plan: plan.clone(),
             rank,
@@ -136,25 +149,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 qgz_scratch: QuantScratch::new(),
             }),
             model,
-            device,
+            device: device.clone(),
             options,
             params,
             layout,
             shard: Vec::new(),
             half,
             shard16: Vec::new(),
-            master: Vec::new(),
             acc16: if accum == GradAccum::Half {
                 vec![0; acc_len]
             } else {
                 Vec::new()
             },
             accum,
-            scaler: (plan.config().precision == zero_core::Precision::Fp16)
-                .then(|| LossScaler::new(plan.config().loss_scaler)),
-            opt_steps: 0,
-            last_step: StepInfo::default(),
-            inject_overflow: false,
             partly_restored: None,
             acc: if accum == GradAccum::Half {
                 Vec::new()
@@ -167,7 +174,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     TreeAccumulator::new(plan.config().gradient_accumulation_steps, acc_len)
                 }
             },
-            opt: OptimState::new(&options.optimizer, opt_len),
+            opt: OptState::new(
+                options.optimizer,
+                opt_state::state_device(plan.config().optimizer_placement, &device),
+                &slot_lens,
+                (plan.config().precision == zero_core::Precision::Fp16)
+                    .then(|| LossScaler::new(plan.config().loss_scaler)),
+            ),
             secondary: vec![None; units.len()],
             secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
@@ -187,11 +200,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial
             // values (stage 0: whole units; otherwise the rank's chunk).
-            t.master = vec![0.0; opt_len];
             for u in 0..units.len() {
-                let Some(off) = t.layout.opt_offset[u] else {
+                if t.layout.opt_offset[u].is_none() {
                     continue;
-                };
+                }
                 let full = t.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
                 let mine = if stage == 0 {
@@ -199,7 +211,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 } else {
                     &full[rank * c..(rank + 1) * c]
                 };
-                t.master[off..off + mine.len()].copy_from_slice(mine);
+                t.opt.set_master(u, mine);
             }
         }
         if stage == 3 {
@@ -319,9 +331,12 @@ fn check_ranks_agree<C: Communicator, M: Segmented>(
     options: &EngineOptions,
     model: &M,
 ) -> Result<()> {
+    // The fingerprint leaves the optimizer's placement out (it moves no checkpoint byte), but
+    // replicas stepped on different devices could drift apart: it must agree too.
     let setup = format!(
-        "{}|{:?}|{:?}|{}|{:?}",
+        "{}|{:?}|{:?}|{:?}|{}|{:?}",
         zero_core::checkpoint::fingerprint(plan),
+        plan.config().optimizer_placement,
         options.optimizer,
         options.reduction,
         options.seed,

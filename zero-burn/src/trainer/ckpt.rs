@@ -6,7 +6,7 @@ use std::ops::Range;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
-use super::ZeroEngine;
+use super::{Part, ZeroEngine};
 use crate::error::Result;
 use crate::optim::Optimizer;
 use crate::params;
@@ -36,9 +36,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub(crate) fn ckpt_scalars(&self) -> Scalars {
         Scalars {
             step: self.step,
-            opt_steps: self.opt_steps,
+            opt_steps: self.opt.steps,
             skipped: self.skipped,
-            scaler: self.scaler.as_ref().map(LossScaler::state),
+            scaler: self.opt.scaler.as_ref().map(LossScaler::state),
         }
     }
 
@@ -71,11 +71,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// The lengths of what [`Self::ckpt_unit_state`] returns for unit `u`, without copying it.
     pub(crate) fn ckpt_unit_lens(&self, u: usize) -> [usize; 3] {
         let real = self.plan.real_in_chunk(u, self.rank) as usize;
-        let state = |buf: &[f32]| match self.layout.opt_offset[u] {
-            Some(_) if !buf.is_empty() => real,
+        let state = |part| match self.layout.opt_offset[u] {
+            Some(_) if self.opt.has(part) => real,
             _ => 0,
         };
-        [real, state(&self.opt.m), state(&self.opt.v)]
+        [real, state(Part::M), state(Part::V)]
     }
 
     /// This rank's saved state `s` of unit `u` (0: weights, 1: `m`, 2: `v`): the real elements
@@ -88,17 +88,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let c = plan.chunk_len(u) as usize;
         let real = plan.real_in_chunk(u, self.rank) as usize;
         let stage = plan.stage();
-        // Start of this rank's chunk in the optimizer layout of the unit.
-        let opt_at = |oo: usize| if stage == 0 { oo + self.rank * c } else { oo };
-        let state = |buf: &[f32]| match self.layout.opt_offset[u] {
-            Some(oo) if !buf.is_empty() => buf[opt_at(oo)..opt_at(oo) + real].to_vec(),
-            _ => Vec::new(),
+        // Start of this rank's chunk in the unit's optimizer slot.
+        let at = if stage == 0 { self.rank * c } else { 0 };
+        let state = |part| match self.layout.opt_offset[u] {
+            Some(_) => self.opt.read(u, part, at..at + real),
+            None => Vec::new(),
         };
         Ok(match s {
-            1 => state(&self.opt.m),
-            2 => state(&self.opt.v),
+            1 => state(Part::M),
+            2 => state(Part::V),
             _ => match (self.layout.opt_offset[u], self.half) {
-                (Some(oo), Some(_)) => self.master[opt_at(oo)..opt_at(oo) + real].to_vec(),
+                (Some(_), Some(_)) => state(Part::Master),
                 _ if stage == 3 => {
                     let so = unit.shard_offset as usize;
                     match self.half {
@@ -160,7 +160,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// into `dst`, of the range's length (padding stays as `dst` holds it, zero). `m`, `v` and a
     /// stage-3 fp32 shard are filled in place; the weights the model holds a few parameters at a
     /// time (up to the largest parameter's size, then written into the model), so besides the
-    /// engine's own state the restore holds about two parameters' values. Only
+    /// engine's own state the restore holds about two parameters' values (state on a device
+    /// takes one unit's moment through host memory). Only
     /// called after everything was read and verified. Derived state (16-bit working weights, the
     /// model's resident tensors, stage-3 16-bit shards) is recomputed from the fp32 values.
     pub(crate) fn ckpt_restore(
@@ -190,14 +191,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let chunk = self.rank as u64 * c as u64..(self.rank as u64 + 1) * c as u64;
             // The optimizer's moments of the range in place (an optimizer without a moment
             // keeps that buffer empty).
-            if let Some((or, oo)) = opt.clone() {
-                let len = (or.end - or.start) as usize;
-                for (state, buf) in [(1, &mut self.opt.m), (2, &mut self.opt.v)] {
-                    if !buf.is_empty() {
-                        let dst = &mut buf[oo..oo + len];
-                        dst.fill(0.0);
-                        fill(u, state, or.clone(), dst)?;
-                    }
+            if let Some(or) = or.clone() {
+                for (state, part) in [(1, Part::M), (2, Part::V)] {
+                    self.opt
+                        .fill(u, part, |dst| fill(u, state, or.clone(), dst))?;
                 }
             }
             if !in_model {
@@ -211,8 +208,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     Some(h) => {
                         let mut w = vec![0.0; c];
                         fill(u, 0, chunk.clone(), &mut w)?;
-                        if let Some((_, oo)) = opt {
-                            self.master[oo..oo + c].copy_from_slice(&w);
+                        if opt.is_some() {
+                            self.opt.write(u, Part::Master, 0, &w);
                         }
                         for (d, &x) in self.shard16[so..so + c].iter_mut().zip(&w) {
                             *d = h.round(x);
@@ -223,8 +220,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
             // The weights the model holds, one parameter at a time: into the model, and where
             // the parameter overlaps them, the fp32 master (bf16/fp16) and the stage-3 shard.
-            if let Some((or, oo)) = opt.clone().filter(|_| self.half.is_some()) {
-                self.master[oo..oo + (or.end - or.start) as usize].fill(0.0);
+            // The master of the unit's optimizer slot, zeroed, then written where the parameters
+            // overlap it.
+            let master = opt
+                .clone()
+                .filter(|_| self.half.is_some())
+                .map(|(or, _)| or);
+            if master.is_some() {
+                self.opt
+                    .fill(u, Part::Master, |_| Ok::<_, crate::Error>(()))?;
             }
             if stage == 3 {
                 match self.half {
@@ -241,11 +245,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let (a, b) = (range.start.max(r.start), range.end.min(r.end));
                     (a < b).then(|| ((a - range.start) as usize, (b - range.start) as usize, a))
                 };
-                if let (Some((or, oo)), true) = (opt.as_ref(), self.half.is_some())
+                if let Some(or) = master.as_ref()
                     && let Some((a, b, at)) = overlap(or)
                 {
-                    let to = oo + (at - or.start) as usize;
-                    self.master[to..to + (b - a)].copy_from_slice(&w[a..b]);
+                    self.opt
+                        .write(u, Part::Master, (at - or.start) as usize, &w[a..b]);
                 }
                 if stage == 3
                     && let Some((a, b, at)) = overlap(&chunk)
@@ -276,11 +280,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             self.set_params(pending);
         }
         self.step = scalars.step;
-        self.opt_steps = scalars.opt_steps;
+        self.opt.steps = scalars.opt_steps;
         self.skipped = scalars.skipped;
         // The measured traffic counts from the engine's build: so does the planned.
         self.steps_base = (scalars.step, scalars.skipped);
-        if let (Some(s), Some(state)) = (self.scaler.as_mut(), scalars.scaler) {
+        if let (Some(s), Some(state)) = (self.opt.scaler.as_mut(), scalars.scaler) {
             s.set_state(state);
         }
         self.secondary.iter_mut().for_each(|s| *s = None);

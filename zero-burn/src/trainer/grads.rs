@@ -65,7 +65,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.sample_memory();
         self.micro_losses.clear();
         self.optimizer_step(lr)?;
-        Ok(self.last_step)
+        Ok(self.opt.last)
     }
 
     /// Why [`ZeroEngine::step_grads`] cannot serve this engine, if it cannot.
@@ -86,7 +86,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                  gathers the weights for its own forward: use step)",
             );
         }
-        if self.scaler.is_some() {
+        if self.opt.scaler.is_some() {
             return refuse(
                 "precision",
                 "fp16".into(),

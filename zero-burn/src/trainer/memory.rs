@@ -91,8 +91,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         p.gradients = p
             .gradients
             .max(cap32(&self.acc) + self.tree.len() as u64 * 4 + cap16(&self.acc16));
-        p.optimizer_states = p.optimizer_states.max(self.opt.bytes());
-        p.master_weights = p.master_weights.max(cap32(&self.master));
+        p.optimizer_states = p.optimizer_states.max(self.opt.bytes(false));
+        p.master_weights = p.master_weights.max(self.opt.bytes(true));
         if self.half.is_some() {
             p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
         }

@@ -38,7 +38,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Reduction::CanonicalTree => 1.0,
         };
         // fp16: the loss scale multiplies the loss before the backward (1 otherwise: exact).
-        let scale = scale * self.scaler.as_ref().map_or(1.0, |s| s.scale() as f32);
+        let scale = scale * self.opt.scaler.as_ref().map_or(1.0, |s| s.scale() as f32);
         // With overlap, one reduction may be in flight while the next bucket fills (the plan's
         // doubled reduction buffer); inline, each is applied as soon as it is submitted.
         let max_reduces = usize::from(plan.config().overlap_comm);

@@ -39,12 +39,13 @@ use zero_core::{Plan, TrafficTable, UnitKind};
 use crate::comms::{self, Comms, Exec};
 use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
-use crate::optim::{OptimState, Optimizer};
+use crate::optim::Optimizer;
 use crate::params::{self, ParamInfo};
 use crate::precision::{Half, LossScaler, StepInfo};
 use crate::reduction::{Reduction, TreeAccumulator};
 use crate::segmented::Segmented;
 use layout::RankLayout;
+use opt_state::{OptState, Part};
 
 mod build;
 mod ckpt;
@@ -52,6 +53,7 @@ mod grads;
 mod layout;
 mod memory;
 mod micro;
+mod opt_state;
 mod step;
 mod train_mode;
 mod weights;
@@ -145,21 +147,10 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     half: Option<Half>,
     /// Stage 3 in bf16/fp16: the rank's 16-bit working shard of every unit (what is gathered).
     shard16: Vec<u16>,
-    /// bf16/fp16: the fp32 master weights of the rank's part of every trainable unit, laid out
-    /// like the optimizer state.
-    master: Vec<f32>,
     /// bf16/fp16: the 16-bit gradient accumulator (`acc` is empty).
     acc16: Vec<u16>,
     /// Where the reduced gradients accumulate: `acc` (f32) or `acc16`.
     accum: GradAccum,
-    /// fp16: the loss scaler.
-    scaler: Option<LossScaler>,
-    /// Optimizer updates applied (a skipped step does not count: Adam's bias correction).
-    opt_steps: u64,
-    /// What happened at the last optimizer step.
-    last_step: StepInfo,
-    /// Testing aid: poison this rank's reduced gradients at the next optimizer step.
-    inject_overflow: bool,
     /// Why the state is partly restored (a load failed after it began restoring): steps and
     /// saves are refused until a load succeeds.
     partly_restored: Option<String>,
@@ -168,7 +159,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     acc: Vec<f32>,
     /// [`Reduction::CanonicalTree`]: the pending subtrees of the micro-step sum beyond `acc`.
     tree: TreeAccumulator,
-    opt: OptimState,
+    /// The optimizer's state (master weights, moments), the loss scaler and the step count.
+    opt: OptState,
     /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step).
     secondary: Vec<Option<Vec<f32>>>,
     /// bf16/fp16: the same, 16-bit.
@@ -338,30 +330,43 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// What happened at the last optimizer step: skipped (fp16 overflow) or not, and the loss
     /// scale its backward used.
     pub fn last_step(&self) -> StepInfo {
-        self.last_step
+        self.opt.last
     }
 
     /// fp16: the loss scale the next step will use.
     pub fn loss_scale(&self) -> Option<f64> {
-        self.scaler.as_ref().map(LossScaler::scale)
+        self.opt.scaler.as_ref().map(LossScaler::scale)
     }
 
-    /// bf16/fp16: this rank's fp32 master weights (its part of every trainable unit, laid out
-    /// like the optimizer state); empty in fp32.
-    pub fn master_weights(&self) -> &[f32] {
-        &self.master
+    /// bf16/fp16: a host copy of this rank's fp32 master weights (its part of every trainable
+    /// unit, laid out like the optimizer state); empty in fp32.
+    pub fn master_weights(&self) -> Vec<f32> {
+        let l = &self.layout;
+        self.opt.flat(Part::Master, &l.opt_offset, l.opt_len)
     }
 
     /// Testing aid (fp16): makes the first element of this rank's reduced gradient shard inf at
     /// the next optimizer step, as an overflow confined to one rank would. Every rank must then
     /// skip that step together.
     pub fn inject_overflow_next_step(&mut self) {
-        self.inject_overflow = true;
+        self.opt.inject_overflow = true;
     }
 
-    /// This rank's optimizer state: first and second moment (empty when the optimizer has none).
-    pub fn optimizer_state(&self) -> (&[f32], &[f32]) {
-        (&self.opt.m, &self.opt.v)
+    /// Where this rank's optimizer state (moments, bf16/fp16 master weights) lives: the model's
+    /// device, or `None` for host memory (a model on a CPU backend, or
+    /// `optimizer_placement = host`).
+    pub fn optimizer_device(&self) -> Option<&burn::tensor::Device> {
+        self.opt.device()
+    }
+
+    /// A host copy of this rank's optimizer state: first and second moment (empty when the
+    /// optimizer has none), laid out like [`Self::master_weights`].
+    pub fn optimizer_state(&self) -> (Vec<f32>, Vec<f32>) {
+        let l = &self.layout;
+        (
+            self.opt.flat(Part::M, &l.opt_offset, l.opt_len),
+            self.opt.flat(Part::V, &l.opt_offset, l.opt_len),
+        )
     }
 
     /// The loss of each micro-step of the last optimizer step (this rank's micro-batches, in
@@ -402,7 +407,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(StepOutput {
             loss: (loss / a as f64) as f32,
             micro_losses: self.micro_losses.clone(),
-            info: self.last_step,
+            info: self.opt.last,
         })
     }
 

@@ -21,7 +21,6 @@ use zero_core::{Plan, UnitKind};
 use super::{GradAccum, HOME, ZeroEngine};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
-use crate::optim;
 use crate::params;
 use crate::precision::{Half, LossScaler, StepInfo};
 use crate::reduction::Reduction;
@@ -47,12 +46,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let c = plan.config();
         let stage = plan.stage();
         let half = self.half;
-        let fp16 = self.scaler.is_some();
+        let fp16 = self.opt.scaler.is_some();
         self.step += 1;
-        let loss_scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        let loss_scale = self.opt.scaler.as_ref().map_or(1.0, LossScaler::scale);
         // A power of two (1 in fp32 and bf16): unscaling is exact barring subnormals.
         let inv = (1.0 / loss_scale) as f32;
-        if half.is_some() && std::mem::take(&mut self.inject_overflow) {
+        if half.is_some() && std::mem::take(&mut self.opt.inject_overflow) {
             if let Some(g) = self.acc16.first_mut() {
                 *g = half.map_or(0, |h| h.round(f32::INFINITY));
             }
@@ -115,7 +114,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 }
             }
         }
-        if let Some(s) = &mut self.scaler {
+        if let Some(s) = &mut self.opt.scaler {
             s.update(overflow).map_err(|m| Error::Diverged {
                 step: self.step,
                 rank: self.rank,
@@ -125,7 +124,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 ),
             })?;
         }
-        self.last_step = StepInfo {
+        self.opt.last = StepInfo {
             skipped: overflow,
             loss_scale: loss_scale as f32,
             grad_norm,
@@ -136,14 +135,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             self.end_step();
             return Ok(());
         }
-        self.opt_steps += 1;
+        self.opt.steps += 1;
         let mut updates: Vec<(usize, Publish<C::Buffer<f32>>)> = Vec::new();
         for (u, unit) in plan.units().iter().enumerate() {
             if !unit.trainable {
                 continue;
             }
             let off = self.layout.acc_offset[u].expect("trainable");
-            let oo = self.layout.opt_offset[u].expect("trainable");
             let len = if stage == 0 {
                 unit.len as usize
             } else {
@@ -151,7 +149,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             };
             // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
             let g = grads.slice(off, len, coef);
-            let (opt, n) = (&self.options.optimizer, self.opt_steps);
             let publish = match (half, stage) {
                 (None, 0..=2) => {
                     let full = self.read_unit(u)?;
@@ -160,7 +157,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     } else {
                         full[self.rank * len..(self.rank + 1) * len].to_vec()
                     };
-                    optim::step(opt, lr, n, &mut w, &g, &mut self.opt, oo);
+                    self.opt.step(u, lr, &g, Some(&mut w), |_| ());
                     if stage == 0 {
                         Publish::Write(w)
                     } else {
@@ -170,13 +167,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 (None, _) => {
                     let so = unit.shard_offset as usize;
                     let w = &mut self.shard[so..so + len];
-                    optim::step(opt, lr, n, w, &g, &mut self.opt, oo);
+                    self.opt.step(u, lr, &g, Some(w), |_| ());
                     Publish::InPlace
                 }
                 (Some(h), _) => {
-                    let master = &mut self.master[oo..oo + len];
-                    optim::step(opt, lr, n, master, &g, &mut self.opt, oo);
-                    let w16 = h.round_all(master);
+                    let w16 = self.opt.step(u, lr, &g, None, |master| h.round_all(master));
                     match stage {
                         0 => Publish::Write(h.widen_all(&w16)),
                         1 | 2 => Publish::Gather16(h, w16),

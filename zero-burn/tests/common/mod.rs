@@ -23,15 +23,22 @@ pub(crate) fn tiny() -> (Gpt, MarkovLanguage) {
 
 /// [`tiny`] with its weights drawn from `seed`.
 pub(crate) fn tiny_seeded(seed: u64) -> (Gpt, MarkovLanguage) {
-    let cfg = GptConfig {
+    let device = Device::flex().autodiff();
+    (
+        tiny_config().init(&device, seed),
+        MarkovLanguage::new(16, 3).unwrap(),
+    )
+}
+
+/// [`tiny`]'s shape: 2 blocks, d_model 16, 2 heads, context 8, vocabulary 16.
+pub(crate) fn tiny_config() -> GptConfig {
+    GptConfig {
         vocab: 16,
         context: 8,
         d_model: 16,
         heads: 2,
         layers: 2,
-    };
-    let device = Device::flex().autodiff();
-    (cfg.init(&device, seed), MarkovLanguage::new(16, 3).unwrap())
+    }
 }
 
 /// AdamW at 1e-2, micro-batch 2 of 8 tokens, with the given reduction.

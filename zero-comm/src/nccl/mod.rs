@@ -41,7 +41,7 @@
 //!
 //! # Deviations from the contract, and why
 //!
-//! **Reductions are not bit-exact (zero-spec I1 relaxed).** The host loopback sums in rank order
+//! **Reductions are not bit-exact.** The host loopback sums in rank order
 //! in `f32` with one rounding. NCCL picks the summation order per chunk from its ring or tree
 //! algorithm, and adds 16-bit types in their own precision at each step. So for `n ≥ 3` ranks a
 //! `Sum` differs from the host's in the last bits: about `1e-6` relative for `f32` (a few ulp,

@@ -309,17 +309,21 @@ fn spread_loose(plan: &Plan, units: &[LayoutUnit]) -> Vec<LooseParam> {
 }
 
 /// A 64-bit FNV-1a fingerprint (hex) of everything that fixes where bytes live: the model, the
-/// topology, the whole configuration and the resulting units. Two plans with the same fingerprint
+/// topology, the whole configuration but the optimizer's placement (host or device memory, which
+/// changes no byte of a checkpoint) and the resulting units. Two plans with the same fingerprint
 /// lay out every element identically; it guards against mixing checkpoints, not adversaries.
 pub fn fingerprint(plan: &Plan) -> String {
     #[derive(Serialize)]
-    struct Canon<'a> {
+    struct Canon {
         layout: CkptLayout,
-        config: &'a crate::config::ZeroConfig,
+        config: crate::config::ZeroConfig,
     }
     let canon = Canon {
         layout: CkptLayout::of(plan),
-        config: plan.config(),
+        config: crate::config::ZeroConfig {
+            optimizer_placement: crate::config::Placement::Device,
+            ..plan.config().clone()
+        },
     };
     // Serialising plain data types to a `Vec` cannot fail.
     let bytes = serde_json::to_vec(&canon).unwrap_or_default();

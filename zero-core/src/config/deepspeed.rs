@@ -4,13 +4,13 @@
 use serde_json::Value;
 
 use super::auto::{self, AutoResolution, RunValues};
-use super::{OptimizerKind, Precision, ZeroConfig};
+use super::{OptimizerKind, Placement, Precision, ZeroConfig};
 use crate::error::{Error, Result};
 
 impl ZeroConfig {
-    /// Reads a DeepSpeed JSON config: its `zero_optimization` section and the `fp16`, `bf16`,
-    /// `gradient_clipping` and `gradient_accumulation_steps` keys, with DeepSpeed's key names and
-    /// meanings. Keys we do not know, and features we do not implement (offload, MiCS, …), are
+    /// Reads a DeepSpeed JSON config: its `zero_optimization` section and the `fp16`, `bf16` (or
+    /// its legacy spelling `bfloat16`), `gradient_clipping` and `gradient_accumulation_steps`
+    /// keys, with DeepSpeed's key names and meanings. Keys we do not know, and features we do not implement (parameter or NVMe offload, MiCS, …), are
     /// errors listing every such key. Keys that only tune DeepSpeed's own kernels and do not change
     /// results are accepted and listed in [`DeepSpeedImport::notes`], as are top-level sections
     /// outside the ZeRO engine's scope (`optimizer`, `scheduler`, batch sizes…). `"auto"` values
@@ -23,7 +23,7 @@ impl ZeroConfig {
     /// `"auto"` values are resolved from `run` the way HF resolves them (the model's hidden size
     /// for the bucket sizes and the persistence threshold, the run's own settings for batch sizes,
     /// accumulation, clipping, precision and the optimizer) and listed in
-    /// [`DeepSpeedImport::resolved`]. Unsupported keys (offload, NVMe, MiCS, …) are still errors.
+    /// [`DeepSpeedImport::resolved`]. Unsupported keys (parameter or NVMe offload, MiCS, …) are still errors.
     pub fn from_deepspeed_json_with(text: &str, run: &RunValues) -> Result<DeepSpeedImport> {
         let v: Value = serde_json::from_str(text).map_err(|e| Error::Parse {
             what: "DeepSpeed config (JSON)".into(),
@@ -41,10 +41,25 @@ impl ZeroConfig {
         let mut bad = Vec::new();
         let mut notes = Vec::new();
         let resolved = auto::resolve(top, run, &mut bad, &mut notes);
+        // `bfloat16` is DeepSpeed's legacy spelling of `bf16`; as in DeepSpeed, it is read only
+        // when `bf16` is absent.
+        let bf16_key = if top.contains_key("bf16") {
+            "bf16"
+        } else {
+            "bfloat16"
+        };
         for (k, val) in top.iter() {
             match k.as_str() {
                 "zero_optimization" => read_zero_section(val, &mut c, &mut bad, &mut notes),
-                "fp16" | "bf16" => read_precision(k, val, &mut c, &mut bad, &mut notes),
+                "fp16" => read_precision(k, val, bf16_key, &mut c, &mut bad, &mut notes),
+                "bf16" | "bfloat16" if k == bf16_key => {
+                    read_precision(k, val, bf16_key, &mut c, &mut bad, &mut notes)
+                }
+                "bfloat16" => notes.push(
+                    "bfloat16: not read: `bf16` is given too, and DeepSpeed then reads `bf16` \
+                     alone (`bfloat16` is its legacy spelling)"
+                        .into(),
+                ),
                 "data_types" => read_data_types(val, &mut c, &mut bad),
                 "gradient_clipping" => match num(val) {
                     Some(x) if x >= 0.0 && x.is_finite() => c.gradient_clipping = x,
@@ -98,6 +113,14 @@ impl ZeroConfig {
                 | "seed" => notes.push(format!(
                     "top-level key `{k}` is outside the ZeRO engine and is not read"
                 )),
+                // NVIDIA Apex's AMP: fine when off; on, it is a precision zero-rs does not run.
+                "amp" if val.get("enabled") == Some(&Value::Bool(false)) => {
+                    notes.push("amp: disabled, as here".into())
+                }
+                "amp" => bad.push(format!(
+                    "amp: got {val}, expected {{\"enabled\": false}} or no such section (Apex \
+                     AMP is not supported by zero-rs: use bf16 or fp16)"
+                )),
                 "aio" => bad.push(format!(
                     "aio: got {val}, expected no such section (it tunes NVMe offload, which \
                      zero-rs does not support yet)"
@@ -140,9 +163,13 @@ fn boolean(v: &Value) -> Option<bool> {
     v.as_bool()
 }
 
+/// Reads the `fp16` section, or the bf16 one (`k` is `bf16` or its legacy spelling `bfloat16`);
+/// `bf16_key` is the spelling this config's bf16 section is read under, for the error that both
+/// precisions are enabled.
 fn read_precision(
     k: &str,
     v: &Value,
+    bf16_key: &str,
     c: &mut ZeroConfig,
     bad: &mut Vec<String>,
     notes: &mut Vec<String>,
@@ -206,17 +233,22 @@ fn read_precision(
             ("fp16", "auto_cast") => notes.push(format!(
                 "fp16.{key}: no effect here (the trainer casts weights and gradients itself)"
             )),
-            ("bf16", "immediate_grad_update" | "check_grad_overflow") => {
-                notes.push(format!("bf16.{key}: no effect here"))
+            ("bf16" | "bfloat16", "immediate_grad_update" | "check_grad_overflow") => {
+                notes.push(format!("{k}.{key}: no effect here"))
             }
             _ => bad.push(format!("unknown key `{k}.{key}`")),
         }
     }
     if enabled {
-        if c.precision != Precision::Fp32 && k == "bf16"
-            || k == "fp16" && c.precision == Precision::Bf16
-        {
-            bad.push("fp16 and bf16 are both enabled; enable at most one".into());
+        let (clash, other) = if k == "fp16" {
+            (c.precision == Precision::Bf16, bf16_key)
+        } else {
+            (c.precision != Precision::Fp32, "fp16")
+        };
+        if clash {
+            bad.push(format!(
+                "{other} and {k} are both enabled; enable at most one"
+            ));
         }
         c.precision = if k == "fp16" {
             Precision::Fp16
@@ -325,6 +357,7 @@ fn read_zero_section(
                     notes.push(format!("zero_optimization.{k}: accepted; it tunes DeepSpeed internals and has no effect here"));
                 }
             }
+            "offload_optimizer" | "cpu_offload" if offload_optimizer(k, val, c, notes, bad) => {}
             "offload_optimizer"
             | "offload_param"
             | "cpu_offload"
@@ -362,6 +395,57 @@ fn read_zero_section(
             other => bad.push(format!("unknown key `zero_optimization.{other}`")),
         }
     }
+}
+
+/// `offload_optimizer: {"device": "cpu", …}` (or the older `cpu_offload: true`): the optimizer
+/// state in host memory ([`Placement::Host`]). Returns false, leaving the key to the caller's
+/// refusal, for anything else that is not off (NVMe, a partial `ratio`).
+fn offload_optimizer(
+    k: &str,
+    val: &Value,
+    c: &mut ZeroConfig,
+    notes: &mut Vec<String>,
+    bad: &mut Vec<String>,
+) -> bool {
+    if k == "cpu_offload" {
+        if val == &Value::Bool(true) {
+            c.optimizer_placement = Placement::Host;
+            notes.push(
+                "zero_optimization.cpu_offload: the optimizer state lives in host memory".into(),
+            );
+            return true;
+        }
+        return false;
+    }
+    let Some(obj) = val.as_object() else {
+        return false;
+    };
+    if obj.get("device").and_then(Value::as_str) != Some("cpu") {
+        return false;
+    }
+    c.optimizer_placement = Placement::Host;
+    notes.push(
+        "zero_optimization.offload_optimizer: the optimizer state lives in host memory".into(),
+    );
+    for (sub, v) in obj {
+        match sub.as_str() {
+            "device" => {}
+            "pin_memory" | "buffer_count" | "fast_init" => notes.push(format!(
+                "zero_optimization.offload_optimizer.{sub}: accepted; it tunes DeepSpeed's \
+                 transfers and has no effect here"
+            )),
+            "ratio" if v.as_f64() == Some(1.0) => {}
+            "ratio" => bad.push(format!(
+                "zero_optimization.offload_optimizer.ratio: got {v}, expected 1.0 (a partial \
+                 offload is not supported by zero-rs)"
+            )),
+            other => bad.push(format!(
+                "zero_optimization.offload_optimizer.{other}: got {v}, expected no such key \
+                 (NVMe offload is not supported by zero-rs)"
+            )),
+        }
+    }
+    true
 }
 
 #[cfg(test)]
@@ -403,12 +487,12 @@ mod tests {
     #[test]
     fn reports_every_unknown_or_unsupported_key() {
         let text = r#"{"zero_optimization": {"stage": 2, "colour": 1,
-            "offload_optimizer": {"device": "cpu"}}, "fancy": true}"#;
+            "offload_param": {"device": "cpu"}}, "fancy": true}"#;
         let e = ZeroConfig::from_deepspeed_json(text)
             .unwrap_err()
             .to_string();
         assert!(e.contains("zero_optimization.colour"), "{e}");
-        assert!(e.contains("offload_optimizer"), "{e}");
+        assert!(e.contains("offload_param"), "{e}");
         assert!(e.contains("`fancy`"), "{e}");
     }
 
@@ -430,6 +514,54 @@ mod tests {
     }
 
     #[test]
+    fn offload_optimizer_to_the_cpu_is_host_placement() {
+        for text in [
+            r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}"#,
+            r#"{"zero_optimization": {"stage": 2, "cpu_offload": true}}"#,
+        ] {
+            let imp = ZeroConfig::from_deepspeed_json(text).unwrap();
+            assert_eq!(imp.config.optimizer_placement, Placement::Host, "{text}");
+            assert!(
+                imp.notes.iter().any(|n| n.contains("host memory")),
+                "{text}"
+            );
+        }
+        for (text, key) in [
+            (
+                r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}"#,
+                "offload_optimizer",
+            ),
+            (
+                r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#,
+                "offload_optimizer.ratio",
+            ),
+            (
+                r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#,
+                "offload_param",
+            ),
+        ] {
+            let e = ZeroConfig::from_deepspeed_json(text)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+        let none =
+            r#"{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}"#;
+        let c = ZeroConfig::from_deepspeed_json(none).unwrap().config;
+        assert_eq!(c.optimizer_placement, Placement::Device);
+    }
+
+    #[test]
+    fn apex_amp_is_fine_when_off_and_refused_when_on() {
+        let off = r#"{"amp": {"enabled": false, "opt_level": "O2"}, "zero_optimization": {}}"#;
+        let imp = ZeroConfig::from_deepspeed_json(off).unwrap();
+        assert!(imp.notes.iter().any(|n| n.contains("amp: disabled")));
+        let on = r#"{"amp": {"enabled": true}, "zero_optimization": {}}"#;
+        let e = ZeroConfig::from_deepspeed_json(on).unwrap_err().to_string();
+        assert!(e.contains("amp: got") && e.contains("Apex"), "{e}");
+    }
+
+    #[test]
     fn offload_to_none_is_fine() {
         let text =
             r#"{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}"#;
@@ -444,6 +576,57 @@ mod tests {
         let text =
             r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}, "zero_optimization": {}}"#;
         assert!(ZeroConfig::from_deepspeed_json(text).is_err());
+    }
+
+    #[test]
+    fn bfloat16_is_deepspeed_s_legacy_spelling_of_bf16() {
+        let text = r#"{"bfloat16": {"enabled": true, "immediate_grad_update": false},
+            "zero_optimization": {"stage": 2}}"#;
+        let imp = ZeroConfig::from_deepspeed_json(text).unwrap();
+        assert_eq!(imp.config.precision, Precision::Bf16);
+        assert!(
+            imp.notes
+                .iter()
+                .any(|n| n.starts_with("bfloat16.immediate_grad_update")),
+            "{:?}",
+            imp.notes
+        );
+        let off = r#"{"bfloat16": {"enabled": false}, "zero_optimization": {}}"#;
+        let c = ZeroConfig::from_deepspeed_json(off).unwrap().config;
+        assert_eq!(c.precision, Precision::Fp32);
+        // Errors name the key as written. The HF Trainer fills "auto" in `bf16.enabled` only, so
+        // `bfloat16`'s "auto" stays a value DeepSpeed would refuse too.
+        for (text, want) in [
+            (
+                r#"{"bfloat16": {"enabled": true, "loss_scale": 1.0}, "zero_optimization": {}}"#,
+                "unknown key `bfloat16.loss_scale`",
+            ),
+            (
+                r#"{"bfloat16": {"enabled": "auto"}, "zero_optimization": {}}"#,
+                "bfloat16.enabled: got \"auto\", expected true or false",
+            ),
+            (
+                r#"{"bfloat16": {"enabled": true}, "fp16": {"enabled": true}, "zero_optimization": {}}"#,
+                "bfloat16 and fp16 are both enabled",
+            ),
+        ] {
+            let e = ZeroConfig::from_deepspeed_json(text)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{text}: {e}");
+        }
+        // Both given: DeepSpeed reads `bf16` alone, and so does the import, saying so.
+        let both = r#"{"bf16": {"enabled": false}, "bfloat16": {"enabled": true},
+            "zero_optimization": {}}"#;
+        let imp = ZeroConfig::from_deepspeed_json(both).unwrap();
+        assert_eq!(imp.config.precision, Precision::Fp32);
+        assert!(
+            imp.notes
+                .iter()
+                .any(|n| n.starts_with("bfloat16: not read")),
+            "{:?}",
+            imp.notes
+        );
     }
 
     #[test]

@@ -134,6 +134,14 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
     if opts.tokens_per_gpu == 0 {
         return Err(Error::invalid("tokens_per_gpu", "0", "at least 1 token"));
     }
+    if c.optimizer_placement == crate::config::Placement::Host {
+        // The step's time would be the CPU's and PCIe's, which the cluster does not describe.
+        return Err(Error::invalid(
+            "optimizer_placement",
+            "host",
+            "device (the simulator times the optimizer step at the GPU's memory bandwidth)",
+        ));
+    }
     if let Some(s) = opts.shape
         && (s.layers > compute::MAX_LAYERS as u64 || s.hidden > 1 << 20 || s.seq_len > 1 << 24)
     {
@@ -353,7 +361,8 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
     let act = opts.shape.map(|s| {
         compute::activation_bytes(s, opts.tokens_per_gpu, plan.working_bytes(), opts.recompute)
     });
-    let total_bytes = mm.total_bytes + act.unwrap_or(0);
+    // Offloaded optimizer state is in host memory, not the GPU's.
+    let total_bytes = mm.device_bytes + act.unwrap_or(0);
     let n = t.world_size() as f64;
     Ok(SimReport {
         cluster: cluster.name.clone(),

@@ -89,7 +89,7 @@ pub struct MemoryFit {
     pub model: MemoryModel,
     /// Activations, if the shape is known.
     pub activation_bytes: Option<u64>,
-    /// Model total plus activations.
+    /// The model's device bytes plus activations.
     pub total_bytes: u64,
     /// The GPU's memory.
     pub gpu_bytes: u64,

@@ -1,0 +1,190 @@
+//! README's command-line claims, run as a user runs them: the `xtask` binary itself.
+//!
+//! - `train --launcher mpi` starts its own `mpirun` of 2 processes and gives the bits of 2
+//!   in-process ranks (`--launcher threads`): losses in `report.json`, and traffic equal to the
+//!   plan.
+//! - `launch` stops every process it started within 2 s of a SIGTERM.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn xtask() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
+    // The test build trains as it is (no release rebuild).
+    c.env("ZERO_XTASK_NO_RELEASE", "1");
+    c
+}
+
+fn temp(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("zero-rs-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+fn ok(out: Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Records that `test` did not run (`$ZERO_SKIP_LOG`, counted by `cargo xtask test`).
+fn record_skip(test: &str, reason: &str) {
+    let name = format!("xtask/cli::{test}");
+    eprintln!("did not run {name}: {reason}");
+    if let Some(path) = std::env::var_os("ZERO_SKIP_LOG") {
+        let line = format!("{name}\t{reason}\n");
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
+            .unwrap_or_else(|e| panic!("cannot append to ZERO_SKIP_LOG={path:?}: {e}"));
+    }
+}
+
+/// `report.json`'s losses as bits, and whether traffic and memory equal the plan.
+fn report(dir: &Path) -> (Vec<u32>, bool, bool) {
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    let loss = v["loss"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| (x.as_f64().unwrap() as f32).to_bits())
+        .collect();
+    (
+        loss,
+        v["comm_matches_plan"].as_bool().unwrap(),
+        v["memory_matches_plan"].as_bool().unwrap(),
+    )
+}
+
+#[test]
+fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
+    let name = "the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads";
+    if !cfg!(feature = "mpi") {
+        // Without the feature the command would rebuild itself in release first.
+        return record_skip(name, "xtask was built without its `mpi` feature");
+    }
+    let has_mpirun = Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_mpirun {
+        assert!(
+            std::env::var("ZERO_REQUIRE_MPI").as_deref() != Ok("1"),
+            "ZERO_REQUIRE_MPI=1 but no mpirun on PATH"
+        );
+        return record_skip(name, "no mpirun on PATH");
+    }
+    let root = temp("mpi");
+    let job = [
+        "train",
+        "--model",
+        "tiny",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "2",
+        "--world-size",
+        "2",
+        "--stage",
+        "3",
+    ];
+    let mut runs = Vec::new();
+    for launcher in ["threads", "mpi"] {
+        let out = root.join(launcher);
+        let r = xtask()
+            .args(job)
+            .args(["--launcher", launcher, "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        ok(r, launcher);
+        runs.push(report(&out));
+    }
+    assert_eq!(runs[0].0.len(), 2, "two steps");
+    assert_eq!(runs[1].0, runs[0].0, "MPI's losses are the threads' bits");
+    assert!(
+        runs[1].1 && runs[1].2,
+        "MPI's traffic and memory equal the plan"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `launch` forwards a SIGTERM to its processes: 2 ranks that would sleep for a minute are gone,
+/// and the launcher has exited with an error, within 2 s of the signal (measured from the
+/// signal).
+#[test]
+fn launch_stops_its_processes_within_two_seconds_of_sigterm() {
+    let root = temp("launch");
+    std::fs::create_dir_all(&root).unwrap();
+    let pids = root.join("pids");
+    let script = format!("echo $$ >> {}; exec sleep 60", pids.display());
+    let mut launcher = xtask()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Both ranks are up once both wrote their pid.
+    let up = Instant::now();
+    let ranks: Vec<u32> = loop {
+        let text = std::fs::read_to_string(&pids).unwrap_or_default();
+        let v: Vec<u32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if v.len() == 2 {
+            break v;
+        }
+        assert!(
+            up.elapsed() < Duration::from_secs(30),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let signalled = Instant::now();
+    let status = Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        if signalled.elapsed() > Duration::from_secs(10) {
+            let _ = launcher.kill();
+            panic!("the launcher still runs 10 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            // A zombie (state Z) has exited.
+            .is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| !r.trim_start().starts_with('Z'))
+            })
+    };
+    while ranks.iter().any(|&p| alive(p)) && signalled.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let took = signalled.elapsed();
+    assert!(!exited.success(), "an interrupted launch fails");
+    assert!(
+        ranks.iter().all(|&p| !alive(p)),
+        "ranks {ranks:?} still run after SIGTERM"
+    );
+    assert!(
+        took <= Duration::from_secs(2),
+        "the launcher and its ranks took {took:?} to stop after SIGTERM"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,315 @@
+//! Where the optimizer's state lives (`ZeroConfig::optimizer_placement`): on the model's device
+//! (the default) or in host memory (DeepSpeed's optimizer offload).
+//!
+//! - On flex the model's device is host memory: both placements keep the state there, step it
+//!   with the same loop and give the same bits; a checkpoint moves between them.
+//! - On wgpu (lavapipe in CI, feature `wgpu`) the default puts the moments and the bf16 master on
+//!   the wgpu device, stepped by burn tensor operations, and host placement keeps them in host
+//!   memory, stepped on the CPU. Both run the same IEEE operations in the same order; only the
+//!   device's `sqrt` and division may round differently. The tests state a bound, assert it, and
+//!   print whether the bits were equal; on lavapipe they are, and the tests assert it there.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zero_burn::checkpoint::{MemStorage, Storage};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, train_host};
+use zero_burn::plan_for;
+use zero_core::{Placement, Precision, Topology, ZeroConfig};
+
+fn run(steps: u64, checkpoint: Option<Checkpointing>) -> HostRun {
+    HostRun {
+        steps,
+        timeout: Duration::from_secs(60),
+        keep_final_params: true,
+        checkpoint,
+    }
+}
+
+fn config(stage: u8, precision: Precision, placement: Placement) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        precision,
+        gradient_accumulation_steps: 2,
+        param_persistence_threshold: 16,
+        optimizer_placement: placement,
+        ..ZeroConfig::default()
+    }
+}
+
+fn checkpointing(store: &Arc<dyn Storage>, save: bool) -> Checkpointing {
+    Checkpointing {
+        save: save.then(|| store.clone()),
+        save_every: 0,
+        resume: (!save).then(|| store.clone()),
+        resume_tag: None,
+        reshard: false,
+    }
+}
+
+fn train_flex(
+    cfg: &ZeroConfig,
+    steps: u64,
+    ckpt: Option<Checkpointing>,
+) -> Vec<RankResult<zero_burn::demo::gpt::Gpt>> {
+    let (model, corpus) = common::tiny();
+    let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
+    train_host(
+        plan,
+        model,
+        &corpus,
+        common::options(),
+        run(steps, ckpt),
+        &|_, _| {},
+    )
+    .unwrap()
+}
+
+/// On flex both placements keep the state in host memory and give the same bits at every stage,
+/// in fp32 and bf16; the plan books host placement's optimizer state and master in host memory,
+/// and a checkpoint saved under one placement resumes under the other, bit-identically.
+#[test]
+fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
+    for stage in 0..=3u8 {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let what = format!("stage {stage} {precision:?}");
+            let dev = train_flex(&config(stage, precision, Placement::Device), 4, None);
+            let host = train_flex(&config(stage, precision, Placement::Host), 4, None);
+            for (d, h) in dev.iter().zip(&host) {
+                assert_eq!(d.optimizer_device, None, "{what}: flex is host memory");
+                assert_eq!(h.optimizer_device, None, "{what}");
+                assert_eq!(d.losses, h.losses, "{what}: rank {} losses", d.rank);
+                assert!(
+                    common::bits(&d.final_params) == common::bits(&h.final_params),
+                    "{what}: rank {} parameters",
+                    d.rank
+                );
+                assert_eq!(d.memory, h.memory, "{what}: the same state, wherever it is");
+            }
+            let (model, _) = common::tiny();
+            let topo = Topology::new(2, 2).unwrap();
+            let booked = plan_for(&model, topo, &config(stage, precision, Placement::Host))
+                .unwrap()
+                .memory();
+            assert_eq!(
+                booked.host_bytes,
+                booked.optimizer_states + booked.master_weights
+            );
+            assert_eq!(
+                host[0].memory.optimizer_states + host[0].memory.master_weights,
+                booked.host_bytes,
+                "{what}: the state held equals the host bytes booked"
+            );
+            let on_device = plan_for(&model, topo, &config(stage, precision, Placement::Device))
+                .unwrap()
+                .memory();
+            assert_eq!(
+                (on_device.host_bytes, on_device.device_bytes),
+                (0, on_device.total_bytes)
+            );
+
+            // Save after 2 steps under device placement, resume under host placement.
+            let store: Arc<dyn Storage> = Arc::new(MemStorage::new());
+            let first = train_flex(
+                &config(stage, precision, Placement::Device),
+                2,
+                Some(checkpointing(&store, true)),
+            );
+            let rest = train_flex(
+                &config(stage, precision, Placement::Host),
+                4,
+                Some(checkpointing(&store, false)),
+            );
+            for ((w, a), b) in dev.iter().zip(&first).zip(&rest) {
+                assert_eq!(b.first_step, 2, "{what}: resumed at step 2");
+                let resumed: Vec<f32> = a.losses.iter().chain(&b.losses).copied().collect();
+                assert_eq!(resumed, w.losses, "{what}: rank {} losses", w.rank);
+                assert!(
+                    common::bits(&b.final_params) == common::bits(&w.final_params),
+                    "{what}: rank {} parameters after the resume",
+                    w.rank
+                );
+            }
+        }
+    }
+}
+
+/// Ranks must agree on the placement: replicas stepped on different devices could drift apart.
+#[test]
+fn ranks_with_different_placements_are_refused() {
+    use zero_burn::{Launch, ZeroEngine};
+    let (model, _) = common::tiny();
+    let topo = Topology::new(2, 2).unwrap();
+    let err = Launch::new(topo)
+        .timeout(Duration::from_secs(30))
+        .run_with(&model, |comm, model| {
+            let placement = if zero_comm::Communicator::rank(&comm) == 0 {
+                Placement::Device
+            } else {
+                Placement::Host
+            };
+            let cfg = config(1, Precision::Fp32, placement);
+            ZeroEngine::builder(comm, model).config(cfg).build()?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("plan or options"), "{err}");
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    use common::shared;
+    use zero_burn::demo::data::MarkovLanguage;
+    use zero_burn::demo::gpt::{Gpt, GptConfig};
+    use zero_burn::demo::run::train_wgpu;
+
+    /// Largest relative gap allowed between the placements, per loss and per parameter element
+    /// (relative to max(1, |value|)): the device's `sqrt` and division may differ from the CPU's
+    /// by a few ulps per step, and the gaps compound over the steps.
+    const BOUND: f32 = 1e-5;
+
+    fn gpt() -> GptConfig {
+        GptConfig {
+            vocab: 32,
+            context: 16,
+            d_model: 32,
+            heads: 2,
+            layers: 2,
+        }
+    }
+
+    fn train(
+        shared: &zero_burn::WgpuShared,
+        cfg: &ZeroConfig,
+        steps: u64,
+        ckpt: Option<Checkpointing>,
+    ) -> Vec<RankResult<Gpt>> {
+        let model = gpt().init(&shared.autodiff_device(), 7);
+        let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
+        let corpus = MarkovLanguage::new(gpt().vocab, 3).unwrap();
+        let mut options = common::options();
+        options.seq = gpt().context;
+        train_wgpu(
+            shared,
+            plan,
+            model,
+            &corpus,
+            options,
+            run(steps, ckpt),
+            &|_, _| {},
+        )
+        .unwrap()
+    }
+
+    /// The worst relative gap between two runs' losses and parameters, and whether every bit
+    /// was equal.
+    fn gap(a: &[RankResult<Gpt>], b: &[RankResult<Gpt>]) -> (f32, bool) {
+        let rel = |x: f32, y: f32| (x - y).abs() / y.abs().max(1.0);
+        let mut worst = 0f32;
+        let mut same = true;
+        for (x, y) in a.iter().zip(b) {
+            for (p, q) in x.losses.iter().zip(&y.losses) {
+                worst = worst.max(rel(*p, *q));
+                same &= p.to_bits() == q.to_bits();
+            }
+            for (p, q) in x
+                .final_params
+                .iter()
+                .flatten()
+                .zip(y.final_params.iter().flatten())
+            {
+                worst = worst.max(rel(*p, *q));
+                same &= p.to_bits() == q.to_bits();
+            }
+        }
+        (worst, same)
+    }
+
+    /// The default placement keeps the optimizer's state on the wgpu device; host placement in
+    /// host memory. Stages 0–3 in fp32 and bf16 with accumulation agree within [`BOUND`].
+    #[test]
+    fn the_state_on_the_wgpu_device_matches_host_placement() {
+        let Some(shared) = shared("the_state_on_the_wgpu_device_matches_host_placement") else {
+            return;
+        };
+        for (stage, precision) in [
+            (0u8, Precision::Fp32),
+            (1, Precision::Fp32),
+            (2, Precision::Bf16),
+            (3, Precision::Fp32),
+            (3, Precision::Bf16),
+        ] {
+            let what = format!("stage {stage} {precision:?}");
+            let dev = train(
+                &shared,
+                &config(stage, precision, Placement::Device),
+                3,
+                None,
+            );
+            let host = train(&shared, &config(stage, precision, Placement::Host), 3, None);
+            for (d, h) in dev.iter().zip(&host) {
+                let name = d.optimizer_device.as_deref().unwrap_or("host memory");
+                assert!(
+                    name.contains("Cube"),
+                    "{what}: the state is on the wgpu device: {name}"
+                );
+                assert_eq!(h.optimizer_device, None, "{what}: host placement");
+                assert_eq!(d.memory, h.memory, "{what}: the same state, wherever it is");
+            }
+            let (worst, same) = gap(&dev, &host);
+            println!(
+                "placement {what} on {}: worst relative gap {worst:.2e}, bit-identical: {same}",
+                shared.adapter_name()
+            );
+            assert!(worst <= BOUND, "{what}: gap {worst:.2e} > {BOUND:.0e}");
+            // lavapipe rounds `sqrt` and division as the CPU does: measured bit-identical there.
+            if shared.adapter_name().contains("llvmpipe") {
+                assert!(same, "{what}: bit-identical on lavapipe");
+            }
+            assert!(dev[0].losses[2] < dev[0].losses[0], "{what}: it learns");
+        }
+    }
+
+    /// A checkpoint saved with the state on the wgpu device resumes with it in host memory (and
+    /// back), within [`BOUND`] of an uninterrupted run, at stage 3 in bf16.
+    #[test]
+    fn a_checkpoint_moves_between_placements_on_wgpu() {
+        let Some(shared) = shared("a_checkpoint_moves_between_placements_on_wgpu") else {
+            return;
+        };
+        for (from, to) in [
+            (Placement::Device, Placement::Host),
+            (Placement::Host, Placement::Device),
+        ] {
+            let cfg = |p| config(3, Precision::Bf16, p);
+            let whole = train(&shared, &cfg(to), 4, None);
+            let store: Arc<dyn Storage> = Arc::new(MemStorage::new());
+            let first = train(&shared, &cfg(from), 2, Some(checkpointing(&store, true)));
+            let rest = train(&shared, &cfg(to), 4, Some(checkpointing(&store, false)));
+            assert_eq!(
+                rest[0].first_step, 2,
+                "{from:?} -> {to:?}: resumed at step 2"
+            );
+            let mut resumed = rest;
+            for (r, a) in resumed.iter_mut().zip(&first) {
+                r.losses = a.losses.iter().chain(&r.losses).copied().collect();
+            }
+            let (worst, same) = gap(&resumed, &whole);
+            println!(
+                "placement checkpoint {from:?} -> {to:?}: worst relative gap {worst:.2e}, \
+                 bit-identical: {same}"
+            );
+            assert!(
+                worst <= BOUND,
+                "{from:?} -> {to:?}: gap {worst:.2e} > {BOUND:.0e}"
+            );
+            if shared.adapter_name().contains("llvmpipe") {
+                assert!(same, "{from:?} -> {to:?}: bit-identical on lavapipe");
+            }
+        }
+    }
+}
