@@ -22,7 +22,7 @@
 //! [`demo`] and uses this API alone.
 //!
 //! A user's loop needs one import, [`prelude`]. README's snippet is the middle of this example,
-//! line for line (`zero-burn/tests/readme.rs` checks it):
+//! line for line (`zero-burn/tests/source_layout.rs` checks it):
 //!
 //! ```
 //! use burn::nn::loss::CrossEntropyLossConfig;

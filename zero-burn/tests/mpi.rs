@@ -26,6 +26,10 @@ use zero_core::{Topology, ZeroConfig};
 use common::{bits, options, planned_traffic, tiny, train_tiny};
 use harness::{is_rank, launch, rank_ok};
 
+#[cfg(feature = "wgpu")]
+#[path = "mpi/wgpu_per_process.rs"]
+mod wgpu_per_process;
+
 const STEPS: u64 = 3;
 const OUT: &str = "ZERO_MPI_TEST_OUT";
 

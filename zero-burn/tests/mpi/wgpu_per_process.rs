@@ -1,14 +1,8 @@
-//! wgpu per process (features `mpi` and `wgpu`): 2 processes under `mpirun`, each training on
+//! wgpu per process (feature `wgpu` too): 2 processes under `mpirun`, each training on
 //! its own wgpu device (lavapipe in CI) with the optimizer's state on that device, the
 //! collectives over MPI staged through host memory. The same job on 2 in-process ranks over the
 //! host loopback, the models on this process's wgpu device, must give the same bits: the same
 //! kernels on the same values, and MPI's reductions are the host loopback's.
-#![cfg(all(feature = "mpi", feature = "wgpu"))]
-
-mod common;
-#[path = "../../zero-comm/tests/mpi/harness.rs"]
-mod harness;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,10 +15,11 @@ use zero_burn::{WgpuShared, plan_for};
 use zero_comm::Communicator;
 use zero_core::{Precision, Topology, ZeroConfig};
 
-use common::{bits, options};
-use harness::{is_rank, launch, rank_ok};
+use super::common::{self, bits, options};
+use super::harness::{self, is_rank, launch, rank_ok};
 
-const NAME: &str = "wgpu_ranks_as_processes_match_in_process_ranks";
+/// The test's path in this binary, which the harness runs under `mpirun` with `--exact`.
+const NAME: &str = "wgpu_per_process::wgpu_ranks_as_processes_match_in_process_ranks";
 const STEPS: u64 = 3;
 const OUT: &str = "ZERO_MPI_WGPU_TEST_OUT";
 
