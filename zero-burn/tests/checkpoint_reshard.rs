@@ -36,6 +36,16 @@ fn plan(topo: Topology, cfg: &ZeroConfig) -> Arc<Plan> {
 /// Per rank: gathered parameters, m and v as bits, and losses.
 type Out = (Vec<Vec<u32>>, Vec<u32>, Vec<u32>, Vec<u32>);
 
+/// Per rank, in bits: what [`Out`] holds, and the fp32 master weights, the loss scale, and the
+/// steps taken and skipped.
+#[derive(Debug, PartialEq)]
+struct Full {
+    out: Out,
+    master: Vec<u32>,
+    scale: Option<u64>,
+    steps: (u64, u64),
+}
+
 /// A fresh world of `plan`: loads `from` (resharding) if given, trains up to `to`, saves into
 /// `save` if given.
 fn world(
@@ -45,6 +55,20 @@ fn world(
     to: u64,
     save: Option<&dyn Storage>,
 ) -> zero_burn::Result<Vec<Out>> {
+    Ok(world_full(plan, opts, from, to, save)?
+        .into_iter()
+        .map(|f| f.out)
+        .collect())
+}
+
+/// [`world`], with the master weights and the loss scaler too.
+fn world_full(
+    plan: &Arc<Plan>,
+    opts: TrainOptions,
+    from: Option<&dyn Storage>,
+    to: u64,
+    save: Option<&dyn Storage>,
+) -> zero_burn::Result<Vec<Full>> {
     let (model, corpus) = tiny();
     Launch::new(*plan.topology())
         .timeout(Duration::from_secs(30))
@@ -64,8 +88,13 @@ fn world(
             }
             let p = bits(&e.gather_all_params()?);
             let (m, v) = e.optimizer_state();
-            let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect();
-            Ok((p, b(&m), b(&v), losses))
+            let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+            Ok(Full {
+                master: b(&e.master_weights()),
+                scale: e.loss_scale().map(f64::to_bits),
+                steps: (e.steps(), e.skipped_steps()),
+                out: (p, b(&m), b(&v), losses),
+            })
         })
 }
 
@@ -164,5 +193,78 @@ fn canonical_tree_continuation_on_another_world_size_is_bit_exact() {
             "optimizer state differs from the 2-rank run"
         );
         assert_eq!(x.3[..], y.3[2..], "losses of steps 3 and 4");
+    }
+}
+
+/// bf16 and fp16 (a dynamic loss scale that starts high, so early steps overflow and skip):
+/// saved on 4 ranks at stage 2, resharded onto 2 ranks at stage 3 and saved there, then back:
+/// every bit of the master weights, m, v, the loss scale and the step counts returns, and the
+/// continuation after the round trip is bit-identical to the uninterrupted run, so the loss
+/// scaler's hysteresis and clean-step count came back too.
+#[test]
+fn half_precision_reshard_round_trips_restore_master_moments_and_scaler() {
+    use zero_core::{LossScaleConfig, Precision};
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        let half = |stage, topo| {
+            let c = ZeroConfig {
+                precision,
+                loss_scaler: LossScaleConfig {
+                    initial_scale_power: 24,
+                    loss_scale_window: 2,
+                    ..LossScaleConfig::default()
+                },
+                ..cfg(stage, 3000)
+            };
+            plan(topo, &c)
+        };
+        let a = half(2, Topology::new(4, 2).unwrap());
+        let b = half(3, Topology::new(2, 2).unwrap());
+        let what = format!("{precision:?}");
+        let whole = world_full(&a, options(), None, 6, None).unwrap();
+        let saved = MemStorage::new();
+        let orig = world_full(&a, options(), None, 3, Some(&saved)).unwrap();
+        if precision == Precision::Fp16 {
+            assert!(
+                orig[0].steps.1 > 0,
+                "fp16: some early steps overflowed and were skipped"
+            );
+        }
+        let there = MemStorage::new();
+        world_full(&b, options(), Some(&saved), 3, Some(&there)).unwrap();
+        let back = world_full(&a, options(), Some(&there), 3, None).unwrap();
+        for (r, (x, y)) in back.iter().zip(&orig).enumerate() {
+            assert!(x.out.0 == y.out.0, "{what}: rank {r}'s parameters");
+            assert!(x.master == y.master, "{what}: rank {r}'s master weights");
+            assert!(
+                x.out.1 == y.out.1 && x.out.2 == y.out.2,
+                "{what}: rank {r}'s m, v"
+            );
+            assert_eq!(
+                (x.scale, x.steps),
+                (y.scale, y.steps),
+                "{what}: rank {r}'s scaler"
+            );
+        }
+        let resumed = world_full(&a, options(), Some(&there), 6, None).unwrap();
+        for (r, (x, y)) in resumed.iter().zip(&whole).enumerate() {
+            assert_eq!(
+                x.out.3[..],
+                y.out.3[3..],
+                "{what}: rank {r}'s losses after the resume"
+            );
+            assert!(
+                x.out.0 == y.out.0,
+                "{what}: rank {r}'s parameters after the resume"
+            );
+            assert!(
+                x.master == y.master,
+                "{what}: rank {r}'s master after the resume"
+            );
+            assert_eq!(
+                (x.scale, x.steps),
+                (y.scale, y.steps),
+                "{what}: rank {r}'s scaler"
+            );
+        }
     }
 }
