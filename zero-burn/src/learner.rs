@@ -27,7 +27,9 @@
 //!   count if a mean is wanted; burn's own optimizers see the same sum).
 //! - The `ModuleOptimizer` inside `Learner` is never used ([`Sharded::learner`] gives it plain
 //!   SGD, which keeps no state); burn's per-parameter gradient clipping does not apply, the
-//!   engine's global-norm clipping does. One learning rate: `ModuleLearningRate::base`.
+//!   engine's global-norm clipping does. One learning rate for every parameter, whatever its
+//!   schedule (a warm-up, a decay): per-group rates (`ModuleLrScheduler::with_group`) are
+//!   refused at the step, naming a parameter whose rate differs ([`single_learning_rate`]).
 //! - burn's checkpointer saves `Learner`'s model (full weights) and the unused optimizer's empty
 //!   record, not the shards. A resume through burn-train (`SupervisedTraining::checkpoint`)
 //!   loads the record into `Learner`'s model, not into the engine, so the next step refuses
@@ -55,6 +57,34 @@ use crate::error::Result;
 use crate::precision::StepInfo;
 use crate::segmented::Whole;
 use crate::trainer::ZeroEngine;
+
+/// The one learning rate of `lr` for every trainable parameter of `model`: its base rate, or
+/// [`Error::Invalid`](crate::Error::Invalid) naming the first parameter a group gives another
+/// rate (burn's per-group rates, `ModuleLrScheduler::with_group`): the engine steps flat shards
+/// that mix parameters, at one rate.
+pub fn single_learning_rate<M: Module>(model: &M, lr: &ModuleLearningRate) -> Result<f64> {
+    let base = lr.base();
+    for p in crate::params::describe(model)
+        .iter()
+        .filter(|p| p.trainable)
+    {
+        let mine = lr.lr_from_param(p.id, Some(&p.path));
+        if mine != base {
+            return Err(crate::Error::Invalid {
+                field: "lr",
+                got: format!(
+                    "a ModuleLearningRate whose groups give `{}` the rate {mine} and the base \
+                     {base}",
+                    p.path
+                ),
+                expected: "one learning rate for every parameter (no ModuleLrScheduler groups): \
+                           the engine steps flat shards at one rate"
+                    .into(),
+            });
+        }
+    }
+    Ok(base)
+}
 
 /// What [`Sharded`] needs from its engine: an optimizer step from burn's gradients, returning
 /// the model with the new weights, and what the last step did.
@@ -248,9 +278,10 @@ where
                     .into(),
             );
         }
+        let rate = single_learning_rate(&self.model, &lr).unwrap_or_else(|e| fail(e.to_string()));
         let device = self.model.devices().into_iter().next();
         let stepped = match self.engine.lock() {
-            Ok(mut engine) => engine.step_grads(lr.base() as f32, &grads),
+            Ok(mut engine) => engine.step_grads(rate as f32, &grads),
             Err(_) => fail("the engine panicked in an earlier step".into()),
         };
         match stepped {

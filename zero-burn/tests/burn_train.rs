@@ -12,12 +12,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn::module::Module;
+use burn::module::ParamGroup;
+use burn::optim::lr_scheduler::constant::ConstantLr;
+use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::optim::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::tensor::Device;
 use burn_train::logger::{FileMetricLogger, MetricLogger};
 use burn_train::metric::store::Split;
 use burn_train::metric::{LossMetric, NumericEntry};
 use burn_train::{ClassificationOutput, InferenceStep, SupervisedTraining, TrainOutput, TrainStep};
-use zero_burn::learner::Sharded;
+use zero_burn::learner::{Sharded, single_learning_rate};
 use zero_burn::{Error, Launch, Optimizer, Whole, ZeroEngine};
 use zero_core::{Precision, Topology, ZeroConfig};
 
@@ -115,6 +119,16 @@ fn dir(tag: &str) -> PathBuf {
 
 /// Every rank under burn-train's `SupervisedTraining`, the engine stepping the optimizer.
 fn with_learner(stage: u8, root: &Path) -> Vec<Ran> {
+    with_learner_at(stage, root, Precision::Fp32, || LR.into())
+}
+
+/// [`with_learner`] at `precision`, with the learning-rate schedule `lr` makes.
+fn with_learner_at(
+    stage: u8,
+    root: &Path,
+    precision: Precision,
+    lr: impl Fn() -> ModuleLrScheduler + Sync,
+) -> Vec<Ran> {
     let all = points(STEPS * N * B);
     let valid = points(2 * B);
     Launch::new(Topology::new(N, N).unwrap())
@@ -122,10 +136,13 @@ fn with_learner(stage: u8, root: &Path) -> Vec<Ran> {
         .run_with(&whole(), |comm, model| {
             let rank = zero_comm::Communicator::rank(&comm);
             let engine = ZeroEngine::builder(comm, model)
-                .config(cfg(stage))
+                .config(ZeroConfig {
+                    precision,
+                    ..cfg(stage)
+                })
                 .optimizer(optimizer())
                 .build()?;
-            let learner = Sharded::new(engine)?.learner(LR);
+            let learner = Sharded::new(engine)?.learner(lr());
             let out = root.join(format!("rank{rank}"));
             let trained =
                 SupervisedTraining::new(&out, loader(&rank_points(&all, rank)), loader(&valid))
@@ -160,21 +177,35 @@ fn with_learner(stage: u8, root: &Path) -> Vec<Ran> {
 
 /// The oracle: the engine's own loop over the same batches, in the same order.
 fn with_engine(stage: u8) -> Vec<Ran> {
+    with_engine_at(stage, Precision::Fp32, || LR.into())
+}
+
+/// [`with_engine`] at `precision`, each step at the rate the schedule `lr` makes gives it.
+fn with_engine_at(
+    stage: u8,
+    precision: Precision,
+    lr: impl Fn() -> ModuleLrScheduler + Sync,
+) -> Vec<Ran> {
     let all = points(STEPS * N * B);
     Launch::new(Topology::new(N, N).unwrap())
         .timeout(Duration::from_secs(60))
         .run_with(&whole(), |comm, model| {
             let rank = zero_comm::Communicator::rank(&comm);
             let mut engine = ZeroEngine::builder(comm, model)
-                .config(cfg(stage))
+                .config(ZeroConfig {
+                    precision,
+                    ..cfg(stage)
+                })
                 .optimizer(optimizer())
                 .build()?;
             let data = loader(&rank_points(&all, rank));
+            let mut schedule = lr();
             let mut losses = Vec::new();
             for _ in 0..EPOCHS {
                 for b in data.iter() {
                     let b = b.expect("in-memory data");
-                    losses.push(f64::from(engine.step(LR as f32, &[b])?.loss));
+                    let rate = schedule.step().base() as f32;
+                    losses.push(f64::from(engine.step(rate, &[b])?.loss));
                 }
             }
             Ok(Ran {
@@ -305,4 +336,55 @@ fn a_record_loaded_behind_the_engine_s_back_is_refused_at_the_next_step() {
     let (why, stepped) = &got[0];
     assert!(why.contains("Module::map"), "{why}");
     assert!(*stepped, "the unmapped model stepped");
+}
+
+/// A real schedule (a linear warm-up over the first 5 steps, then constant), in fp32 at stage 2
+/// and in bf16 at stage 1: burn-train's weights equal the engine loop's stepped at the same
+/// per-step rates, bit for bit.
+#[test]
+fn a_warm_up_schedule_and_bf16_under_the_learner_equal_the_engine_loop() {
+    let root = dir("schedule");
+    let warm_up = || {
+        LinearLrSchedulerConfig::new(LR / 10.0, LR, 5)
+            .init()
+            .expect("a valid schedule")
+    };
+    for (stage, precision) in [(2u8, Precision::Fp32), (1, Precision::Bf16)] {
+        let learned = with_learner_at(stage, &root.join(format!("s{stage}")), precision, warm_up);
+        let oracle = with_engine_at(stage, precision, warm_up);
+        for (rank, (l, o)) in learned.iter().zip(&oracle).enumerate() {
+            assert_eq!(
+                bits(&l.params),
+                bits(&o.params),
+                "stage {stage} {precision:?} rank {rank}: the learner's weights differ"
+            );
+        }
+        let constant = with_engine_at(stage, precision, || LR.into());
+        assert_ne!(
+            bits(&oracle[0].params),
+            bits(&constant[0].params),
+            "the warm-up changed the steps"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// burn's per-group learning rates would step some parameters at another rate than the engine's
+/// one: refused, naming the parameter; one rate for all (a plain schedule) passes.
+#[test]
+fn per_group_learning_rates_are_refused_naming_a_parameter() {
+    let model = whole().module;
+    let path = zero_burn::parameters(&model)[0].path.clone();
+    let one: ModuleLearningRate = ModuleLrScheduler::new(ConstantLr::new(1e-3)).step();
+    assert_eq!(single_learning_rate(&model, &one).unwrap(), 1e-3);
+    let grouped = ModuleLrScheduler::new(ConstantLr::new(1e-3))
+        .with_group(ParamGroup::from_path(path.clone()), ConstantLr::new(1e-2))
+        .step();
+    let e = single_learning_rate(&model, &grouped)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("`{path}`")) && e.contains("one learning rate"),
+        "{e}"
+    );
 }
