@@ -341,3 +341,165 @@ fn the_doc_checks_find_what_they_look_for() {
     let outside = format!("see `{}.md`", OUTSIDE_FILES[0]);
     assert_eq!(doc_problems("T.md", &outside).len(), 1);
 }
+
+/// `text` without `//` comments and without everything from a `#[cfg(test)]` line on.
+fn code_of(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("#[cfg(test)]") {
+            break;
+        }
+        out.push_str(line.find("//").map_or(line, |i| &line[..i]));
+        out.push('\n');
+    }
+    out
+}
+
+/// Whether `code` names `path` as a whole path segment (`super::job` but not `super::jobs`).
+fn names(code: &str, path: &str) -> bool {
+    code.match_indices(path).any(|(i, _)| {
+        let before = code[..i].chars().next_back();
+        let after = code[i + path.len()..].chars().next();
+        before.is_none_or(|c| !(c.is_alphanumeric() || c == '_'))
+            && after.is_none_or(|c| !(c.is_alphanumeric() || c == '_'))
+    })
+}
+
+/// Every module folder under `src`, `src` itself (the crate's top-level modules) included: its
+/// module path (`demo::`, `trainer::`, empty for the root) and its children's imports of each
+/// other: a child imports a sibling when its code names `super::sibling` (a file directly in
+/// the folder) or `crate::<folder path>sibling` (any file under it). A child folder counts as
+/// one child with all its files.
+fn folder_graphs(src: &Path) -> Vec<(String, BTreeMap<String, BTreeSet<String>>)> {
+    fn walk(src: &Path, dir: &Path, out: &mut Vec<(String, BTreeMap<String, BTreeSet<String>>)>) {
+        let mut children: Vec<(String, PathBuf)> = Vec::new();
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let stem = p.file_stem().unwrap().to_string_lossy().to_string();
+            if p.is_dir() {
+                walk(src, &p, out);
+                children.push((stem, p));
+            } else if p.extension().is_some_and(|x| x == "rs") && stem != "mod" {
+                children.push((stem, p));
+            }
+        }
+        let module: String = dir
+            .strip_prefix(src)
+            .unwrap()
+            .components()
+            .map(|c| format!("{}::", c.as_os_str().to_string_lossy()))
+            .collect();
+        // The crate root's children are its top-level modules (`lib.rs`, `main.rs` is the root).
+        children.retain(|(n, _)| dir != src || (n != "lib" && n != "main"));
+        let names_of: BTreeSet<String> = children.iter().map(|(n, _)| n.clone()).collect();
+        let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (name, path) in &children {
+            let mut files = Vec::new();
+            if path.is_dir() {
+                rust_files(path, &mut files);
+            } else {
+                files.push(path.clone());
+            }
+            let deps = g.entry(name.clone()).or_default();
+            for f in files {
+                let code = code_of(&std::fs::read_to_string(&f).unwrap());
+                let direct = f.parent() == Some(dir);
+                for other in names_of.iter().filter(|o| *o != name) {
+                    if names(&code, &format!("crate::{module}{other}"))
+                        || (direct && dir != src && names(&code, &format!("super::{other}")))
+                    {
+                        deps.insert(other.clone());
+                    }
+                }
+            }
+        }
+        out.push((module, g));
+    }
+    let mut out = Vec::new();
+    walk(src, src, &mut out);
+    out
+}
+
+/// The circles of `g`, each as the path of modules from its smallest member back to it.
+fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    fn reach(
+        g: &BTreeMap<String, BTreeSet<String>>,
+        at: &str,
+        goal: &str,
+        path: &mut Vec<String>,
+        seen: &mut BTreeSet<String>,
+    ) -> bool {
+        for next in g.get(at).into_iter().flatten() {
+            path.push(next.clone());
+            if next == goal || (seen.insert(next.clone()) && reach(g, next, goal, path, seen)) {
+                return true;
+            }
+            path.pop();
+        }
+        false
+    }
+    let mut found = Vec::new();
+    for start in g.keys() {
+        let mut path = vec![start.clone()];
+        if reach(g, start, start, &mut path, &mut BTreeSet::new())
+            && path.iter().all(|m| m >= start)
+        {
+            found.push(path);
+        }
+    }
+    found
+}
+
+/// The top-level modules of every crate, and the files inside every module folder, import each
+/// other one way, as the crates do: a circle (`demo/job.rs` importing `demo/report.rs` importing `demo/job.rs`) ties
+/// two files into one that must be read at once.
+#[test]
+fn module_folders_import_one_way() {
+    let mut problems = Vec::new();
+    for krate in ["zero-core", "zero-comm", "zero-quant", "zero-burn", "xtask"] {
+        for (module, g) in folder_graphs(&root().join(krate).join("src")) {
+            for c in circles(&g) {
+                let folder = module.replace("::", "/");
+                problems.push(format!("{krate}/src/{folder}: {}", c.join(" -> ")));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "import circles inside module folders:\n{}",
+        problems.join("\n")
+    );
+}
+
+/// The circle finder finds a circle, and only a circle.
+#[test]
+fn the_folder_circle_finder_finds_a_circle() {
+    let g = |edges: &[(&str, &str)]| {
+        let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            g.entry(a.to_string()).or_default().insert(b.to_string());
+            g.entry(b.to_string()).or_default();
+        }
+        g
+    };
+    assert_eq!(
+        circles(&g(&[("job", "report"), ("report", "job"), ("job", "run")])),
+        [["job", "report", "job"]]
+    );
+    assert!(
+        circles(&g(&[
+            ("job", "report"),
+            ("report", "config"),
+            ("job", "config")
+        ]))
+        .is_empty()
+    );
+    assert!(names("use super::report::x;", "super::report"));
+    assert!(!names("use super::reports::x;", "super::report"));
+    // zero-burn's top level is not trivially empty: the engine imports the trainer.
+    let burn = folder_graphs(&root().join("zero-burn/src"));
+    let top = &burn.iter().find(|(m, _)| m.is_empty()).unwrap().1;
+    assert!(top["engine"].contains("trainer"), "{top:?}");
+    assert!(names("use crate::x::Y;", "crate::x"));
+    assert!(!code_of("// crate::z\n#[cfg(test)]\nuse crate::t;").contains("crate::"));
+}

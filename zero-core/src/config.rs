@@ -9,6 +9,7 @@ use crate::model::DType;
 
 mod auto;
 mod deepspeed;
+mod json;
 mod validate;
 
 pub(crate) use validate::validate;

@@ -2,6 +2,7 @@
 //! loss floor ([`data`]), in-process launchers that train it ([`run`]), and the whole job
 //! `cargo xtask train` runs ([`job`]). Nothing in the engine depends on this module.
 
+mod config;
 pub mod data;
 pub mod gpt;
 pub mod job;

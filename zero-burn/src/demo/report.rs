@@ -4,9 +4,9 @@
 use serde::Serialize;
 use zero_core::{MemoryModel, Plan, TrafficTable, ZeroConfig};
 
+use crate::demo::config::JobConfig;
 use crate::demo::data::Corpus;
 use crate::demo::gpt::GptConfig;
-use crate::demo::job::JobConfig;
 use crate::demo::run::{RankSummary, SaveRecord};
 use crate::error::{Error, Result};
 use crate::trainer::MeasuredMemory;

@@ -22,7 +22,7 @@ use std::fmt;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use super::deepspeed::int;
+use super::json::int;
 use crate::config::{Precision, ZeroConfig};
 
 /// What a run uses, for resolving `"auto"`. `None` means the caller does not know (e.g.

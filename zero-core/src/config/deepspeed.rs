@@ -4,6 +4,7 @@
 use serde_json::Value;
 
 use super::auto::{self, AutoResolution, RunValues};
+use super::json::{boolean, int, num};
 use super::{OptimizerKind, Placement, Precision, ZeroConfig};
 use crate::error::{Error, Result};
 
@@ -148,19 +149,6 @@ pub struct DeepSpeedImport {
     pub notes: Vec<String>,
     /// Every `"auto"` value resolved, in the order resolved: one line each for the user.
     pub resolved: Vec<AutoResolution>,
-}
-
-fn num(v: &Value) -> Option<f64> {
-    v.as_f64()
-}
-
-pub(super) fn int(v: &Value) -> Option<u64> {
-    let x = v.as_f64()?;
-    (x >= 0.0 && x.fract() == 0.0 && x < 1.9e19).then_some(x as u64)
-}
-
-fn boolean(v: &Value) -> Option<bool> {
-    v.as_bool()
 }
 
 /// Reads the `fp16` section, or the bf16 one (`k` is `bf16` or its legacy spelling `bfloat16`);
