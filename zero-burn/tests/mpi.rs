@@ -290,7 +290,7 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
                 resume_tag: None,
                 reshard: false,
             }),
-            ..HostRun::new(6, Duration::from_secs(5))
+            ..HostRun::new(6, Duration::from_secs(30))
         };
         let r = train_rank(comm, plan, model, &corpus, options(), run, &|_, _| {});
         unreachable!(
@@ -303,20 +303,16 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
     std::fs::create_dir_all(&dir).unwrap();
     let env = [(OUT, dir.display().to_string())];
     let name = "a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable";
-    let Some(job) = launch(
-        name,
-        4,
-        2,
-        Duration::from_secs(5),
-        &env,
-        Duration::from_secs(120),
-    ) else {
+    // A 30 s collective timeout: the job must end because mpirun sees a rank die, well before
+    // any collective could time out (the bound is half of it, mpirun's start included).
+    let timeout = Duration::from_secs(30);
+    let Some(job) = launch(name, 4, 2, timeout, &env, Duration::from_secs(120)) else {
         return;
     };
     assert!(!job.success, "the job succeeded:\n{}", job.output);
     assert!(
-        job.elapsed < Duration::from_secs(5 + 10),
-        "took {:?}",
+        job.elapsed < timeout / 2,
+        "took {:?} (the collective timeout is {timeout:?})",
         job.elapsed
     );
     assert!(job.output.contains("rank 1"), "{}", job.output);

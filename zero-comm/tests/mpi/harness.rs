@@ -89,7 +89,13 @@ pub(crate) fn launch(
 }
 
 /// Runs `cmd` with stdout and stderr in one temporary file, killing it past `limit`.
+/// One `mpirun` job at a time per test binary: the tests of a binary run on parallel threads,
+/// and two jobs of 4 ranks each on a 2-core machine would stretch every timing.
+static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn run(mut cmd: Command, limit: Duration) -> Job {
+    // A test that failed while holding the lock poisons it; the next job may still run.
+    let _one = ONE_JOB.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("zero-mpi-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("{:?}.log", Instant::now()).replace(['{', '}', ' ', ':'], ""));
@@ -115,6 +121,8 @@ fn run(mut cmd: Command, limit: Duration) -> Job {
     let elapsed = start.elapsed();
     let output = std::fs::read_to_string(&path).unwrap_or_default();
     let _ = std::fs::remove_file(&path);
+    // The directory goes once the last job of this process is done with it.
+    let _ = std::fs::remove_dir(&dir);
     let status = status.unwrap_or_else(|| {
         panic!("the MPI job hung: killed after {limit:?}; its output:\n{output}")
     });
