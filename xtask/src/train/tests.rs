@@ -16,8 +16,11 @@ pub(crate) fn args(out: &Path, extra: &[&str]) -> TrainArgs {
 #[test]
 fn invalid_flags_fail_before_a_run_directory_exists() {
     let root = std::env::temp_dir().join(format!("zero-rs-train-flags-{}", std::process::id()));
-    let cases: [(&[&str], &str); 7] = [
+    // One row per documented bound and refusal (STATUS.md, "Input bounds"): the flags, and what
+    // the error must name.
+    let cases: &[(&[&str], &str)] = &[
         (&["--lr", "nan"], "lr"),
+        (&["--lr=-1"], "lr"),
         (&["--timeout", "0"], "timeout"),
         (&["--stage", "4"], "stage"),
         (&["--steps", "0"], "steps"),
@@ -26,9 +29,29 @@ fn invalid_flags_fail_before_a_run_directory_exists() {
             &["--world-size", "3", "--ranks-per-node", "2"],
             "ranks_per_node",
         ),
+        (&["--world-size", "0"], "world_size"),
+        (&["--world-size", "257"], "--world-size 257"),
         (&["--stage", "3", "--hpz", "3"], "hpz_partition_size"),
+        // 2^20 tokens per rank per micro-step (the default model's sequences are 32 tokens).
+        (&["--micro-batch", "40000"], "micro_batch"),
+        // 2^24 tokens per rank per optimizer step.
+        (
+            &["--micro-batch", "8", "--grad-accum", "100000"],
+            "gradient_accumulation_steps",
+        ),
+        (&["--precision", "fp8"], "precision"),
+        (&["--model", "huge"], "--model"),
+        (&["--backend", "tpu"], "--backend"),
+        (&["--launcher", "slurm"], "--launcher"),
+        (&["--data", "/nonexistent/zero-rs-data"], "--data"),
+        (&["--config", "/nonexistent/zero-rs.toml"], "config"),
+        (&["--resume", "/nonexistent/zero-rs-ckpt"], "resume"),
+        (
+            &["--init", "a.safetensors", "--resume", "b"],
+            "--init and --resume",
+        ),
     ];
-    for (i, (flags, field)) in cases.into_iter().enumerate() {
+    for (i, (flags, field)) in cases.iter().enumerate() {
         let out = root.join(format!("run-{i}"));
         let err = run(args(&out, flags)).expect_err("a bad flag fails");
         let msg = format!("{err:#}");
