@@ -6,12 +6,12 @@ use std::sync::Arc;
 use burn::module::ParamId;
 use zero_comm::Communicator;
 use zero_comm::quantized::{QuantGroups, QuantScratch};
-use zero_core::{Plan, TrafficTable, UnitKind};
+use zero_core::{Plan, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
 use super::layout::RankLayout;
 use super::opt_state::{self, OptState};
-use super::{EngineOptions, GradAccum, MeasuredMemory, ZeroEngine};
+use super::{EngineOptions, GradAccum, Meter, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
 use crate::params;
@@ -135,8 +135,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             rank,
             device_tensors: None,
             device_quant: false,
-            device_grad_bytes: 0,
-            device_weight_bytes: 0,
             comms: Some(Comms {
                 world,
                 hpz,
@@ -188,14 +186,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             step: 0,
             micro: 0,
             micro_losses: Vec::new(),
-            peak: MeasuredMemory::default(),
-            gathered_elems: 0,
-            gathered_bytes: 0,
-            unit_gathered_bytes: vec![0; units.len()],
-            traffic_base: TrafficTable::new(),
-            steps_base: (0, 0),
-            skipped: 0,
-            other_traffic: TrafficTable::new(),
+            meter: Meter::new(units.len()),
         };
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial
@@ -274,7 +265,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             })
             .collect();
         t.set_params(fresh);
-        t.traffic_base = t.traffic();
+        t.meter.traffic_base = t.traffic();
         Ok(t)
     }
 

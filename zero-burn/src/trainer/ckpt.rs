@@ -37,7 +37,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Scalars {
             step: self.step,
             opt_steps: self.opt.steps,
-            skipped: self.skipped,
+            skipped: self.meter.skipped,
             scaler: self.opt.scaler.as_ref().map(LossScaler::state),
         }
     }
@@ -281,9 +281,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         self.step = scalars.step;
         self.opt.steps = scalars.opt_steps;
-        self.skipped = scalars.skipped;
+        self.meter.skipped = scalars.skipped;
         // The measured traffic counts from the engine's build: so does the planned.
-        self.steps_base = (scalars.step, scalars.skipped);
+        self.meter.steps_base = (scalars.step, scalars.skipped);
         if let (Some(s), Some(state)) = (self.opt.scaler.as_mut(), scalars.scaler) {
             s.set_state(state);
         }

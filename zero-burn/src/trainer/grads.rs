@@ -159,7 +159,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 failed.get_or_insert(e);
             }
         });
-        self.device_grad_bytes += packed;
+        self.meter.device_grad_bytes += packed;
         failed.map_or(Ok(()), Err)
     }
 }

@@ -1,8 +1,10 @@
-//! What a rank measured, in the plan's memory categories.
+//! What a rank counts as it runs ([`Meter`]): its peak memory in the plan's categories
+//! ([`MeasuredMemory`], the engine's own bookkeeping), its traffic bases, the steps it skipped,
+//! the bytes its device hooks moved, and stage 3's gathered units.
 
 use serde::{Deserialize, Serialize};
 use zero_comm::Communicator;
-use zero_core::MemoryModel;
+use zero_core::{MemoryModel, TrafficTable};
 
 use super::ZeroEngine;
 use crate::params;
@@ -56,10 +58,54 @@ impl MeasuredMemory {
     }
 }
 
+/// What a rank counts (one owner for every counter; see the module docs).
+#[derive(Debug)]
+pub(crate) struct Meter {
+    /// Peak bytes by category.
+    pub(super) peak: MeasuredMemory,
+    /// The traffic counters' values when the count started (see [`ZeroEngine::traffic`]).
+    pub(super) traffic_base: TrafficTable,
+    /// Traffic of collectives outside training steps (eval, consolidation).
+    pub(super) other_traffic: TrafficTable,
+    /// `(steps, skipped)` when the traffic count started: 0 at build, the checkpoint's after a
+    /// load.
+    pub(crate) steps_base: (u64, u64),
+    /// Steps skipped (fp16 overflow).
+    pub(super) skipped: u64,
+    /// Gradient bytes packed by the `DeviceTensors` hook.
+    pub(super) device_grad_bytes: u64,
+    /// Weight bytes installed from the communicator's memory by the `DeviceTensors` hook.
+    pub(super) device_weight_bytes: u64,
+    /// Stage 3: real elements of the gathered units installed in the model.
+    pub(super) gathered_elems: u64,
+    /// Stage 3: bytes of the buffers the installed units were gathered into (their capacities).
+    pub(super) gathered_bytes: u64,
+    /// Stage 3: per unit, the bytes of the buffer it was installed from (0 when released).
+    pub(super) unit_gathered_bytes: Vec<u64>,
+}
+
+impl Meter {
+    /// Nothing counted yet, for a plan of `units` units.
+    pub(super) fn new(units: usize) -> Self {
+        Meter {
+            peak: MeasuredMemory::default(),
+            traffic_base: TrafficTable::new(),
+            other_traffic: TrafficTable::new(),
+            steps_base: (0, 0),
+            skipped: 0,
+            device_grad_bytes: 0,
+            device_weight_bytes: 0,
+            gathered_elems: 0,
+            gathered_bytes: 0,
+            unit_gathered_bytes: vec![0; units],
+        }
+    }
+}
+
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Peak measured memory so far.
     pub fn measured_memory(&self) -> MeasuredMemory {
-        let mut m = self.peak;
+        let mut m = self.meter.peak;
         // The codecs' wire buffers keep their capacity: they coexist with the reduction buffers.
         let c = self.comms_ref();
         m.communication_buffers +=
@@ -69,18 +115,18 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     pub(super) fn track_comm_buffer(&mut self, bytes: u64) {
-        self.peak.communication_buffers = self.peak.communication_buffers.max(bytes);
+        self.meter.peak.communication_buffers = self.meter.peak.communication_buffers.max(bytes);
     }
 
     pub(super) fn sample_memory(&mut self) {
         let stage3 = self.plan.stage() == 3;
-        let gathered: u64 = if stage3 { self.gathered_elems } else { 0 };
+        let gathered: u64 = if stage3 { self.meter.gathered_elems } else { 0 };
         let model_elems = params::resident_elems(&self.model);
         let resident = model_elems - gathered;
         // The working weights' bytes per element: 4 in fp32, 2 in bf16/fp16 (where burn's f32
         // copies hold 2 more, reported as `f32_compute_copies`).
         let w = if self.half.is_some() { 2 } else { 4 };
-        let p = &mut self.peak;
+        let p = &mut self.meter.peak;
         // The engine's own buffers count as allocated (capacities); burn's tensors by elements.
         let cap32 = |v: &Vec<f32>| v.capacity() as u64 * 4;
         let cap16 = |v: &Vec<u16>| v.capacity() as u64 * 2;

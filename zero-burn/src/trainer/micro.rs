@@ -408,8 +408,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Ticket::Reduce { .. } => 0,
             })
             .sum();
-        let live = self.gathered_bytes + fetching * w;
-        self.peak.gathered_working_set = self.peak.gathered_working_set.max(live);
+        let live = self.meter.gathered_bytes + fetching * w;
+        self.meter.peak.gathered_working_set = self.meter.peak.gathered_working_set.max(live);
         Ok(())
     }
 

@@ -60,6 +60,7 @@ mod weights;
 
 pub(crate) use ckpt::Scalars;
 pub use memory::MeasuredMemory;
+use memory::Meter;
 pub use train_mode::BufferSync;
 
 /// The engine's options that are not part of the ZeRO plan (set through
@@ -126,10 +127,6 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
     /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
     device_quant: bool,
-    /// Gradient bytes packed by `device_tensors`.
-    device_grad_bytes: u64,
-    /// Weight bytes installed from the communicator's memory by `device_tensors`.
-    device_weight_bytes: u64,
     /// The rank's communicators: away on the communication thread during an overlapped
     /// micro-step, home otherwise (see [`crate::comms`]).
     comms: Option<Comms<C>>,
@@ -173,20 +170,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     micro: u32,
     /// The unscaled loss of each micro-step of the last step.
     micro_losses: Vec<f32>,
-    peak: MeasuredMemory,
-    /// Stage 3: real elements of the gathered units installed in the model.
-    gathered_elems: u64,
-    /// Stage 3: bytes of the buffers the installed units were gathered into (their capacities).
-    gathered_bytes: u64,
-    /// Stage 3: per unit, the bytes of the buffer it was installed from (0 when released).
-    unit_gathered_bytes: Vec<u64>,
-    traffic_base: TrafficTable,
-    /// `(steps, skipped)` when the traffic count started: 0 at build, the checkpoint's after a load.
-    pub(crate) steps_base: (u64, u64),
-    /// Steps skipped (fp16 overflow).
-    skipped: u64,
-    /// Traffic of collectives outside training steps (eval, consolidation).
-    other_traffic: TrafficTable,
+    /// What the rank counts: peak memory, traffic bases, skipped steps, device-hook bytes.
+    pub(crate) meter: Meter,
 }
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
@@ -209,13 +194,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Gradient bytes packed in the communicator's memory by the [`DeviceTensors`] hook so far
     /// (bytes that never passed through host memory).
     pub fn device_grad_bytes(&self) -> u64 {
-        self.device_grad_bytes
+        self.meter.device_grad_bytes
     }
 
     /// Weight bytes the [`DeviceTensors`] hook installed in the model straight from the
     /// communicator's memory so far.
     pub fn device_weight_bytes(&self) -> u64 {
-        self.device_weight_bytes
+        self.meter.device_weight_bytes
     }
 
     /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
@@ -255,12 +240,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Steps skipped because fp16 gradients overflowed.
     pub fn skipped_steps(&self) -> u64 {
-        self.skipped
+        self.meter.skipped
     }
 
     /// Traffic of collectives outside training steps ([`Self::eval`], consolidation).
     pub fn other_traffic(&self) -> &TrafficTable {
-        &self.other_traffic
+        &self.meter.other_traffic
     }
 
     pub(crate) fn has_device_tensors(&self) -> bool {
@@ -272,8 +257,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let before = self.traffic();
         let r = f(self);
         let delta = self.traffic().since(&before);
-        self.other_traffic.merge(&delta);
-        self.traffic_base.merge(&delta);
+        self.meter.other_traffic.merge(&delta);
+        self.meter.traffic_base.merge(&delta);
         r
     }
 
@@ -319,7 +304,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if let Some(q) = &c.qgroups {
             t.merge(&q.traffic());
         }
-        t.since(&self.traffic_base)
+        t.since(&self.meter.traffic_base)
     }
 
     /// Steps taken (skipped fp16 steps included).

@@ -131,7 +131,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         };
         if overflow {
             // Skip: master, working weights and optimizer state stay as they are.
-            self.skipped += 1;
+            self.meter.skipped += 1;
             self.end_step();
             return Ok(());
         }

@@ -156,9 +156,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         self.fetching[u] = false;
         self.gathered[u] = true;
-        self.gathered_elems += plan.unit_entries(u).iter().map(|e| e.numel).sum::<u64>();
-        self.gathered_bytes += bytes;
-        self.unit_gathered_bytes[u] = bytes;
+        self.meter.gathered_elems += plan.unit_entries(u).iter().map(|e| e.numel).sum::<u64>();
+        self.meter.gathered_bytes += bytes;
+        self.meter.unit_gathered_bytes[u] = bytes;
         Ok(())
     }
 
@@ -200,7 +200,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         let model = self.model.clone();
         self.model = params::write_tensors(model, tensors);
-        self.device_weight_bytes += 4 * self.plan.units()[u].len;
+        self.meter.device_weight_bytes += 4 * self.plan.units()[u].len;
         Ok(())
     }
 
@@ -227,8 +227,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.release(u);
                 self.gathered[u] = false;
                 let real: u64 = self.plan.unit_entries(u).iter().map(|e| e.numel).sum();
-                self.gathered_elems -= real;
-                self.gathered_bytes -= std::mem::take(&mut self.unit_gathered_bytes[u]);
+                self.meter.gathered_elems -= real;
+                self.meter.gathered_bytes -= std::mem::take(&mut self.meter.unit_gathered_bytes[u]);
             }
         }
     }
