@@ -3,7 +3,8 @@
 //! every rank's losses and final parameters are bit-identical to the same job on 4 in-process
 //! ranks over the host loopback, and every rank's measured bytes equal the plan. Also: a rank
 //! started with another model fails every rank before any data moves, and a rank killed in the
-//! middle of a checkpoint save leaves the previous checkpoint whole and resumable.
+//! middle of a checkpoint save leaves the previous checkpoint whole and resumable, and so does one
+//! killed at a step drawn from a seeded RNG (`mpi/kill.rs`).
 //!
 //! The test launches this binary under `mpirun` (the harness of `zero-comm/tests/mpi`); inside
 //! the job each process runs the rank side and writes its numbers to a file the test reads.
@@ -26,6 +27,8 @@ use zero_core::{Topology, ZeroConfig};
 use common::{bits, options, planned_traffic, tiny, train_tiny};
 use harness::{is_rank, launch, rank_ok};
 
+#[path = "mpi/kill.rs"]
+mod kill;
 #[cfg(feature = "wgpu")]
 #[path = "mpi/wgpu_per_process.rs"]
 mod wgpu_per_process;
