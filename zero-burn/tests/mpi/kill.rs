@@ -6,7 +6,8 @@
 //! A draw: a seed picks the rank (0–3), the step (2–5) at whose batches it dies, and, at step 4,
 //! whether it dies inside the save of step 4 instead. The test runs seeds 3 (rank 1 after step
 //! 5) and 6 (rank 0 after step 2), or `ZERO_KILL_SEED` alone, and prints each seed and draw;
-//! `a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable` covers a death inside a save.
+//! `a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable` always kills rank 1 inside
+//! the save of step 4.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,10 +21,11 @@ use zero_comm::Communicator;
 
 use super::common::{options, tiny};
 use super::harness::{self, is_rank, launch};
-use super::{DiesMidSave, configs, topo};
+use super::{configs, topo};
 
-/// The test's path in this binary, which the harness runs under `mpirun` with `--exact`.
-const NAME: &str = "kill::a_rank_killed_at_a_random_step_resumes_bit_identically";
+/// The tests' paths in this binary, which the harness runs under `mpirun` with `--exact`.
+const RANDOM: &str = "kill::a_rank_killed_at_a_random_step_resumes_bit_identically";
+const MID_SAVE: &str = "kill::a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable";
 const OUT: &str = "ZERO_MPI_KILL_OUT";
 const DRAW: &str = "ZERO_MPI_KILL_DRAW";
 
@@ -113,6 +115,51 @@ impl<C: Corpus> Corpus for DiesAtStep<C> {
     }
 }
 
+/// A store that SIGKILLs its own process on the first write of the save of step 4: a rank dying
+/// in the middle of a collective save.
+#[derive(Debug)]
+struct DiesMidSave(zero_burn::checkpoint::DirStorage);
+
+impl zero_burn::checkpoint::Storage for DiesMidSave {
+    fn write(&self, path: &str, bytes: &[u8]) -> zero_burn::Result<()> {
+        if path.contains("00000004") {
+            let pid = std::process::id().to_string();
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid])
+                .status();
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        self.0.write(path, bytes)
+    }
+    fn sync_file(&self, path: &str) -> zero_burn::Result<()> {
+        self.0.sync_file(path)
+    }
+    fn rename(&self, from: &str, to: &str) -> zero_burn::Result<()> {
+        self.0.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &str) -> zero_burn::Result<()> {
+        self.0.sync_dir(dir)
+    }
+    fn create_dir(&self, dir: &str) -> zero_burn::Result<()> {
+        self.0.create_dir(dir)
+    }
+    fn read(&self, path: &str) -> zero_burn::Result<Option<Vec<u8>>> {
+        self.0.read(path)
+    }
+    fn size(&self, path: &str) -> zero_burn::Result<Option<u64>> {
+        self.0.size(path)
+    }
+    fn exists(&self, path: &str) -> zero_burn::Result<bool> {
+        self.0.exists(path)
+    }
+    fn list(&self, dir: &str) -> zero_burn::Result<Vec<String>> {
+        self.0.list(dir)
+    }
+}
+
+/// A rank killed (`kill -9`) in the middle of a save ends the job without a hang, and the
+/// checkpoint `LATEST` names is still the previous one, whole: it verifies and an in-process run
+/// resumes from it bit-identically to an uninterrupted one.
 fn checkpointing(store: Arc<dyn Storage>, resume: bool) -> Checkpointing {
     Checkpointing {
         save: Some(store.clone()),
@@ -165,21 +212,38 @@ fn a_rank_killed_at_a_random_step_resumes_bit_identically() {
     for seed in seeds {
         let draw = Draw::of(seed);
         eprintln!("ZERO_KILL_SEED={seed}: {draw:?}");
-        if !killed_and_resumed(draw) {
+        if !killed_and_resumed(RANDOM, draw) {
             return;
         }
     }
 }
 
-/// One draw's job, checks and resume; false when the harness could not launch it (recorded).
-fn killed_and_resumed(draw: Draw) -> bool {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("zero-burn-mpi-random-kill-{}", std::process::id()));
+#[test]
+fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
+    if is_rank() {
+        return rank_side();
+    }
+    let draw = Draw {
+        rank: 1,
+        step: 4,
+        inside_save: true,
+    };
+    killed_and_resumed(MID_SAVE, draw);
+}
+
+/// The job of test `name` for one draw, its checks and the resume; false when the harness could
+/// not launch it (recorded).
+fn killed_and_resumed(name: &str, draw: Draw) -> bool {
+    let dir: PathBuf = std::env::temp_dir().join(format!(
+        "zero-burn-mpi-kill-{}-{}",
+        draw.to_env(),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let env = [(OUT, dir.display().to_string()), (DRAW, draw.to_env())];
     let timeout = Duration::from_secs(30);
-    let Some(job) = launch(NAME, 4, 2, timeout, &env, Duration::from_secs(120)) else {
+    let Some(job) = launch(name, 4, 2, timeout, &env, Duration::from_secs(120)) else {
         return false;
     };
     assert!(!job.success, "{draw:?}: the job succeeded:\n{}", job.output);
@@ -187,6 +251,11 @@ fn killed_and_resumed(draw: Draw) -> bool {
         job.elapsed < timeout / 2,
         "{draw:?}: took {:?} (the collective timeout is {timeout:?})",
         job.elapsed
+    );
+    assert!(
+        job.output.contains(&format!("rank {}", draw.rank)),
+        "{draw:?}: the dead rank is named:\n{}",
+        job.output
     );
     let store = DirStorage::new(&dir).unwrap();
     let (_, m) = read_manifest(&store, None).unwrap();
