@@ -15,12 +15,13 @@ use mpi::topology::{Color, SimpleCommunicator};
 use zero_core::{Collective, Topology, TrafficTable};
 
 use super::MpiOptions;
+use super::tally::Tally;
 use crate::communicator::{Communicator, ReduceOrder};
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Op, Result};
 use crate::host::HostBuffer;
 use crate::host::kernels;
-use crate::validate::{Desc, ar_chunk, measure, validate};
+use crate::validate::{Desc, ar_chunk, validate};
 use crate::wire::DESC_BYTES;
 
 /// The exit status of a job this backend aborts.
@@ -361,17 +362,16 @@ impl MpiComm {
         Ok(calls)
     }
 
-    fn account<E: Element>(&mut self, desc: &Desc) {
-        let t = measure(
-            &self.topology,
-            &self.members,
-            self.rank,
-            desc,
-            size_of::<E>(),
-        );
+    /// Records a call's traffic as counted at its MPI calls (see [`Tally`]).
+    fn account(&mut self, desc: &Desc, tally: Tally) {
         if let Some(c) = desc.op.collective() {
-            self.traffic.record(c, t);
+            self.traffic
+                .record(c, tally.traffic(&self.topology, &self.members));
         }
+    }
+
+    fn tally(&self) -> Tally {
+        Tally::new(self.members.len(), self.rank)
     }
 
     fn desc<E: Element>(op: Collective, send_len: usize, recv_len: usize) -> Desc {
@@ -385,7 +385,8 @@ impl MpiComm {
 
     /// `MPI_Iallgather` of `send` into `recv`, waited for. Nothing to move is no MPI call
     /// (OpenMPI rejects the equal dangling pointers of two empty buffers).
-    fn gather_bytes(&self, op: Op, send: &[u8], recv: &mut [u8]) {
+    fn gather_bytes(&self, op: Op, send: &[u8], recv: &mut [u8], tally: &mut Tally) {
+        tally.all_gather(send.len(), recv.len());
         if recv.is_empty() {
             return;
         }
@@ -397,7 +398,8 @@ impl MpiComm {
     }
 
     /// `MPI_Ialltoall` of `send` into `recv`, waited for.
-    fn exchange_bytes(&self, op: Op, send: &[u8], recv: &mut [u8]) {
+    fn exchange_bytes(&self, op: Op, send: &[u8], recv: &mut [u8], tally: &mut Tally) {
+        tally.all_to_all(send.len(), recv.len());
         if recv.is_empty() {
             return;
         }
@@ -470,8 +472,9 @@ impl Communicator for MpiComm {
         self.open(d, false)?;
         let s = bytes(d.op, send.as_slice())?;
         let r = bytes_mut(d.op, recv.as_mut_slice())?;
-        self.gather_bytes(d.op, s, r);
-        self.account::<E>(&d);
+        let mut tally = self.tally();
+        self.gather_bytes(d.op, s, r, &mut tally);
+        self.account(&d, tally);
         Ok(())
     }
 
@@ -485,8 +488,9 @@ impl Communicator for MpiComm {
         self.open(d, false)?;
         let own = buf.as_slice()[self.rank * c..(self.rank + 1) * c].to_vec();
         let r = bytes_mut(d.op, buf.as_mut_slice())?;
-        self.gather_bytes(d.op, bytemuck::cast_slice(&own), r);
-        self.account::<E>(&d);
+        let mut tally = self.tally();
+        self.gather_bytes(d.op, bytemuck::cast_slice(&own), r, &mut tally);
+        self.account(&d, tally);
         Ok(())
     }
 
@@ -504,10 +508,11 @@ impl Communicator for MpiComm {
         let s = bytes(d.op, send.as_slice())?;
         let mut scratch = self.take_scratch::<E>(send.len());
         let gathered = &mut scratch_view::<E>(&mut scratch)[..send.len()];
-        self.exchange_bytes(d.op, s, bytemuck::cast_slice_mut(gathered));
+        let mut tally = self.tally();
+        self.exchange_bytes(d.op, s, bytemuck::cast_slice_mut(gathered), &mut tally);
         self.reduce_chunks(gathered, recv.as_mut_slice(), op);
         self.put_scratch(scratch);
-        self.account::<E>(&d);
+        self.account(&d, tally);
         Ok(())
     }
 
@@ -518,8 +523,9 @@ impl Communicator for MpiComm {
             ..Self::desc::<E>(Collective::AllReduce, len, len)
         };
         self.open(d, false)?;
+        let mut tally = self.tally();
         if len == 0 {
-            self.account::<E>(&d);
+            self.account(&d, tally);
             return Ok(());
         }
         let eb = size_of::<E>();
@@ -535,10 +541,11 @@ impl Communicator for MpiComm {
         let (gathered, reduced) =
             scratch_view::<E>(&mut scratch)[..(n + 1) * mine].split_at_mut(n * mine);
         if even {
-            self.exchange_bytes(d.op, s, bytemuck::cast_slice_mut(gathered));
+            self.exchange_bytes(d.op, s, bytemuck::cast_slice_mut(gathered), &mut tally);
         } else {
             let (send_counts, send_displs) = partition((0..n).map(|j| ar_chunk(len, n, j)), eb);
             let (recv_counts, recv_displs) = partition((0..n).map(|j| (j * mine, mine)), eb);
+            tally.counts(&send_counts, &recv_counts);
             let send = Partition::new(s, send_counts, send_displs);
             let g: &mut [u8] = bytemuck::cast_slice_mut(gathered);
             let mut recv = PartitionMut::new(g, recv_counts, recv_displs);
@@ -555,10 +562,11 @@ impl Communicator for MpiComm {
         let b = bytes_mut(d.op, buf.as_mut_slice())?;
         let r = bytemuck::cast_slice::<E, u8>(reduced);
         if even {
-            self.gather_bytes(d.op, r, b);
+            self.gather_bytes(d.op, r, b, &mut tally);
         } else {
             let (counts, displs) = partition((0..n).map(|j| ar_chunk(len, n, j)), eb);
             debug_assert_eq!(displs[me] as usize, off * eb);
+            tally.all_gather_counts(r.len(), &counts);
             let mut recv = PartitionMut::new(b, counts, displs);
             let start = Instant::now();
             scope(|sc| {
@@ -569,7 +577,7 @@ impl Communicator for MpiComm {
             });
         }
         self.put_scratch(scratch);
-        self.account::<E>(&d);
+        self.account(&d, tally);
         Ok(())
     }
 
@@ -580,6 +588,8 @@ impl Communicator for MpiComm {
         };
         self.open(d, false)?;
         let b = bytes_mut(d.op, buf.as_mut_slice())?;
+        let mut tally = self.tally();
+        tally.broadcast(root, b.len());
         if !b.is_empty() {
             let start = Instant::now();
             let root = self.comm.process_at_rank(root as i32);
@@ -588,7 +598,7 @@ impl Communicator for MpiComm {
                 self.wait(d.op, start, req);
             });
         }
-        self.account::<E>(&d);
+        self.account(&d, tally);
         Ok(())
     }
 
@@ -601,8 +611,9 @@ impl Communicator for MpiComm {
         self.open(d, false)?;
         let s = bytes(d.op, send.as_slice())?;
         let r = bytes_mut(d.op, recv.as_mut_slice())?;
-        self.exchange_bytes(d.op, s, r);
-        self.account::<E>(&d);
+        let mut tally = self.tally();
+        self.exchange_bytes(d.op, s, r, &mut tally);
+        self.account(&d, tally);
         Ok(())
     }
 
@@ -612,7 +623,7 @@ impl Communicator for MpiComm {
         let start = Instant::now();
         let req = self.comm.immediate_barrier();
         self.wait(d.op, start, req);
-        self.account::<u8>(&d);
+        self.account(&d, self.tally());
         Ok(())
     }
 
