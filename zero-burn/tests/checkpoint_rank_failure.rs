@@ -25,13 +25,17 @@ fn a_failing_or_panicking_rank_fails_the_save_everywhere_fast() {
         ..Default::default()
     };
     let plan = Arc::new(plan_for(&model, Topology::new(3, 3).unwrap(), &cfg).unwrap());
-    // (needle, panic): rank 1's file, rank 0's manifest, LATEST; by error and by panic.
-    for (needle, panic) in [
-        ("rank-00001", false),
-        ("rank-00001", true),
-        ("MANIFEST", false),
-        ("MANIFEST", true),
-        ("LATEST", true),
+    // (needle, panic, nth): the `nth` write or append (from 0) of a path containing `needle`
+    // fails: rank 1's file when it is created and in the middle of its stream (its first
+    // append), rank 0's manifest, LATEST; by error and by panic.
+    for (needle, panic, nth) in [
+        ("rank-00001", false, 0),
+        ("rank-00001", true, 0),
+        ("rank-00001", false, 1),
+        ("rank-00001", true, 1),
+        ("MANIFEST", false, 0),
+        ("MANIFEST", true, 0),
+        ("LATEST", true, 0),
     ] {
         let store = MemStorage::new();
         let errs =
@@ -48,9 +52,12 @@ fn a_failing_or_panicking_rank_fails_the_save_everywhere_fast() {
         assert!(errs.is_ok(), "the first save succeeds: {errs:?}");
         // The second save, at step 2, is sabotaged.
         // Delegates to the store, but panics (or fails) when writing a path containing `needle`.
+        let seen = std::sync::atomic::AtomicUsize::new(0);
         let bad =
             Hooked::new(store.clone(), Box::new(|_, _, _| {})).on_write(Box::new(move |path| {
-                if !path.contains(needle) {
+                if !path.contains(needle)
+                    || seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) != nth
+                {
                     return Ok(());
                 }
                 if panic {
@@ -87,7 +94,7 @@ fn a_failing_or_panicking_rank_fails_the_save_everywhere_fast() {
         // Failing fast, not waiting out the collective timeout: well under half of it.
         assert!(
             elapsed < TIMEOUT / 2,
-            "{needle} panic={panic}: took {elapsed:?} (the collective timeout is {TIMEOUT:?})"
+            "{needle} #{nth} panic={panic}: took {elapsed:?} (the collective timeout is {TIMEOUT:?})"
         );
         assert_eq!(
             bad.read("LATEST").unwrap(),

@@ -6,7 +6,9 @@
 //! durable: a renamed file whose directory was never synced is back under its old name, a file
 //! written but never synced is empty. [`MemStorage::fail_at`] makes the `k`-th mutating
 //! operation (counted from 0 over all threads) fail, and every later one too, as a machine that
-//! went down at that point; a failing write leaves half its bytes behind (a torn write).
+//! went down at that point; a failing write leaves half its bytes behind (a torn write), and a
+//! failing append half of what it appends (a torn append: appends extend the file in place, as
+//! `DirStorage`'s do).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -308,5 +310,20 @@ impl Storage for MemStorage {
             Some(Node::Dir { children, .. }) => children.keys().cloned().collect(),
             _ => Vec::new(),
         })
+    }
+
+    fn append(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        let mut s = self.lock();
+        let go = Self::begin(&mut s, "append", path)?;
+        let id = resolve(&s, path).ok_or_else(|| fail("append", path, "no such file"))?;
+        match &mut s.nodes[id] {
+            Node::File { data, .. } if go => data.extend_from_slice(bytes),
+            Node::File { data, .. } => {
+                data.extend_from_slice(&bytes[..bytes.len() / 2]);
+                return Err(fail("append", path, "simulated crash mid-append"));
+            }
+            Node::Dir { .. } => return Err(fail("append", path, "is a directory")),
+        }
+        Ok(())
     }
 }

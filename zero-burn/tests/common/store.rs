@@ -1,5 +1,5 @@
 //! A store around [`MemStorage`] that lets a test see, or change, what every read returns, and
-//! fail a write.
+//! fail a write or an append.
 
 use zero_burn::Result;
 use zero_burn::checkpoint::{MemStorage, Storage};
@@ -7,11 +7,12 @@ use zero_burn::checkpoint::{MemStorage, Storage};
 /// Called with the path, the offset of a ranged read (`None`: a whole-file read) and its result.
 pub(crate) type ReadHook = Box<dyn Fn(&str, Option<u64>, &mut Option<Vec<u8>>) + Send + Sync>;
 
-/// Called with the path of every whole-file write before it happens; an error (or a panic)
-/// fails the write.
+/// Called with the path of every write and every append before it happens; an error (or a
+/// panic) fails it.
 pub(crate) type WriteHook = Box<dyn Fn(&str) -> Result<()> + Send + Sync>;
 
-/// [`MemStorage`] with a [`ReadHook`] on every read and a [`WriteHook`] before every write.
+/// [`MemStorage`] with a [`ReadHook`] on every read and a [`WriteHook`] before every write and
+/// append.
 pub(crate) struct Hooked {
     pub(crate) inner: MemStorage,
     hook: ReadHook,
@@ -78,6 +79,7 @@ impl Storage for Hooked {
         Ok(got)
     }
     fn append(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        (self.write)(path)?;
         self.inner.append(path, bytes)
     }
 }
