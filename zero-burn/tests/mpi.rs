@@ -4,7 +4,8 @@
 //! ranks over the host loopback, and every rank's measured bytes equal the plan. Also: a rank
 //! started with another model fails every rank before any data moves, and a rank killed in the
 //! middle of a checkpoint save leaves the previous checkpoint whole and resumable, and so does one
-//! killed at a step drawn from a seeded RNG (`mpi/kill.rs`).
+//! killed at a step drawn from a seeded RNG (`mpi/kill.rs`); each process's peak resident memory
+//! at stage 3 against plain data parallel (`mpi/memory.rs`).
 //!
 //! The test launches this binary under `mpirun` (the harness of `zero-comm/tests/mpi`); inside
 //! the job each process runs the rank side and writes its numbers to a file the test reads.
@@ -29,6 +30,8 @@ use harness::{is_rank, launch, rank_ok};
 
 #[path = "mpi/kill.rs"]
 mod kill;
+#[path = "mpi/memory.rs"]
+mod memory;
 #[cfg(feature = "wgpu")]
 #[path = "mpi/wgpu_per_process.rs"]
 mod wgpu_per_process;
