@@ -27,6 +27,7 @@ use zero_burn::demo::gpt::GptConfig;
 use zero_burn::demo::run::corpus_step;
 use zero_burn::prelude::*;
 
+mod common;
 #[path = "common/counting.rs"]
 mod counting;
 
@@ -38,13 +39,7 @@ const MIB: f64 = (1 << 20) as f64;
 const ACTIVATIONS: u64 = 8 << 20;
 
 fn wide() -> GptConfig {
-    GptConfig {
-        vocab: 64,
-        context: 16,
-        d_model: 384,
-        heads: 4,
-        layers: 8,
-    }
+    common::wide_config()
 }
 
 /// (peak heap growth over the steps, per rank; the plan's total per rank; the plan's trainable

@@ -30,6 +30,18 @@ pub(crate) fn tiny_seeded(seed: u64) -> (Gpt, MarkovLanguage) {
     )
 }
 
+/// The `wide` GPT of the memory tests (`cargo xtask train --model wide`): d_model 384, 8 blocks,
+/// 4 heads, context 16, vocabulary 64, 14.3M parameters: model states dominate memory.
+pub(crate) fn wide_config() -> GptConfig {
+    GptConfig {
+        vocab: 64,
+        context: 16,
+        d_model: 384,
+        heads: 4,
+        layers: 8,
+    }
+}
+
 /// [`tiny`]'s shape: 2 blocks, d_model 16, 2 heads, context 8, vocabulary 16.
 pub(crate) fn tiny_config() -> GptConfig {
     GptConfig {

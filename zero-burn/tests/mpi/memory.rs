@@ -28,13 +28,7 @@ const OUT: &str = "ZERO_MPI_MEMORY_OUT";
 const STAGE: &str = "ZERO_MPI_MEMORY_STAGE";
 
 fn wide() -> GptConfig {
-    GptConfig {
-        vocab: 64,
-        context: 16,
-        d_model: 384,
-        heads: 4,
-        layers: 8,
-    }
+    super::common::wide_config()
 }
 
 fn out_file(dir: &str, stage: u8, rank: usize) -> PathBuf {
