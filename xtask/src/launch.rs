@@ -408,22 +408,7 @@ mod tests {
         let ok = run_with(args(&["sh", "-c", "echo oops >&2"]), sink.clone());
         assert!(ok.is_ok(), "{ok:?}");
         assert!(lines.lock().unwrap().iter().any(|l| l == "2 true oops"));
-        // Ctrl-C (SIGINT to this process) stops sleeping ranks at once.
-        let pid = std::process::id().to_string();
-        let interrupter = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(500));
-            Command::new("kill").args(["-INT", &pid]).status().unwrap();
-        });
-        let start = std::time::Instant::now();
-        let e = run_with(args(&["sh", "-c", "sleep 60"]), sink)
-            .unwrap_err()
-            .to_string();
-        interrupter.join().unwrap();
-        assert!(e.contains("interrupted"), "{e}");
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{:?}",
-            start.elapsed()
-        );
+        // Ctrl-C and SIGTERM are signals to the launcher's own process: `xtask/tests/cli.rs`
+        // sends them to the `xtask` binary, not to this test process.
     }
 }

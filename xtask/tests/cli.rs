@@ -3,7 +3,7 @@
 //! - `train --launcher mpi` starts its own `mpirun` of 2 processes and gives the bits of 2
 //!   in-process ranks (`--launcher threads`): losses in `report.json`, and traffic equal to the
 //!   plan.
-//! - `launch` stops every process it started within 2 s of a SIGTERM.
+//! - `launch` stops every process it started within 2 s of a SIGTERM or a Ctrl-C (SIGINT).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -119,12 +119,18 @@ fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// `launch` forwards a SIGTERM to its processes: 2 ranks that would sleep for a minute are gone,
-/// and the launcher has exited with an error, within 2 s of the signal (measured from the
-/// signal).
+/// `launch` stops its processes on SIGTERM and on Ctrl-C (SIGINT): 2 ranks that would sleep for
+/// a minute are gone, and the launcher has exited with an error, within 2 s of the signal
+/// (measured from the signal).
 #[test]
 fn launch_stops_its_processes_within_two_seconds_of_sigterm() {
-    let root = temp("launch");
+    for signal in ["-TERM", "-INT"] {
+        stops_within_two_seconds_of(signal);
+    }
+}
+
+fn stops_within_two_seconds_of(signal: &str) {
+    let root = temp(&format!("launch{signal}"));
     std::fs::create_dir_all(&root).unwrap();
     let pids = root.join("pids");
     let script = format!("echo $$ >> {}; exec sleep 60", pids.display());
@@ -150,7 +156,7 @@ fn launch_stops_its_processes_within_two_seconds_of_sigterm() {
     };
     let signalled = Instant::now();
     let status = Command::new("kill")
-        .args(["-TERM", &launcher.id().to_string()])
+        .args([signal, &launcher.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
@@ -160,7 +166,7 @@ fn launch_stops_its_processes_within_two_seconds_of_sigterm() {
         }
         if signalled.elapsed() > Duration::from_secs(10) {
             let _ = launcher.kill();
-            panic!("the launcher still runs 10 s after SIGTERM");
+            panic!("the launcher still runs 10 s after {signal}");
         }
         std::thread::sleep(Duration::from_millis(10));
     };
@@ -180,11 +186,11 @@ fn launch_stops_its_processes_within_two_seconds_of_sigterm() {
     assert!(!exited.success(), "an interrupted launch fails");
     assert!(
         ranks.iter().all(|&p| !alive(p)),
-        "ranks {ranks:?} still run after SIGTERM"
+        "ranks {ranks:?} still run after {signal}"
     );
     assert!(
         took <= Duration::from_secs(2),
-        "the launcher and its ranks took {took:?} to stop after SIGTERM"
+        "the launcher and its ranks took {took:?} to stop after {signal}"
     );
     let _ = std::fs::remove_dir_all(&root);
 }
