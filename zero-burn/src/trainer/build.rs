@@ -11,7 +11,7 @@ use zero_quant::{Int4Block, Int8Block};
 
 use super::layout::RankLayout;
 use super::opt_state::{self, OptState};
-use super::{EngineOptions, GradAccum, Meter, ZeroEngine};
+use super::{Clock, EngineOptions, GradAccum, Meter, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
 use crate::params;
@@ -160,7 +160,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Vec::new()
             },
             accum,
-            partly_restored: None,
             acc: if accum == GradAccum::Half {
                 Vec::new()
             } else {
@@ -183,10 +182,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
             fetching: vec![false; units.len()],
-            step: 0,
-            micro: 0,
-            micro_losses: Vec::new(),
             meter: Meter::new(units.len()),
+            clock: Clock::default(),
         };
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial

@@ -29,13 +29,13 @@ pub(crate) struct Scalars {
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Micro-steps run since the last optimizer step (0 at a step boundary).
     pub(crate) fn ckpt_micro(&self) -> u32 {
-        self.micro
+        self.clock.micro
     }
 
     /// The step counters and the loss scaler's state.
     pub(crate) fn ckpt_scalars(&self) -> Scalars {
         Scalars {
-            step: self.step,
+            step: self.clock.step,
             opt_steps: self.opt.steps,
             skipped: self.meter.skipped,
             scaler: self.opt.scaler.as_ref().map(LossScaler::state),
@@ -49,12 +49,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Marks the state partly restored by a failed load (`Some(why)`), or whole again (`None`).
     pub(crate) fn ckpt_partly_restored(&mut self, why: Option<String>) {
-        self.partly_restored = why;
+        self.clock.partly_restored = why;
     }
 
     /// [`Error::PartlyRestored`] while a failed load left the state partly restored.
     pub(crate) fn check_restored(&self) -> Result<()> {
-        match &self.partly_restored {
+        match &self.clock.partly_restored {
             None => Ok(()),
             Some(cause) => Err(crate::Error::PartlyRestored {
                 rank: self.rank,
@@ -279,7 +279,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if !pending.is_empty() {
             self.set_params(pending);
         }
-        self.step = scalars.step;
+        self.clock.step = scalars.step;
         self.opt.steps = scalars.opt_steps;
         self.meter.skipped = scalars.skipped;
         // The measured traffic counts from the engine's build: so does the planned.

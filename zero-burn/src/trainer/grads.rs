@@ -48,7 +48,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     && g.iter().any(|x| !x.is_finite())
                 {
                     return Err(Error::Diverged {
-                        step: t.step + 1,
+                        step: t.clock.step + 1,
                         rank: t.rank,
                         what: format!("a gradient of unit {u} is not finite"),
                     });
@@ -61,9 +61,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         })?;
         // The caller's forward updated the buffers (a clone of the engine's model shares them).
         self.sync_buffers()?;
-        self.micro += 1;
+        self.clock.micro += 1;
         self.sample_memory();
-        self.micro_losses.clear();
+        self.clock.micro_losses.clear();
         self.optimizer_step(lr)?;
         Ok(self.opt.last)
     }

@@ -18,7 +18,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let r = self.with_exec(overlap, |t, exec| t.micro_step_with(exec, batch));
         let loss = r?;
         self.sync_buffers()?;
-        self.micro += 1;
+        self.clock.micro += 1;
         self.sample_memory();
         Ok(loss)
     }
@@ -222,7 +222,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let len = unit.len as usize;
         let stage = plan.stage();
         let defer = stage <= 1 && plan.config().accumulate_before_reduce;
-        let last_micro = self.micro + 1 == plan.config().gradient_accumulation_steps;
+        let last_micro = self.clock.micro + 1 == plan.config().gradient_accumulation_steps;
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
         let op = match (self.options.reduction, self.half) {
@@ -352,7 +352,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub(super) fn accumulate(&mut self, off: usize, reduced: Vec<f32>) {
         match self.options.reduction {
             Reduction::RankOrdered => add_into(&mut self.acc[off..off + reduced.len()], &reduced),
-            Reduction::CanonicalTree => self.tree.push(&mut self.acc, self.micro, off, reduced),
+            Reduction::CanonicalTree => {
+                self.tree
+                    .push(&mut self.acc, self.clock.micro, off, reduced)
+            }
         }
     }
 

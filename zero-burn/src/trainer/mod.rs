@@ -148,9 +148,6 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     acc16: Vec<u16>,
     /// Where the reduced gradients accumulate: `acc` (f32) or `acc16`.
     accum: GradAccum,
-    /// Why the state is partly restored (a load failed after it began restoring): steps and
-    /// saves are refused until a load succeeds.
-    partly_restored: Option<String>,
     /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
     /// otherwise this rank's chunks of trainable units.
     acc: Vec<f32>,
@@ -166,10 +163,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     gathered: Vec<bool>,
     /// Stage 3: units whose all-gather is submitted but not yet installed.
     fetching: Vec<bool>,
-    step: u64,
-    micro: u32,
-    /// The unscaled loss of each micro-step of the last step.
-    micro_losses: Vec<f32>,
+    /// Where the rank is: steps, micro-steps, the last step's losses, a failed load.
+    clock: Clock,
     /// What the rank counts: peak memory, traffic bases, skipped steps, device-hook bytes.
     pub(crate) meter: Meter,
 }
@@ -309,7 +304,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Steps taken (skipped fp16 steps included).
     pub fn steps(&self) -> u64 {
-        self.step
+        self.clock.step
     }
 
     /// What happened at the last optimizer step: skipped (fp16 overflow) or not, and the loss
@@ -357,7 +352,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// The loss of each micro-step of the last optimizer step (this rank's micro-batches, in
     /// order), unscaled: what [`crate::demo::run::global_losses`] sums over the canonical tree.
     pub fn last_micro_losses(&self) -> &[f32] {
-        &self.micro_losses
+        &self.clock.micro_losses
     }
 
     /// One optimizer step at learning rate `lr` over this rank's `gradient_accumulation_steps`
@@ -374,24 +369,24 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.check_restored()?;
         check_lr(lr)?;
         let mut loss = 0.0f64;
-        self.micro_losses.clear();
+        self.clock.micro_losses.clear();
         for batch in batches {
             let l = self.micro_step(batch)?;
             if !l.is_finite() {
                 // The other ranks learn of it from this rank's dropped communicator (PeerFailed).
                 return Err(Error::Diverged {
-                    step: self.step + 1,
+                    step: self.clock.step + 1,
                     rank: self.rank,
                     what: format!("the loss is not finite ({l})"),
                 });
             }
             loss += f64::from(l);
-            self.micro_losses.push(l);
+            self.clock.micro_losses.push(l);
         }
         self.optimizer_step(lr)?;
         Ok(StepOutput {
             loss: (loss / a as f64) as f32,
-            micro_losses: self.micro_losses.clone(),
+            micro_losses: self.clock.micro_losses.clone(),
             info: self.opt.last,
         })
     }
@@ -415,6 +410,20 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         r
     }
+}
+
+/// Where a rank is in its training.
+#[derive(Debug, Default)]
+struct Clock {
+    /// Optimizer steps taken (skipped fp16 steps included).
+    step: u64,
+    /// Micro-steps run since the last optimizer step.
+    micro: u32,
+    /// The unscaled loss of each micro-step of the last step.
+    micro_losses: Vec<f32>,
+    /// Why the state is partly restored (a load failed after it began restoring): steps and
+    /// saves are refused until a load succeeds.
+    partly_restored: Option<String>,
 }
 
 /// Where a rank's reduced gradients accumulate between micro-steps.

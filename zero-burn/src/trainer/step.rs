@@ -47,7 +47,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let stage = plan.stage();
         let half = self.half;
         let fp16 = self.opt.scaler.is_some();
-        self.step += 1;
+        self.clock.step += 1;
         let loss_scale = self.opt.scaler.as_ref().map_or(1.0, LossScaler::scale);
         // A power of two (1 in fp32 and bf16): unscaling is exact barring subnormals.
         let inv = (1.0 / loss_scale) as f32;
@@ -99,7 +99,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if !total.is_finite() {
                 if !fp16 {
                     return Err(Error::Diverged {
-                        step: self.step,
+                        step: self.clock.step,
                         rank: self.rank,
                         what: "the global gradient norm is not finite".into(),
                     });
@@ -116,7 +116,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         if let Some(s) = &mut self.opt.scaler {
             s.update(overflow).map_err(|m| Error::Diverged {
-                step: self.step,
+                step: self.clock.step,
                 rank: self.rank,
                 what: format!(
                     "fp16 gradients overflow at the minimum loss scale {}",
@@ -238,7 +238,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.sample_memory();
         self.acc16.iter_mut().for_each(|g| *g = 0);
         self.acc.iter_mut().for_each(|g| *g = 0.0);
-        self.micro = 0;
+        self.clock.micro = 0;
     }
 }
 

@@ -52,8 +52,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     ) -> SegmentOut<M::Act, M::Output> {
         let seed = crate::rng::segment_seed(
             self.options.seed,
-            self.step,
-            self.micro as usize,
+            self.clock.step,
+            self.clock.micro as usize,
             i,
             self.rank,
         );
@@ -78,8 +78,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             return Ok(());
         }
         Err(Error::RecomputeMismatch {
-            step: self.step + 1,
-            micro: self.micro,
+            step: self.clock.step + 1,
+            micro: self.clock.micro,
             rank: self.rank,
             forward,
             recomputed,
