@@ -391,13 +391,11 @@ mod tests {
         run(Cli::try_parse_from([&["ckpt"], argv].concat())?.ckpt)
     }
 
-    /// The export never writes into the checkpoint it reads, nor onto a directory, and a
-    /// refused one leaves no temporary file; `gc --keep 0` is refused naming LATEST's tag.
-    #[test]
-    fn an_export_into_the_checkpoint_or_onto_a_directory_is_refused_and_leaves_nothing() {
-        let root = std::env::temp_dir().join(format!("zero-rs-ckpt-cli-{}", std::process::id()));
+    /// Trains the tiny model for `steps` steps under `root`, saving after every step into
+    /// `root/ck`, which it returns.
+    fn saved_every_step(root: &Path, steps: u32) -> PathBuf {
         let ck = root.join("ck");
-        let ck_s = ck.to_str().unwrap();
+        let steps = steps.to_string();
         let train = crate::train::tests::args(
             &root.join("run"),
             &[
@@ -406,14 +404,24 @@ mod tests {
                 "--micro-batch",
                 "2",
                 "--steps",
-                "1",
+                &steps,
                 "--save-every",
                 "1",
                 "--save-dir",
-                ck_s,
+                ck.to_str().unwrap(),
             ],
         );
         crate::train::run(train).unwrap();
+        ck
+    }
+
+    /// The export never writes into the checkpoint it reads, nor onto a directory, and a
+    /// refused one leaves no temporary file; `gc --keep 0` is refused naming LATEST's tag.
+    #[test]
+    fn an_export_into_the_checkpoint_or_onto_a_directory_is_refused_and_leaves_nothing() {
+        let root = std::env::temp_dir().join(format!("zero-rs-ckpt-cli-{}", std::process::id()));
+        let ck = saved_every_step(&root, 1);
+        let ck_s = ck.to_str().unwrap();
         let before: Vec<_> = std::fs::read_dir(&ck)
             .unwrap()
             .map(|e| e.unwrap().path())
@@ -457,24 +465,8 @@ mod tests {
     fn verify_checks_every_tag_and_gc_clears_staging() {
         let root = std::env::temp_dir().join(format!("zero-rs-ckpt-verify-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
-        let ck = root.join("ck");
+        let ck = saved_every_step(&root, 2);
         let ck_s = ck.to_str().unwrap();
-        let train = crate::train::tests::args(
-            &root.join("run"),
-            &[
-                "--model",
-                "tiny",
-                "--micro-batch",
-                "2",
-                "--steps",
-                "2",
-                "--save-every",
-                "1",
-                "--save-dir",
-                ck_s,
-            ],
-        );
-        crate::train::run(train).unwrap();
         ckpt(&["verify", ck_s]).unwrap();
         let old = ck.join("step-00000001");
         let file = std::fs::read_dir(&old)

@@ -5,7 +5,10 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use zero_core::config::{AdamWValues, RunBatch, RunValues};
+#[path = "common/hf_run.rs"]
+mod hf_run;
+
+use zero_core::config::RunValues;
 use zero_core::model::preset_hidden_size;
 use zero_core::{Error, Placement, Precision, ZeroConfig};
 
@@ -23,25 +26,7 @@ enum Run {
 impl Run {
     fn values(self) -> RunValues {
         match self {
-            // gpt2-medium (hidden size 1024) on 8 ranks, 4 sequences each, 2 micro-steps, bf16,
-            // lr 2e-5, clipping at 1.
-            Run::Trainer => RunValues {
-                hidden_size: preset_hidden_size("gpt2-medium"),
-                batch: Some(RunBatch {
-                    world_size: 8,
-                    micro_batch_per_rank: 4,
-                }),
-                gradient_accumulation_steps: Some(2),
-                gradient_clipping: Some(1.0),
-                precision: Some(Precision::Bf16),
-                adamw: Some(AdamWValues {
-                    lr: 2e-5,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    weight_decay: 0.0,
-                }),
-            },
+            Run::Trainer => hf_run::trainer_run(),
             Run::ModelOnly => RunValues {
                 hidden_size: preset_hidden_size("gpt2-medium"),
                 ..Default::default()

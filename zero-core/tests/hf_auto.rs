@@ -2,8 +2,11 @@
 //! hidden size and the run's own settings (as `transformers.integrations.deepspeed` does), while
 //! what zero-rs does not implement is still refused with the key named.
 
-use zero_core::config::{AdamWValues, RunBatch, RunValues};
-use zero_core::{ModelDesc, Plan, Precision, Topology, ZeroConfig, model::preset_hidden_size};
+#[path = "common/hf_run.rs"]
+mod hf_run;
+
+use zero_core::config::RunValues;
+use zero_core::{ModelDesc, Plan, Precision, Topology, ZeroConfig};
 
 /// The HF Trainer's ZeRO-3 config in the style of its docs: everything the Trainer knows is
 /// `"auto"`.
@@ -45,26 +48,9 @@ const HF_ZERO3: &str = r#"{
     "wall_clock_breakdown": false
 }"#;
 
-/// A run of gpt2-medium (hidden size 1024) on 8 ranks, 4 sequences each, 2 micro-steps, bf16,
-/// lr 2e-5, clipping at 1.
+/// The Trainer's run (see `common/hf_run.rs`).
 fn run() -> RunValues {
-    RunValues {
-        hidden_size: preset_hidden_size("gpt2-medium"),
-        batch: Some(RunBatch {
-            world_size: 8,
-            micro_batch_per_rank: 4,
-        }),
-        gradient_accumulation_steps: Some(2),
-        gradient_clipping: Some(1.0),
-        precision: Some(Precision::Bf16),
-        adamw: Some(AdamWValues {
-            lr: 2e-5,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        }),
-    }
+    hf_run::trainer_run()
 }
 
 #[test]

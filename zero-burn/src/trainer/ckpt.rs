@@ -184,7 +184,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let mut pending_bytes = 0u64;
         for (u, unit) in plan.units().iter().enumerate() {
             let (wr, or) = self.ckpt_needs(u);
-            let opt = or.clone().zip(self.layout.opt_offset[u]);
             let in_model = stage < 3 || unit.kind == UnitKind::Persistent;
             let so = unit.shard_offset as usize;
             let c = plan.chunk_len(u) as usize;
@@ -208,9 +207,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     Some(h) => {
                         let mut w = vec![0.0; c];
                         fill(u, 0, chunk.clone(), &mut w)?;
-                        if opt.is_some() {
-                            self.opt.write(u, Part::Master, 0, &w);
-                        }
+                        // A frozen unit keeps no master: nothing is written.
+                        self.opt.write(u, Part::Master, 0, &w);
                         for (d, &x) in self.shard16[so..so + c].iter_mut().zip(&w) {
                             *d = h.round(x);
                         }
@@ -219,13 +217,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 continue;
             }
             // The weights the model holds, one parameter at a time: into the model, and where
-            // the parameter overlaps them, the fp32 master (bf16/fp16) and the stage-3 shard.
-            // The master of the unit's optimizer slot, zeroed, then written where the parameters
-            // overlap it.
-            let master = opt
-                .clone()
-                .filter(|_| self.half.is_some())
-                .map(|(or, _)| or);
+            // the parameter overlaps them, the fp32 master (bf16/fp16; zeroed first) and the
+            // stage-3 shard.
+            let master = or.clone().filter(|_| self.half.is_some());
             if master.is_some() {
                 self.opt
                     .fill(u, Part::Master, |_| Ok::<_, crate::Error>(()))?;

@@ -186,9 +186,13 @@ impl OptState {
         }
     }
 
-    /// Whether the run keeps `part` at all.
+    /// Whether the run keeps `part` at all (every trainable unit keeps the same parts).
     pub(super) fn has(&self, part: Part) -> bool {
-        self.units.iter().flatten().any(|s| s.part(part).is_some())
+        self.units
+            .iter()
+            .flatten()
+            .next()
+            .is_some_and(|s| s.part(part).is_some())
     }
 
     /// Elements `range` of unit `u`'s `part`, in host memory (empty when the run keeps no such
