@@ -419,7 +419,11 @@ mod tests {
     /// refused one leaves no temporary file; `gc --keep 0` is refused naming LATEST's tag.
     #[test]
     fn an_export_into_the_checkpoint_or_onto_a_directory_is_refused_and_leaves_nothing() {
-        let root = std::env::temp_dir().join(format!("zero-rs-ckpt-cli-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("zero-rs-ckpt-cli-")
+            .tempdir()
+            .expect("a temp dir");
+        let root = tmp.path().to_path_buf();
         let ck = saved_every_step(&root, 1);
         let ck_s = ck.to_str().unwrap();
         let before: Vec<_> = std::fs::read_dir(&ck)
@@ -454,7 +458,6 @@ mod tests {
         let good = root.join("model.safetensors");
         ckpt(&["export", ck_s, "--out", good.to_str().unwrap()]).unwrap();
         assert!(good.is_file());
-        let _ = std::fs::remove_dir_all(&root);
     }
 
     /// `ckpt verify ROOT` checks every committed tag, not only LATEST's: a byte flipped in an
@@ -463,8 +466,11 @@ mod tests {
     /// `step-*` directory that was never committed.
     #[test]
     fn verify_checks_every_tag_and_gc_clears_staging() {
-        let root = std::env::temp_dir().join(format!("zero-rs-ckpt-verify-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
+        let tmp = tempfile::Builder::new()
+            .prefix("zero-rs-ckpt-verify-")
+            .tempdir()
+            .expect("a temp dir");
+        let root = tmp.path().to_path_buf();
         let ck = saved_every_step(&root, 2);
         let ck_s = ck.to_str().unwrap();
         ckpt(&["verify", ck_s]).unwrap();
@@ -495,6 +501,5 @@ mod tests {
             "a directory never committed is left alone"
         );
         ckpt(&["verify", ck_s]).unwrap();
-        let _ = std::fs::remove_dir_all(&root);
     }
 }

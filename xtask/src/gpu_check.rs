@@ -12,11 +12,14 @@
 //! 3. **build**: `cargo test --no-run -p zero-comm -p zero-quant -p zero-burn --features
 //!    zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests`, keeping four programs:
 //!    zero-comm's unit tests (the mean kernels), its `nccl` tests, zero-burn's `nccl_path` test and
-//!    zero-quant's `cuda_kernels` tests.
+//!    zero-quant's `cuda_kernels` tests; and, a build of its own (LLVM, which burn-cuda links,
+//!    stays out of the others), zero-burn's `cuda_path` test with `cuda,gpu-tests`.
 //! 4. **tests**: each program with `ZERO_GPU_TESTS=1`: the NCCL collectives, split, groups,
 //!    validation and init timeout at world size 1, the mean kernels, the ZeRO-3 trainer over NCCL
-//!    (bit-identical to the host loopback at world size 1), and the CUDA quantization kernels bit
-//!    for bit against the host codecs (f32, bf16, f16). Each GPU test that passes appends
+//!    (bit-identical to the host loopback at world size 1), the CUDA quantization kernels bit
+//!    for bit against the host codecs (f32, bf16, f16), and burn's CUDA backend: a computation
+//!    against flex, and ZeRO-3 over 2 in-process ranks on the GPU bit-identical to stage 0. Each
+//!    GPU test that passes appends
 //!    `<name> ok` to the cookie `<work>/.gpu_tests_ran` (`ZERO_GPU_COOKIE`), removed beforehand,
 //!    and one that this machine's library cannot run `<name> skipped: <reason>`. The step passes
 //!    only when every test of [`GPU_TESTS`] wrote `ok`: a missing or skipped one fails it, named.
@@ -39,12 +42,14 @@
 //!    show the measured bytes equal to the plan.
 //!
 //! A GPU machine without cargo (the lent ones have none) runs a bundle: `cargo xtask gpu-check
-//! --bundle DIR` builds the programs here and copies them, stripped and gzipped, with the xtask
-//! binary and the Vulkan loader's packages (`apt-get download`) into DIR (about 54 MiB);
-//! `DIR/xtask gpu-check --prebuilt DIR` there unzips them into `DIR/bin` and skips the build. A short report (pass/fail
-//! per step, figures) ends the run; any failed step makes the exit status non-zero, and so does a
-//! step that could not run (no programs, no figures, no Vulkan loader): only a step turned off
-//! by a flag (`--no-bench`) is reported as SKIP.
+//! --bundle DIR` builds the programs here and copies them, stripped and xz-compressed, with the
+//! xtask binary and the Vulkan loader's packages (`apt-get download`) into DIR, and prints its
+//! size; `--no-wgpu` leaves the wgpu programs out (a lent machine takes at most 64 MiB).
+//! `DIR/xtask gpu-check --prebuilt DIR` there decompresses them into `DIR/bin` and skips the
+//! build. A short report (pass/fail per step, figures) ends the run; any failed step makes the
+//! exit status non-zero, and so does a step that could not run (no programs, no figures, no
+//! Vulkan loader): only a step turned off by a flag (`--no-bench`, `--no-wgpu`) is reported as
+//! SKIP.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -65,8 +70,8 @@ mod wgpu;
 use bundle::{bundle, unpack};
 use machine::{gpus, libraries};
 use programs::{
-    GPU_FEATURES, PROGRAMS, WGPU_FEATURES, WGPU_PROGRAMS, build_programs, cargo, run_limited,
-    target_dir,
+    CUDA_FEATURES, CUDA_PROGRAM, CUDA_SCOPE, EVERY_PACKAGE, GPU_FEATURES, PROGRAMS, Program,
+    WGPU_FEATURES, WGPU_PROGRAMS, build_programs, cargo, run_limited, target_dir,
 };
 use wgpu::{wgpu_programs, wgpu_step};
 
@@ -86,6 +91,9 @@ pub(crate) struct GpuCheckArgs {
     /// --prebuilt DIR` from the repository root.
     #[arg(long, value_name = "DIR", conflicts_with = "prebuilt")]
     bundle: Option<PathBuf>,
+    /// Leave out the wgpu step (and, with `--bundle`, the wgpu programs: a smaller upload).
+    #[arg(long)]
+    no_wgpu: bool,
     /// Run the programs of a bundle made with `--bundle` instead of building them.
     #[arg(long, value_name = "DIR")]
     prebuilt: Option<PathBuf>,
@@ -113,6 +121,8 @@ const GPU_TESTS: &[&str] = &[
     "gpu_qwz_on_device_matches_the_host_path",
     "gpu_qgz_on_device_matches_the_host_path",
     "gpu_qgz_finish_kernels_divide_and_round_like_the_host",
+    "gpu_burn_cuda_computes_like_flex",
+    "gpu_zero3_on_cuda_equals_stage0_bit_for_bit",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,26 +176,27 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
 
     if let Some(dir) = &a.bundle {
         let target = target_dir(&root)?;
-        let (b, programs) = build_programs(&root, &target, limit, GPU_FEATURES, PROGRAMS)?;
-        if !b.ok {
-            bail!("building the GPU test programs failed: {}", b.status);
-        }
-        if programs.len() != PROGRAMS.len() {
-            bail!(
-                "cargo built {} of the {} GPU test programs",
-                programs.len(),
-                PROGRAMS.len()
-            );
-        }
-        let (b, wgpu) = build_programs(&root, &target, limit, WGPU_FEATURES, WGPU_PROGRAMS)?;
-        if !b.ok || wgpu.len() != WGPU_PROGRAMS.len() {
-            bail!(
-                "building the wgpu test programs failed: {}; {} of {} built",
-                b.status,
-                wgpu.len(),
-                WGPU_PROGRAMS.len()
-            );
-        }
+        let programs = built(&root, &target, limit)?;
+        let wgpu = if a.no_wgpu {
+            Vec::new()
+        } else {
+            let (b, wgpu) = build_programs(
+                &root,
+                &target,
+                limit,
+                (WGPU_FEATURES, EVERY_PACKAGE),
+                WGPU_PROGRAMS,
+            )?;
+            if !b.ok || wgpu.len() != WGPU_PROGRAMS.len() {
+                bail!(
+                    "building the wgpu test programs failed: {}; {} of {} built",
+                    b.status,
+                    wgpu.len(),
+                    WGPU_PROGRAMS.len()
+                );
+            }
+            wgpu
+        };
         let nccl_xtask = launch::build(&root, &target, limit)?;
         return bundle(dir, &programs, &wgpu, &nccl_xtask);
     }
@@ -230,43 +241,42 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     };
 
     // 3. Build (or find the bundle's programs).
-    let programs: Vec<(usize, PathBuf)> = match &a.prebuilt {
+    let expected = PROGRAMS.len() + 1;
+    let programs: Vec<(&Program, PathBuf)> = match &a.prebuilt {
         Some(dir) => {
-            let mut found: Vec<(usize, PathBuf)> = Vec::new();
-            for (i, p) in PROGRAMS.iter().enumerate() {
+            let mut found = Vec::new();
+            for p in PROGRAMS.iter().chain([&CUDA_PROGRAM]) {
                 if let Some(exe) = unpack(dir, &work, p.name)? {
-                    found.push((i, exe));
+                    found.push((p, exe));
                 }
             }
             steps.push(Step {
                 name: "build",
-                verdict: if found.len() == PROGRAMS.len() {
+                verdict: if found.len() == expected {
                     Verdict::Pass
                 } else {
                     Verdict::Fail
                 },
                 secs: None,
                 detail: format!(
-                    "prebuilt: {} of {} programs in {}",
+                    "prebuilt: {} of {expected} programs in {}",
                     found.len(),
-                    PROGRAMS.len(),
                     dir.display()
                 ),
             });
             found
         }
         None => {
-            let (b, found) = build_programs(&root, &work, limit, GPU_FEATURES, PROGRAMS)?;
-            let ok = b.ok && found.len() == PROGRAMS.len();
+            let t = Instant::now();
+            let (verdict, detail, found) = match built(&root, &work, limit) {
+                Ok(found) => (Verdict::Pass, String::new(), found),
+                Err(e) => (Verdict::Fail, format!("{e:#}"), Vec::new()),
+            };
             steps.push(Step {
                 name: "build",
-                verdict: if ok { Verdict::Pass } else { Verdict::Fail },
-                secs: Some(b.secs),
-                detail: if ok {
-                    String::new()
-                } else {
-                    format!("{}; {} programs", b.status, found.len())
-                },
+                verdict,
+                secs: Some(t.elapsed().as_secs_f64()),
+                detail,
             });
             found
         }
@@ -295,8 +305,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     } else {
         let t = Instant::now();
         let mut failed = Vec::new();
-        for (i, exe) in &programs {
-            let p = &PROGRAMS[*i];
+        for (p, exe) in &programs {
             let mut c = program_cmd(exe);
             c.args(p.args);
             let r = run_limited(p.name, c, limit, true)?;
@@ -330,7 +339,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     // 5. Bandwidth: NCCL collectives, and the quantization kernels' figures from step 4.
     let nccl = programs
         .iter()
-        .find(|(i, _)| PROGRAMS[*i].name == "zero-comm-nccl")
+        .find(|(p, _)| p.name == "zero-comm-nccl")
         .map(|(_, exe)| program_cmd(exe));
     let (step, nccl_figures) = match (a.no_bench, nccl) {
         (true, _) => (
@@ -383,16 +392,25 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     });
 
     // 6. wgpu on the GPU's Vulkan driver.
-    let step = wgpu_programs(&root, &work, a.prebuilt.as_deref(), limit).and_then(|programs| {
-        wgpu_step(
-            &root,
-            &work,
-            a.prebuilt.as_deref(),
-            &programs,
-            &ld_path,
-            limit,
-        )
-    });
+    let step = if a.no_wgpu {
+        Ok(Step {
+            name: "wgpu",
+            verdict: Verdict::Skip,
+            secs: None,
+            detail: "--no-wgpu".into(),
+        })
+    } else {
+        wgpu_programs(&root, &work, a.prebuilt.as_deref(), limit).and_then(|programs| {
+            wgpu_step(
+                &root,
+                &work,
+                a.prebuilt.as_deref(),
+                &programs,
+                &ld_path,
+                limit,
+            )
+        })
+    };
     steps.push(step.unwrap_or_else(|e| Step {
         name: "wgpu",
         verdict: Verdict::Fail,
@@ -428,6 +446,36 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         bail!("gpu-check failed: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// Builds [`PROGRAMS`] and [`CUDA_PROGRAM`] (a build of its own) into `target`: every one, or an
+/// error saying which build failed.
+fn built(
+    root: &Path,
+    target: &Path,
+    limit: Duration,
+) -> anyhow::Result<Vec<(&'static Program, PathBuf)>> {
+    let mut all = Vec::new();
+    for (features, scope, list) in [
+        (GPU_FEATURES, EVERY_PACKAGE, PROGRAMS),
+        (
+            CUDA_FEATURES,
+            CUDA_SCOPE,
+            std::slice::from_ref(&CUDA_PROGRAM),
+        ),
+    ] {
+        let (b, found) = build_programs(root, target, limit, (features, scope), list)?;
+        if !b.ok || found.len() != list.len() {
+            bail!(
+                "building the GPU test programs ({features}) failed: {}; {} of {} built",
+                b.status,
+                found.len(),
+                list.len()
+            );
+        }
+        all.extend(found.into_iter().map(|(i, exe)| (&list[i], exe)));
+    }
+    Ok(all)
 }
 
 /// The tests step's verdict from the cookie's text and the programs that failed: PASS only when

@@ -49,6 +49,21 @@ impl LaunchArgs {
         self.command.first().is_some_and(|c| c == "train")
     }
 
+    /// The xtask features each process needs for `train`: `nccl`, and `cuda` with
+    /// `--backend cuda`.
+    pub(crate) fn train_features(&self) -> Vec<&'static str> {
+        let cuda = self
+            .command
+            .windows(2)
+            .any(|w| w[0] == "--backend" && w[1] == "cuda")
+            || self.command.iter().any(|w| w == "--backend=cuda");
+        if cuda {
+            vec!["nccl", "cuda"]
+        } else {
+            vec!["nccl"]
+        }
+    }
+
     /// Checks the launch before anything is built or started: the world (at most
     /// [`zero_core::MAX_WORLD_SIZE`] ranks), this node's rank, the bootstrap's address and port,
     /// and, for `train`, that its arguments parse.

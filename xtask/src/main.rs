@@ -90,13 +90,17 @@ fn main() -> std::process::ExitCode {
         Command::Simulate(a) if a.validate_host && release::wanted() => release::rerun(&[]),
         Command::Simulate(a) => simulate::run(*a),
         // The jobs that time real work run optimised (see `release`).
-        Command::Train(a) if a.needs_mpi_build() => release::rerun(&["mpi"]),
-        Command::Train(_) | Command::Bench(_) if release::wanted() => release::rerun(&[]),
+        Command::Train(a) if a.needs_other_build() || release::wanted() => {
+            release::rerun(&a.features())
+        }
+        Command::Bench(_) if release::wanted() => release::rerun(&[]),
         Command::Train(a) => train::run(*a),
         // Every process runs this binary as it is: build the release one with NCCL first.
         // Checked first: a bad launch fails before a release build of minutes.
-        Command::Launch(a) if a.is_train() && (release::wanted() || !cfg!(feature = "nccl")) => {
-            a.check().and_then(|_| release::rerun(&["nccl"]))
+        Command::Launch(a)
+            if a.is_train() && (release::wanted() || !release::compiled(&a.train_features())) =>
+        {
+            a.check().and_then(|_| release::rerun(&a.train_features()))
         }
         Command::Launch(a) => launch::run(a),
         Command::Test(a) => test::run(a),

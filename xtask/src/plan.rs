@@ -282,8 +282,11 @@ mod tests {
     /// bad flags name what was wrong.
     #[test]
     fn configs_and_bad_flags() {
-        let dir = std::env::temp_dir().join(format!("zero-rs-plan-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("zero-rs-plan-")
+            .tempdir()
+            .expect("a temp dir");
+        let dir = tmp.path().to_path_buf();
         let hf = dir.join("ds_hf.json");
         std::fs::write(
             &hf,
@@ -342,6 +345,5 @@ mod tests {
         ])
         .unwrap_err();
         assert!(format!("{e:#}").contains("stage"), "{e:#}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -291,8 +291,11 @@ pub(crate) mod tests {
 
     #[test]
     fn draws_two_panels_with_legends() {
-        let dir = std::env::temp_dir().join(format!("zero-plot-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("zero-plot-")
+            .tempdir()
+            .expect("a temp dir");
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("p.svg");
         let s = |name: &str, k: f64| Series {
             name: name.into(),
@@ -311,7 +314,6 @@ pub(crate) mod tests {
         assert!(svg.contains("ZeRO++") && svg.contains("tokens/s"));
         assert_eq!(svg.matches("<circle").count(), 16);
         assert_eq!(format_si(2.5e6), "2.5M");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// Decodes a PNG: `(width, height, RGB bytes)`.
@@ -329,8 +331,11 @@ pub(crate) mod tests {
     /// and the text drawn: a longer caption darkens more of the caption's strip.
     #[test]
     fn draws_a_png_with_its_text() {
-        let dir = std::env::temp_dir().join(format!("zero-plot-png-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("zero-plot-png-")
+            .tempdir()
+            .expect("a temp dir");
+        let dir = tmp.path().to_path_buf();
         let panel = |t: &str| Panel {
             title: t.into(),
             x_label: "step".into(),
@@ -370,6 +375,5 @@ pub(crate) mod tests {
             long > 3 * short,
             "caption pixels: {short} for 1 letter, {long} for 21"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

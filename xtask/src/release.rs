@@ -16,6 +16,20 @@ pub(crate) fn wanted() -> bool {
     cfg!(debug_assertions) && !cfg!(feature = "wgpu") && std::env::var_os(STAY).is_none()
 }
 
+/// xtask's features a command can need, and whether this binary has each.
+const FEATURES: [(&str, bool); 3] = [
+    ("mpi", cfg!(feature = "mpi")),
+    ("nccl", cfg!(feature = "nccl")),
+    ("cuda", cfg!(feature = "cuda")),
+];
+
+/// Whether this binary was built with every one of xtask's `features` (`mpi`, `nccl`, `cuda`).
+pub(crate) fn compiled(features: &[&str]) -> bool {
+    features
+        .iter()
+        .all(|f| FEATURES.iter().any(|(name, on)| name == f && *on))
+}
+
 /// Runs this command line again from a release build with xtask's `features` (none: the default
 /// build) and exits with its status.
 pub(crate) fn rerun(features: &[&str]) -> anyhow::Result<()> {

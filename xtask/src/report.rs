@@ -199,6 +199,13 @@ fn print_report(r: &RunReport) {
         "  model states equal the plan on every rank: {}",
         if r.memory_matches_plan { "yes" } else { "NO" }
     );
+    if let Some(dev) = r.device_peak_per_rank.first() {
+        println!(
+            "  device memory in use at its peak, as the device's pools count it (every rank on \
+             rank 0's device): {}",
+            human_bytes(*dev)
+        );
+    }
 
     println!("\nbytes sent per rank over the whole run (rank 0; measured vs planned)");
     println!(

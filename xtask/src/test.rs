@@ -48,7 +48,7 @@ const BURN_TRAIN_TESTS: [&str; 7] = [
 /// without a GPU.
 const LINT_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
                              zero-quant/cuda,zero-quant/gpu-tests,zero-burn/mpi,zero-burn/wgpu,zero-burn/nccl,zero-burn/burn-train,\
-                             zero-burn/cuda,zero-burn/gpu-tests,xtask/mpi,xtask/nccl";
+                             zero-burn/cuda,zero-burn/gpu-tests,xtask/mpi,xtask/nccl,xtask/cuda";
 
 /// burn's CUDA backend, built and linked with LLVM in one test program of its own (LLVM is
 /// linked statically: no other test binary carries it): the driver guard runs here, the GPU test

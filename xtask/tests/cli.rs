@@ -5,7 +5,7 @@
 //!   plan.
 //! - `launch` stops every process it started within 2 s of a SIGTERM or a Ctrl-C (SIGINT).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,10 +16,12 @@ fn xtask() -> Command {
     c
 }
 
-fn temp(name: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("zero-rs-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&p);
-    p
+/// A fresh temporary directory for test `name`, removed when the returned guard drops.
+fn temp(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("zero-rs-cli-{name}-"))
+        .tempdir()
+        .expect("a temp dir")
 }
 
 fn ok(out: Output, what: &str) {
@@ -84,7 +86,8 @@ fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
         );
         return record_skip(name, "no mpirun on PATH");
     }
-    let root = temp("mpi");
+    let tmp = temp("mpi");
+    let root = tmp.path().to_path_buf();
     let job = [
         "train",
         "--model",
@@ -116,7 +119,6 @@ fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
         runs[1].1 && runs[1].2,
         "MPI's traffic and memory equal the plan"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// `launch` stops its processes on SIGTERM and on Ctrl-C (SIGINT): 2 ranks that would sleep for
@@ -130,8 +132,8 @@ fn launch_stops_its_processes_within_two_seconds_of_sigterm() {
 }
 
 fn stops_within_two_seconds_of(signal: &str) {
-    let root = temp(&format!("launch{signal}"));
-    std::fs::create_dir_all(&root).unwrap();
+    let tmp = temp(&format!("launch{signal}"));
+    let root = tmp.path().to_path_buf();
     let pids = root.join("pids");
     let script = format!("echo $$ >> {}; exec sleep 60", pids.display());
     let mut launcher = xtask()
@@ -192,5 +194,4 @@ fn stops_within_two_seconds_of(signal: &str) {
         took <= Duration::from_secs(2),
         "the launcher and its ranks took {took:?} to stop after {signal}"
     );
-    let _ = std::fs::remove_dir_all(&root);
 }

@@ -4,9 +4,11 @@
 //! which panics when the driver is missing. [`device`] checks for the driver and the GPU first,
 //! so a machine without them gets an error naming what is missing.
 //!
-//! What works: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`) and [`device`] guards
-//! it. Not yet: the shards and accumulators on the device (only the optimizer's state lives
-//! there), the CUDA loopback and NCCL on device pointers; see STATUS.md.
+//! What works here: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`), [`device`]
+//! guards it, and the demo trains on it ([`Backend::Cuda`](crate::demo::job::Backend::Cuda):
+//! the model and the optimizer's state on the GPU, the collectives staged through host memory);
+//! none of it has run on a GPU yet. Not yet: the shards and accumulators on the device, a CUDA
+//! loopback and NCCL on device pointers; see STATUS.md.
 
 use burn::tensor::Device;
 

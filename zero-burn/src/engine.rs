@@ -227,6 +227,9 @@ pub struct RankReport {
     /// The device holding the optimizer's state (moments, bf16/fp16 master weights), as burn
     /// names it; `None` for host memory (see [`ZeroEngine::optimizer_device`]).
     pub optimizer_device: Option<String>,
+    /// The peak bytes in use on the model's device, counted by its own memory pools; `None` on
+    /// flex (see [`ZeroEngine::device_memory_peak`]).
+    pub device_peak_bytes: Option<u64>,
 }
 
 impl RankReport {
@@ -270,6 +273,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             device_grad_bytes: self.device_grad_bytes(),
             device_weight_bytes: self.device_weight_bytes(),
             optimizer_device: self.optimizer_device().map(|d| format!("{d:?}")),
+            device_peak_bytes: self.device_memory_peak(),
         }
     }
 

@@ -206,8 +206,60 @@ fn collect<T>(results: Vec<thread::Result<Result<T>>>) -> Result<Vec<T>> {
     })
 }
 
+/// The variables that name a process's rank on its node, in the order they are read: torchrun's
+/// and `cargo xtask launch`'s, OpenMPI's, MPICH's, Slurm's.
+pub const LOCAL_RANK_VARS: [&str; 4] = [
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_LOCALID",
+];
+
+/// This process's rank on its node, which picks its GPU: the first of [`LOCAL_RANK_VARS`] that
+/// is set, or 0 when none is (a process on its own, or in-process ranks sharing one device). A
+/// value that is not a number is an error naming the variable.
+pub fn local_rank() -> Result<usize> {
+    local_rank_from(|var| std::env::var(var).ok())
+}
+
+/// [`local_rank`] from the variables `get` returns.
+fn local_rank_from(get: impl Fn(&str) -> Option<String>) -> Result<usize> {
+    for var in LOCAL_RANK_VARS {
+        if let Some(v) = get(var) {
+            return v.trim().parse().map_err(|_| Error::Invalid {
+                field: "local rank",
+                got: format!("{var}={v:?}"),
+                expected: "a rank on this node: 0, 1, 2, ...".into(),
+            });
+        }
+    }
+    Ok(0)
+}
+
+/// The discrete GPU a process with local rank `local` opens when the machine has `discrete`
+/// of them: the `local`-th (modulo their number) when there are two or more and
+/// `CUBECL_WGPU_DEFAULT_DEVICE` does not choose (`overridden`); otherwise `None`, wgpu's default
+/// adapter.
+#[cfg(feature = "wgpu")]
+fn discrete_gpu_for(discrete: usize, local: usize, overridden: bool) -> Option<usize> {
+    (discrete >= 2 && !overridden).then(|| local % discrete)
+}
+
+/// The discrete GPUs wgpu sees.
+#[cfg(feature = "wgpu")]
+fn discrete_gpus() -> usize {
+    use burn::tensor::wgpu::wgpu;
+    let adapters =
+        pollster::block_on(wgpu::Instance::default().enumerate_adapters(wgpu::Backends::all()));
+    adapters
+        .iter()
+        .filter(|a| a.get_info().device_type == wgpu::DeviceType::DiscreteGpu)
+        .count()
+}
+
 /// burn's wgpu runtime and the wgpu loopback on **one** `wgpu::Device` and queue (feature
-/// `wgpu`): burn initialises its runtime on the default adapter and hands back its handles
+/// `wgpu`): burn initialises its runtime on the process's adapter (the discrete GPU of its
+/// [`local_rank`] on a machine with several, else the default one) and hands back its handles
 /// (`Device::wgpu_options().init_with_setup()`), and the loopback adopts them
 /// ([`WgpuDevice::from_wgpu`](zero_comm::wgpu_loopback::WgpuDevice::from_wgpu)).
 ///
@@ -230,7 +282,16 @@ impl WgpuShared {
             std::sync::OnceLock::new();
         SHARED
             .get_or_init(|| {
-                let (burn, setup) = burn::tensor::Device::wgpu_options()
+                let options = burn::tensor::Device::wgpu_options();
+                let options = match discrete_gpu_for(
+                    discrete_gpus(),
+                    local_rank().map_err(|e| e.to_string())?,
+                    std::env::var_os("CUBECL_WGPU_DEFAULT_DEVICE").is_some(),
+                ) {
+                    Some(i) => options.device_kind(burn::tensor::DeviceKind::DiscreteGpu(i)),
+                    None => options,
+                };
+                let (burn, setup) = options
                     .init_with_setup()
                     .map_err(|e| format!("burn's wgpu runtime: {e}"))?;
                 let comm =
@@ -261,5 +322,42 @@ impl WgpuShared {
     pub fn adapter_name(&self) -> String {
         let info = self.comm.adapter_info();
         format!("{} ({}, {:?})", info.name, info.driver_info, info.backend)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_local_rank_comes_from_the_first_launcher_variable_set() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |var: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == var)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(local_rank_from(env(&[])).unwrap(), 0);
+        assert_eq!(local_rank_from(env(&[("SLURM_LOCALID", "3")])).unwrap(), 3);
+        // torchrun's (and `cargo xtask launch`'s) wins over OpenMPI's.
+        let both = env(&[("OMPI_COMM_WORLD_LOCAL_RANK", "1"), ("LOCAL_RANK", "2")]);
+        assert_eq!(local_rank_from(both).unwrap(), 2);
+        let err = local_rank_from(env(&[("LOCAL_RANK", "two")])).unwrap_err();
+        assert!(err.to_string().contains("LOCAL_RANK=\"two\""), "{err}");
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn each_local_rank_gets_its_own_discrete_gpu() {
+        // No discrete GPU (lavapipe, integrated) or one: wgpu's default adapter.
+        assert_eq!(discrete_gpu_for(0, 3, false), None);
+        assert_eq!(discrete_gpu_for(1, 0, false), None);
+        // Several: the local rank's, wrapping when there are more processes than GPUs.
+        assert_eq!(discrete_gpu_for(4, 2, false), Some(2));
+        assert_eq!(discrete_gpu_for(4, 5, false), Some(1));
+        // CUBECL_WGPU_DEFAULT_DEVICE chooses instead.
+        assert_eq!(discrete_gpu_for(4, 2, true), None);
     }
 }

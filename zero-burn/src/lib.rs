@@ -92,7 +92,7 @@ pub use engine::{EngineBuilder, RankReport};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]
 pub use launch::WgpuShared;
-pub use launch::{Launch, deep_copy, launch};
+pub use launch::{LOCAL_RANK_VARS, Launch, deep_copy, launch, local_rank};
 pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;

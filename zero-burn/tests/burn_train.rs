@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use burn::module::Module;
@@ -113,8 +113,12 @@ struct Ran {
     steps: u64,
 }
 
-fn dir(tag: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("zero-burn-train-{tag}-{}", std::process::id()))
+/// A fresh temporary directory for `tag`, removed when the returned guard drops.
+fn dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("zero-burn-train-{tag}-"))
+        .tempdir()
+        .expect("a temp dir")
 }
 
 /// Every rank under burn-train's `SupervisedTraining`, the engine stepping the optimizer.
@@ -219,7 +223,8 @@ fn with_engine_at(
 
 #[test]
 fn learner_at_stages_0_to_2_equals_the_engine_loop_bit_for_bit() {
-    let root = dir("stages");
+    let tmp = dir("stages");
+    let root = tmp.path().to_path_buf();
     let mut first: Option<Vec<Vec<u32>>> = None;
     for stage in 0..=2u8 {
         let learned = with_learner(stage, &root.join(format!("s{stage}")));
@@ -262,7 +267,6 @@ fn learner_at_stages_0_to_2_equals_the_engine_loop_bit_for_bit() {
             assert!(file.is_file(), "no {}", file.display());
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// Stage 3, fp16 and accumulation in the plan are refused when the adapter is built, naming
@@ -343,7 +347,8 @@ fn a_record_loaded_behind_the_engine_s_back_is_refused_at_the_next_step() {
 /// per-step rates, bit for bit.
 #[test]
 fn a_warm_up_schedule_and_bf16_under_the_learner_equal_the_engine_loop() {
-    let root = dir("schedule");
+    let tmp = dir("schedule");
+    let root = tmp.path().to_path_buf();
     let warm_up = || {
         LinearLrSchedulerConfig::new(LR / 10.0, LR, 5)
             .init()
@@ -366,7 +371,6 @@ fn a_warm_up_schedule_and_bf16_under_the_learner_equal_the_engine_loop() {
             "the warm-up changed the steps"
         );
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// burn's per-group learning rates would step some parameters at another rate than the engine's

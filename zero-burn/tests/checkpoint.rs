@@ -224,8 +224,11 @@ fn same_plan_resume_is_bit_exact_in_bf16_and_fp16() {
 
 #[test]
 fn resume_through_a_posix_directory_is_bit_exact() {
-    let dir = std::env::temp_dir().join(format!("zero-ckpt-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-ckpt-test-")
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
     let store = DirStorage::new(&dir).unwrap();
     assert_resume_is_bit_exact(Topology::new(2, 2).unwrap(), &cfg(3), &store);
     let names = store.list("").unwrap();
@@ -244,7 +247,6 @@ fn resume_through_a_posix_directory_is_bit_exact() {
             "rank-00001-of-00002.zrs"
         ]
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// An older tag resumes bit-exactly after `LATEST` has moved on (verified against the `COMMIT`

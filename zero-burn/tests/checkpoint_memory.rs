@@ -29,8 +29,11 @@ use counting::{LIVE, PEAK};
 
 #[test]
 fn save_load_and_export_stay_within_their_memory_bounds() {
-    let dir = std::env::temp_dir().join(format!("zero-export-mem-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-export-mem-")
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
     let store = DirStorage::new(dir.join("ckpt")).unwrap();
     let out = DirStorage::new(dir.join("out")).unwrap();
     let cfg = GptConfig {
@@ -152,5 +155,4 @@ fn save_load_and_export_stay_within_their_memory_bounds() {
         .unwrap()
         .len();
     assert_eq!(written, r.bytes);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,15 +1,19 @@
-//! burn's CUDA backend (feature `cuda`): the driver guard everywhere, a burn-cuda computation on
-//! a GPU.
+//! burn's CUDA backend (feature `cuda`): the driver guard everywhere, a burn-cuda computation and
+//! the trainer on a GPU.
 //!
-//! - Without a CUDA driver (this machine, CI) [`zero_burn::cuda::device`] is an error naming the
-//!   driver, never a panic. On a machine with a driver that test records that it did not run.
+//! - Without a CUDA driver (this machine, CI) [`zero_burn::cuda::device`], and a job on
+//!   [`Backend::Cuda`], are errors naming the driver, never a panic. On a machine with a driver
+//!   these tests record that they did not run.
 //! - With feature `gpu-tests` (clippy builds it), `ZERO_GPU_TESTS=1` and a GPU: a matmul, a
-//!   reduction and a softmax on burn-cuda equal burn-flex's within 1e-5. Not yet in
-//!   `cargo xtask gpu-check`'s list (its bundle has no room for a burn-cuda program yet), so it
-//!   has not run on a GPU.
+//!   reduction and a softmax on burn-cuda equal burn-flex's within 1e-5; ZeRO-3 over 2 in-process
+//!   ranks on the GPU (host loopback) gives stage 0's losses bit for bit, with the traffic the
+//!   plan books, and flex's within 1e-3 (relative). `cargo xtask gpu-check` runs both (a program
+//!   of its own); they have not run on a GPU yet.
 #![cfg(feature = "cuda")]
 
 mod common;
+
+use zero_burn::demo::job::{Backend, JobConfig, run_job};
 
 #[cfg(feature = "gpu-tests")]
 use burn::tensor::activation::softmax;
@@ -37,11 +41,122 @@ fn no_cuda_driver_is_a_clear_error_not_a_panic() {
     );
 }
 
+/// A small job on the CUDA backend: `world_size` in-process ranks at `stage`, without ZeRO++.
+fn cuda_job(stage: u8, steps: u64) -> JobConfig {
+    let mut job = JobConfig::default_job();
+    job.backend = Backend::Cuda;
+    job.world_size = 2;
+    job.ranks_per_node = 2;
+    job.steps = steps;
+    job.micro_batch = 2;
+    job.zero.stage = stage;
+    job.zero.quantized_weights = false;
+    job.zero.quantized_gradients = false;
+    job.zero.hpz_partition_size = 1;
+    job.zero.checkpoint_activations = Some(false);
+    job
+}
+
+#[test]
+fn a_cuda_job_without_a_driver_fails_naming_it() {
+    if driver_present() {
+        common::record_skip(
+            "a_cuda_job_without_a_driver_fails_naming_it",
+            "this machine has a CUDA driver",
+        );
+        return;
+    }
+    let err = run_job(&cuda_job(3, 1), &|_, _| {}).expect_err("no driver, no CUDA job");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("CUDA driver") && msg.contains("libcuda"),
+        "{msg}"
+    );
+    let check = zero_burn::demo::job::check(&cuda_job(0, 1)).expect_err("checked first");
+    assert_eq!(check.to_string(), msg);
+}
+
+/// Appends `<name> ok` to `ZERO_GPU_COOKIE` (what `cargo xtask gpu-check` counts).
+#[cfg(feature = "gpu-tests")]
+fn cookie(name: &str) {
+    if let Some(path) = std::env::var_os("ZERO_GPU_COOKIE") {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .expect("the cookie");
+        writeln!(f, "{name} ok").expect("the cookie");
+    }
+}
+
+#[cfg(feature = "gpu-tests")]
+fn gpu_gate(name: &str) -> bool {
+    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") || !driver_present() {
+        eprintln!("skip {name}: needs ZERO_GPU_TESTS=1 and a GPU");
+        return false;
+    }
+    true
+}
+
+#[cfg(feature = "gpu-tests")]
+#[test]
+fn gpu_zero3_on_cuda_equals_stage0_bit_for_bit() {
+    const NAME: &str = "gpu_zero3_on_cuda_equals_stage0_bit_for_bit";
+    if !gpu_gate(NAME) {
+        return;
+    }
+    let run = |stage| run_job(&cuda_job(stage, 4), &|_, _| {}).expect("a CUDA job");
+    let (zero, three) = (run(0), run(3));
+    let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&zero.loss),
+        bits(&three.loss),
+        "stage 3 vs stage 0 on the GPU"
+    );
+    assert!(three.loss.iter().all(|l| l.is_finite()));
+    assert!(
+        three.loss[3] < three.loss[0],
+        "the loss falls: {:?}",
+        three.loss
+    );
+    assert!(
+        zero.comm_matches_plan && three.comm_matches_plan,
+        "traffic differs from the plan"
+    );
+    // The same job on flex: the GPU's kernels round differently, within a stated bound.
+    let flex = run_job(
+        &JobConfig {
+            backend: Backend::Host,
+            ..cuda_job(3, 4)
+        },
+        &|_, _| {},
+    )
+    .expect("the flex job");
+    let worst = three
+        .loss
+        .iter()
+        .zip(&flex.loss)
+        .map(|(g, c)| (g - c).abs() / c.abs().max(1.0))
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst <= 1e-3,
+        "CUDA vs flex losses: worst relative gap {worst:.2e}"
+    );
+    let device = three.device_peak_per_rank.first().copied().unwrap_or(0);
+    assert!(device > 0, "the GPU's pools count the state");
+    println!(
+        "ZERO_GPU_TRAIN burn-cuda ZeRO-3 N=2: losses {:?}, {:.1} tokens/s, worst gap to flex \
+         {worst:.2e}, device pools' peak {device} B",
+        three.loss, three.tokens_per_sec
+    );
+    cookie(NAME);
+}
+
 #[cfg(feature = "gpu-tests")]
 #[test]
 fn gpu_burn_cuda_computes_like_flex() {
-    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") || !driver_present() {
-        eprintln!("skip gpu_burn_cuda_computes_like_flex: needs ZERO_GPU_TESTS=1 and a GPU");
+    if !gpu_gate("gpu_burn_cuda_computes_like_flex") {
         return;
     }
     let cuda = zero_burn::cuda::device(0).expect("a GPU");
@@ -64,13 +179,5 @@ fn gpu_burn_cuda_computes_like_flex() {
         .map(|(g, c)| (g - c).abs())
         .fold(0.0f32, f32::max);
     assert!(worst <= 1e-5, "burn-cuda vs flex: worst gap {worst}");
-    if let Some(path) = std::env::var_os("ZERO_GPU_COOKIE") {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .expect("the cookie");
-        writeln!(f, "gpu_burn_cuda_computes_like_flex ok").expect("the cookie");
-    }
+    cookie("gpu_burn_cuda_computes_like_flex");
 }

@@ -137,8 +137,11 @@ fn mpi_ranks_train_bit_identically_to_in_process_ranks() {
     if is_rank() {
         return rank_side();
     }
-    let dir = std::env::temp_dir().join(format!("zero-burn-mpi-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-burn-mpi-")
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
     let env = [(OUT, dir.display().to_string())];
     let name = "mpi_ranks_train_bit_identically_to_in_process_ranks";
     let limit = Duration::from_secs(300);
@@ -173,7 +176,6 @@ fn mpi_ranks_train_bit_identically_to_in_process_ranks() {
             assert_eq!(got.summaries, 4, "{what}: gathered summaries");
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -187,8 +187,11 @@ fn a_checkpoint_over_nccl_resumes_bit_identically() {
     }
     let (corpus, plan, options, model) = setup();
     let want = &host_reference(&corpus, &plan, options, &model)[0];
-    let dir = std::env::temp_dir().join(format!("zero-nccl-ckpt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-nccl-ckpt-")
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
     let store = DirStorage::new(&dir).unwrap();
     let engine = || {
         let comm = NcclComm::single(0, NcclOptions::default()).unwrap();
@@ -219,7 +222,6 @@ fn a_checkpoint_over_nccl_resumes_bit_identically() {
     for (i, (a, b)) in params.iter().zip(&want.final_params).enumerate() {
         assert!(bits(a) == bits(b), "parameter {i} differs after the resume");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
     println!("ZERO_GPU_CKPT steps={STEPS} saved_at={} ok", STEPS / 2);
     cookie(test);
 }

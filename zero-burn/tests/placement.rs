@@ -8,6 +8,9 @@
 //!   memory, stepped on the CPU. Both run the same IEEE operations in the same order; only the
 //!   device's `sqrt` and division may round differently. The tests state a bound, assert it, and
 //!   print whether the bits were equal; on lavapipe they are, and the tests assert it there.
+//! - The wgpu device's own memory pools (burn's `Device::memory_pool_usage`) see the state: with
+//!   it on the device, once the ranks' work is done, they hold the state the plan books more
+//!   than with it in host memory, within 64 KiB.
 
 mod common;
 
@@ -172,6 +175,14 @@ mod wgpu {
     /// by a few ulps per step, and the gaps compound over the steps.
     const BOUND: f32 = 1e-5;
 
+    /// The wgpu tests of this file one at a time: the device's memory counts are the whole
+    /// device's.
+    static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        DEVICE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn gpt() -> GptConfig {
         GptConfig {
             vocab: 32,
@@ -188,11 +199,21 @@ mod wgpu {
         steps: u64,
         ckpt: Option<Checkpointing>,
     ) -> Vec<RankResult<Gpt>> {
-        let model = gpt().init(&shared.autodiff_device(), 7);
+        train_gpt(shared, gpt(), cfg, steps, ckpt)
+    }
+
+    fn train_gpt(
+        shared: &zero_burn::WgpuShared,
+        gpt: GptConfig,
+        cfg: &ZeroConfig,
+        steps: u64,
+        ckpt: Option<Checkpointing>,
+    ) -> Vec<RankResult<Gpt>> {
+        let model = gpt.init(&shared.autodiff_device(), 7);
         let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
-        let corpus = MarkovLanguage::new(gpt().vocab, 3).unwrap();
+        let corpus = MarkovLanguage::new(gpt.vocab, 3).unwrap();
         let mut options = common::options();
-        options.seq = gpt().context;
+        options.seq = gpt.context;
         train_wgpu(
             shared,
             plan,
@@ -233,6 +254,7 @@ mod wgpu {
     /// host memory. Stages 0–3 in fp32 and bf16 with accumulation agree within [`BOUND`].
     #[test]
     fn the_state_on_the_wgpu_device_matches_host_placement() {
+        let _one = one_at_a_time();
         let Some(shared) = shared("the_state_on_the_wgpu_device_matches_host_placement") else {
             return;
         };
@@ -278,6 +300,7 @@ mod wgpu {
     /// back), within [`BOUND`] of an uninterrupted run, at stage 3 in bf16.
     #[test]
     fn a_checkpoint_moves_between_placements_on_wgpu() {
+        let _one = one_at_a_time();
         let Some(shared) = shared("a_checkpoint_moves_between_placements_on_wgpu") else {
             return;
         };
@@ -311,5 +334,101 @@ mod wgpu {
                 assert!(same, "{from:?} -> {to:?}: bit-identical on lavapipe");
             }
         }
+    }
+
+    /// The bytes in use in the wgpu device's own memory pools once 2 in-process ranks (host
+    /// loopback, models on the device) have taken 3 steps at stage 1 in bf16 and their device
+    /// work is done, the ranks' engines still alive; and the optimizer state the two ranks book.
+    fn settled_device_bytes(
+        shared: &zero_burn::WgpuShared,
+        gpt: GptConfig,
+        placement: Placement,
+    ) -> (u64, u64) {
+        use zero_burn::demo::run::{corpus_step, engine_builder};
+        let model = gpt.init(&shared.autodiff_device(), 7);
+        let cfg = config(1, Precision::Bf16, placement);
+        let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), &cfg).unwrap());
+        let corpus = MarkovLanguage::new(gpt.vocab, 3).unwrap();
+        let mut options = common::options();
+        options.seq = gpt.context;
+        let device = shared.device();
+        let engines = zero_burn::Launch::new(*plan.topology())
+            .timeout(Duration::from_secs(60))
+            .run_with(&model, |comm, mine| {
+                let mut engine = engine_builder(&plan, comm, mine, options).build()?;
+                for _ in 0..3 {
+                    corpus_step(&mut engine, &corpus, &options)?;
+                }
+                // Each rank's queued work, which may still hold transient buffers, finishes.
+                device.sync().expect("the device's work finishes");
+                Ok(engine)
+            })
+            .unwrap();
+        let in_use = device
+            .memory_pool_usage()
+            .expect("wgpu's pools count the device's memory")
+            .bytes_in_use;
+        let booked = engines
+            .iter()
+            .map(|e| {
+                let m = e.measured_memory();
+                m.optimizer_states + m.master_weights
+            })
+            .sum();
+        (in_use, booked)
+    }
+
+    /// The device's own memory pools count the optimizer's state where the engine says it is:
+    /// with the default placement, once the ranks' work is done, the bytes in use exceed host
+    /// placement's by the moments and bf16 master both ranks hold, as the plan books them, up
+    /// to the pools' rounding (256 B per tensor) and 64 KiB of burn's own buffers.
+    #[test]
+    fn the_device_memory_pools_count_the_optimizer_state() {
+        let _one = one_at_a_time();
+        let Some(shared) = shared("the_device_memory_pools_count_the_optimizer_state") else {
+            return;
+        };
+        // About 0.5M parameters: a state of megabytes, far above the pools' granularity.
+        let wider = GptConfig {
+            vocab: 256,
+            context: 16,
+            d_model: 128,
+            heads: 4,
+            layers: 2,
+        };
+        let (d, booked) = settled_device_bytes(&shared, wider, Placement::Device);
+        let (h, host_booked) = settled_device_bytes(&shared, wider, Placement::Host);
+        assert_eq!(booked, host_booked, "the same state, wherever it is");
+        let extra = d as i64 - h as i64;
+        println!(
+            "device pools in use after 3 steps: state on the device {d} B, in host memory {h} B; \
+             difference {extra} B, booked state of both ranks {booked} B"
+        );
+        assert!(booked > 4 << 20, "a state of megabytes: {booked} B");
+        assert!(
+            (extra - booked as i64).abs() <= 64 << 10,
+            "the pools' difference {extra} B is not the booked state {booked} B"
+        );
+    }
+
+    /// Runs report the peak the device's pools counted; on flex there is none.
+    #[test]
+    fn runs_report_the_device_pools_peak() {
+        let _one = one_at_a_time();
+        let Some(shared) = shared("runs_report_the_device_pools_peak") else {
+            return;
+        };
+        let dev = train(
+            &shared,
+            &config(3, Precision::Fp32, Placement::Device),
+            1,
+            None,
+        );
+        assert!(
+            dev.iter()
+                .all(|r| r.device_peak_bytes.is_some_and(|b| b > 0))
+        );
+        let flex = train_flex(&config(3, Precision::Fp32, Placement::Device), 1, None);
+        assert!(flex.iter().all(|r| r.device_peak_bytes.is_none()));
     }
 }

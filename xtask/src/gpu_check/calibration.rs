@@ -198,8 +198,11 @@ mod tests {
     /// the quant lines of step 4; without them it fails, saying why.
     #[test]
     fn the_calibration_step_writes_a_cluster_file() {
-        let work = std::env::temp_dir().join(format!("zero-gpu-cal-{}", std::process::id()));
-        std::fs::create_dir_all(&work).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("zero-gpu-cal-")
+            .tempdir()
+            .expect("a temp dir");
+        let work = tmp.path().to_path_buf();
         let gpus = vec!["0, NVIDIA A100-SXM4-80GB, 580.65, 81920 MiB".to_string()];
         let quant = [
             "codec=int8 n=1 encode_gbps=900.0 decode_gbps=1000.0",
@@ -219,6 +222,5 @@ mod tests {
         let s = step(&gpus, &[], &[], &work);
         assert_eq!(s.verdict, Verdict::Fail);
         assert!(s.detail.contains("no int8 codec figures"), "{}", s.detail);
-        std::fs::remove_dir_all(&work).unwrap();
     }
 }

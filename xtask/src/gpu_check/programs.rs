@@ -126,7 +126,7 @@ pub(super) const PROGRAMS: &[Program] = &[
 ];
 
 /// The wgpu test programs (features `wgpu`): the loopback, the WGSL codecs, the bridge and the
-/// trainer's wgpu path, run on the GPU's Vulkan driver. A bundle holds them gzipped (they are
+/// trainer's wgpu path, run on the GPU's Vulkan driver. A bundle holds them compressed (they are
 /// large: burn-wgpu builds in debug only).
 pub(super) const WGPU_PROGRAMS: &[Program] = &[
     Program {
@@ -155,16 +155,34 @@ pub(super) const WGPU_PROGRAMS: &[Program] = &[
     },
 ];
 
+/// burn's CUDA backend and the trainer on it (zero-burn's `cuda_path`, features `cuda` and
+/// `gpu-tests`): a build of its own, since LLVM, which burn-cuda links statically, would land in
+/// every test program of a build that enables `cuda`.
+pub(super) const CUDA_PROGRAM: Program = Program {
+    name: "zero-burn-cuda",
+    package: "zero-burn",
+    test: Some("cuda_path"),
+    args: &["--nocapture", "--test-threads", "1"],
+};
+
 pub(super) const GPU_FEATURES: &str =
     "zero-comm/gpu-tests,zero-quant/gpu-tests,zero-burn/gpu-tests";
 pub(super) const WGPU_FEATURES: &str = "zero-comm/wgpu,zero-quant/wgpu,zero-burn/wgpu";
+pub(super) const CUDA_FEATURES: &str = "zero-burn/cuda,zero-burn/gpu-tests";
 
-/// Builds `programs` with `features` and returns `(program, executable)` pairs.
+/// The packages [`PROGRAMS`] and [`WGPU_PROGRAMS`] come from.
+pub(super) const EVERY_PACKAGE: &[&str] =
+    &["-p", "zero-comm", "-p", "zero-quant", "-p", "zero-burn"];
+/// Only [`CUDA_PROGRAM`]'s target.
+pub(super) const CUDA_SCOPE: &[&str] = &["-p", "zero-burn", "--test", "cuda_path"];
+
+/// Builds `programs` with `features`, from the packages and targets of `scope` (cargo's
+/// `-p`/`--test` arguments), and returns `(program, executable)` pairs.
 pub(super) fn build_programs(
     root: &Path,
     target: &Path,
     limit: Duration,
-    features: &str,
+    (features, scope): (&str, &[&str]),
     programs: &[Program],
 ) -> anyhow::Result<(Ran, Vec<(usize, PathBuf)>)> {
     let mut c = cargo();
@@ -174,7 +192,7 @@ pub(super) fn build_programs(
             "--no-run",
             "--message-format=json-render-diagnostics",
         ])
-        .args(["-p", "zero-comm", "-p", "zero-quant", "-p", "zero-burn"])
+        .args(scope)
         .args(["--features", features])
         .env("CARGO_TARGET_DIR", target);
     let ran = run_limited("build", c, limit, false)?;

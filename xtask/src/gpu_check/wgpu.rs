@@ -127,7 +127,13 @@ pub(super) fn wgpu_programs(
     limit: Duration,
 ) -> anyhow::Result<Vec<(usize, PathBuf)>> {
     let Some(dir) = prebuilt else {
-        let (b, found) = build_programs(root, work, limit, WGPU_FEATURES, WGPU_PROGRAMS)?;
+        let (b, found) = build_programs(
+            root,
+            work,
+            limit,
+            (WGPU_FEATURES, super::programs::EVERY_PACKAGE),
+            WGPU_PROGRAMS,
+        )?;
         if !b.ok {
             bail!("building the wgpu test programs failed: {}", b.status);
         }

@@ -40,7 +40,9 @@ pub(crate) struct TrainArgs {
     /// Backend: host (burn flex on the CPU, host loopback) or wgpu (burn's wgpu backend and the
     /// wgpu loopback on one device; needs `cargo run -p xtask --features wgpu -- train ...`,
     /// a debug build: burn-wgpu takes over 20 minutes to build in release; with --launcher mpi,
-    /// `--features mpi,wgpu`: each process on its own wgpu device). CUDA: not yet (STATUS.md).
+    /// `--features mpi,wgpu`: each process on its own wgpu device) or cuda (burn's CUDA backend
+    /// on the GPU `LOCAL_RANK` names, or GPU 0, in a release build with `--features cuda`; the
+    /// collectives are staged through host memory).
     #[arg(long, default_value = "host")]
     backend: String,
     /// Optimizer steps.
@@ -142,10 +144,22 @@ impl TrainArgs {
         &self.launcher
     }
 
-    /// `--launcher mpi` in a build without MPI: the command reruns itself from one that has it
-    /// (a release build; not for a wgpu build, whose features a rerun would lose: see `run`).
-    pub(crate) fn needs_mpi_build(&self) -> bool {
-        self.launcher == "mpi" && !cfg!(feature = "mpi") && !cfg!(feature = "wgpu")
+    /// The xtask features this job needs: `mpi` for `--launcher mpi`, `cuda` for `--backend cuda`.
+    pub(crate) fn features(&self) -> Vec<&'static str> {
+        let mut f = Vec::new();
+        if self.launcher == "mpi" {
+            f.push("mpi");
+        }
+        if self.backend == "cuda" {
+            f.push("cuda");
+        }
+        f
+    }
+
+    /// Whether the command reruns itself from a build that has [`Self::features`] (a release
+    /// build; never from a wgpu build, whose features a rerun would lose: see `run`).
+    pub(crate) fn needs_other_build(&self) -> bool {
+        !cfg!(feature = "wgpu") && !crate::release::compiled(&self.features())
     }
 }
 
@@ -229,12 +243,13 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
              over 20 minutes to build in release)"
         ),
         "wgpu" => Backend::Wgpu,
-        "cuda" => bail!(
-            "--backend cuda: not yet: burn's CUDA backend builds (feature `zero-burn/cuda`), but \
-             the trainer has no CUDA path yet; the trainer runs over NCCL with `cargo xtask \
-             gpu-check` (STATUS.md)"
+        "cuda" if !cfg!(feature = "cuda") => bail!(
+            "--backend cuda: this xtask was built without its `cuda` feature; run `cargo run -p \
+             xtask --release --features cuda -- train --backend cuda ...` (offline, run \
+             `.ci/llvm-sdk.sh` first: burn's CUDA backend links LLVM 23)"
         ),
-        o => bail!("--backend {o:?}: expected host or wgpu"),
+        "cuda" => Backend::Cuda,
+        o => bail!("--backend {o:?}: expected host, wgpu or cuda"),
     };
     let mut job = JobConfig::default_job();
     job.backend = backend;

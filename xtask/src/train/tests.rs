@@ -15,7 +15,11 @@ pub(crate) fn args(out: &Path, extra: &[&str]) -> TrainArgs {
 /// directory behind.
 #[test]
 fn invalid_flags_fail_before_a_run_directory_exists() {
-    let root = std::env::temp_dir().join(format!("zero-rs-train-flags-{}", std::process::id()));
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-rs-train-flags-")
+        .tempdir()
+        .expect("a temp dir");
+    let root = tmp.path().to_path_buf();
     // One row per documented bound and refusal (STATUS.md, "Input bounds"): the flags, and what
     // the error must name.
     let cases: &[(&[&str], &str)] = &[
@@ -42,6 +46,8 @@ fn invalid_flags_fail_before_a_run_directory_exists() {
         (&["--precision", "fp8"], "precision"),
         (&["--model", "huge"], "--model"),
         (&["--backend", "tpu"], "--backend"),
+        // Without the `cuda` feature: the build to use; with it, on this machine: no driver.
+        (&["--backend", "cuda"], "cuda"),
         (&["--launcher", "slurm"], "--launcher"),
         (&["--data", "/nonexistent/zero-rs-data"], "--data"),
         (&["--config", "/nonexistent/zero-rs.toml"], "config"),
@@ -58,7 +64,6 @@ fn invalid_flags_fail_before_a_run_directory_exists() {
         assert!(msg.contains(field), "{flags:?}: {msg}");
         assert!(!out.exists(), "{flags:?} left {}", out.display());
     }
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 fn losses(dir: &Path) -> (u64, Vec<u32>) {
@@ -78,7 +83,11 @@ fn losses(dir: &Path) -> (u64, Vec<u32>) {
 /// `--reshard` and resharded with it; `ckpt gc` keeps the newest.
 #[test]
 fn save_resume_reshard_and_gc_from_the_command_line() {
-    let root = std::env::temp_dir().join(format!("zero-rs-train-ckpt-{}", std::process::id()));
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-rs-train-ckpt-")
+        .tempdir()
+        .expect("a temp dir");
+    let root = tmp.path().to_path_buf();
     let tiny = ["--model", "tiny", "--micro-batch", "2"];
     fn with<'a>(tiny: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
         [tiny, extra].concat()
@@ -221,7 +230,6 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
     ))
     .unwrap_err();
     assert!(format!("{e:#}").contains("--init and --resume"), "{e:#}");
-    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// report.svg is well-formed XML (SVG) holding the loss line, its legend, the tokens/s of
@@ -229,7 +237,11 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
 /// step.
 #[test]
 fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
-    let out = std::env::temp_dir().join(format!("zero-rs-train-svg-{}", std::process::id()));
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-rs-train-svg-")
+        .tempdir()
+        .expect("a temp dir");
+    let out = tmp.path().to_path_buf();
     run(args(
         &out,
         &["--model", "tiny", "--steps", "3", "--micro-batch", "2"],
@@ -282,14 +294,17 @@ fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
     assert_eq!((w, h), (1500, 420));
     let inked = rgb.chunks(3).filter(|p| p.iter().any(|&c| c < 200)).count();
     assert!(inked > 5_000, "{inked} inked pixels of {}", w * h);
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// `--offload-optimizer true` keeps the optimizer's state in host memory: on the host backend
 /// the same bits as the default, and the plan books that state as host bytes.
 #[test]
 fn offloading_the_optimizer_changes_where_not_what() {
-    let root = std::env::temp_dir().join(format!("zero-rs-train-offload-{}", std::process::id()));
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-rs-train-offload-")
+        .tempdir()
+        .expect("a temp dir");
+    let root = tmp.path().to_path_buf();
     let base = [
         "--model",
         "tiny",
@@ -322,5 +337,4 @@ fn offloading_the_optimizer_changes_where_not_what() {
         results.push(losses(&out));
     }
     assert_eq!(results[0], results[1], "the same losses, bit for bit");
-    let _ = std::fs::remove_dir_all(&root);
 }

@@ -39,6 +39,10 @@ pub enum Backend {
     /// gradients and gathers go through the zero-copy bridge, the rest through host memory: see
     /// [`crate::demo::run::train_wgpu`]).
     Wgpu,
+    /// burn's CUDA backend (feature `cuda`): every rank's model and optimizer state on a GPU,
+    /// the one [`local_rank`](crate::local_rank) names (in-process ranks share it), with
+    /// the collectives staged through host memory (host loopback, MPI or NCCL).
+    Cuda,
 }
 
 /// Everything a job needs.

@@ -17,34 +17,51 @@ use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
 
-/// The shared wgpu device of the wgpu backend (`None`: the host backend).
-#[cfg(feature = "wgpu")]
-type Shared = crate::WgpuShared;
-/// Without the `wgpu` feature there is no such device.
-#[cfg(not(feature = "wgpu"))]
-type Shared = std::convert::Infallible;
-
-fn shared_for(backend: Backend) -> Result<Option<Shared>> {
-    match backend {
-        Backend::Host => Ok(None),
-        #[cfg(feature = "wgpu")]
-        Backend::Wgpu => crate::WgpuShared::get().map(Some),
-        #[cfg(not(feature = "wgpu"))]
-        Backend::Wgpu => Err(Error::Backend(
-            "the wgpu backend is not compiled in: build with zero-burn's `wgpu` feature \
-             (`cargo run -p xtask --features wgpu -- train --backend wgpu`)"
-                .into(),
-        )),
-    }
+/// Where a job's models compute.
+#[derive(Clone, Debug)]
+enum Compute {
+    /// burn-flex on the CPU.
+    Flex,
+    /// burn's wgpu backend on the process's shared device (with the wgpu loopback in-process).
+    #[cfg(feature = "wgpu")]
+    Wgpu(crate::WgpuShared),
+    /// burn's CUDA backend on this device (without autodiff).
+    #[cfg(feature = "cuda")]
+    Cuda(Device),
 }
 
-fn device_of(shared: &Option<Shared>) -> Device {
-    match shared {
-        None => Device::flex().autodiff(),
-        #[cfg(feature = "wgpu")]
-        Some(s) => s.autodiff_device(),
-        #[cfg(not(feature = "wgpu"))]
-        Some(never) => match *never {},
+impl Compute {
+    fn of(backend: Backend) -> Result<Compute> {
+        match backend {
+            Backend::Host => Ok(Compute::Flex),
+            #[cfg(feature = "wgpu")]
+            Backend::Wgpu => crate::WgpuShared::get().map(Compute::Wgpu),
+            #[cfg(not(feature = "wgpu"))]
+            Backend::Wgpu => Err(Error::Backend(
+                "the wgpu backend is not compiled in: build with zero-burn's `wgpu` feature \
+                 (`cargo run -p xtask --features wgpu -- train --backend wgpu`)"
+                    .into(),
+            )),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => crate::cuda::device(crate::local_rank()?).map(Compute::Cuda),
+            #[cfg(not(feature = "cuda"))]
+            Backend::Cuda => Err(Error::Backend(
+                "the CUDA backend is not compiled in: build with zero-burn's `cuda` feature \
+                 (`cargo run -p xtask --release --features cuda -- train --backend cuda`)"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The autodiff device to build the model on.
+    fn device(&self) -> Device {
+        match self {
+            Compute::Flex => Device::flex().autodiff(),
+            #[cfg(feature = "wgpu")]
+            Compute::Wgpu(s) => s.autodiff_device(),
+            #[cfg(feature = "cuda")]
+            Compute::Cuda(d) => d.clone().autodiff(),
+        }
     }
 }
 
@@ -52,7 +69,7 @@ fn device_of(shared: &Option<Shared>) -> Device {
 struct Prepared {
     corpus: Box<dyn Corpus>,
     model_cfg: GptConfig,
-    shared: Option<Shared>,
+    compute: Compute,
     model: crate::demo::gpt::Gpt,
     zero: ZeroConfig,
     plan: Arc<Plan>,
@@ -132,8 +149,8 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
         optimizer: optimizer.kind(),
         ..job.zero.clone()
     };
-    let shared = shared_for(job.backend)?;
-    let mut model = model_cfg.init(&device_of(&shared), job.seed);
+    let compute = Compute::of(job.backend)?;
+    let mut model = model_cfg.init(&compute.device(), job.seed);
     if let Some(path) = &job.init {
         let bytes = std::fs::read(path).map_err(|e| Error::Init {
             file: path.display().to_string(),
@@ -153,7 +170,7 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
     Ok(Prepared {
         corpus,
         model_cfg,
-        shared,
+        compute,
         model,
         zero,
         plan,
@@ -172,7 +189,7 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     let Prepared {
         corpus,
         model_cfg,
-        shared,
+        compute,
         model,
         zero,
         plan,
@@ -180,10 +197,16 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     } = prepare(job)?;
     let start = Instant::now();
     let run = host_run(job);
-    let results = match &shared {
-        None => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
+    let results = match &compute {
+        // On CUDA the in-process ranks share the GPU and the host loopback stages the
+        // collectives through host memory.
+        Compute::Flex => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
+        #[cfg(feature = "cuda")]
+        Compute::Cuda(_) => {
+            train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?
+        }
         #[cfg(feature = "wgpu")]
-        Some(s) => crate::demo::run::train_wgpu(
+        Compute::Wgpu(s) => crate::demo::run::train_wgpu(
             s,
             plan.clone(),
             model,
@@ -192,8 +215,6 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
             run,
             on_step,
         )?,
-        #[cfg(not(feature = "wgpu"))]
-        Some(never) => match *never {},
     };
     let wall = start.elapsed().as_secs_f64();
     let summaries: Vec<RankSummary> = results.iter().map(RankSummary::of).collect();
@@ -211,9 +232,10 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
 /// One rank of `job` in this process, on `comm`, for jobs whose ranks are processes (MPI, NCCL):
 /// `comm`'s world must be the job's (`world_size`, `ranks_per_node`). Every rank trains from the
 /// same seed-determined model and returns the whole job's report, merged from every rank's
-/// numbers; `on_step` is called on rank 0. The model computes on the job's backend: flex, or
-/// this process's own wgpu device (wgpu's default adapter; `CUBECL_WGPU_DEFAULT_DEVICE` picks
-/// another), with the optimizer's state on it and the collectives staged through host memory.
+/// numbers; `on_step` is called on rank 0. The model computes on the job's backend: flex, this
+/// process's own wgpu device (wgpu's default adapter; `CUBECL_WGPU_DEFAULT_DEVICE` picks
+/// another), or the GPU [`local_rank`](crate::local_rank) names, with the optimizer's state on
+/// it and the collectives staged through host memory.
 pub fn run_job_rank<C: Communicator>(
     job: &JobConfig,
     comm: C,

@@ -60,6 +60,11 @@ pub struct RunReport {
     /// ([`run_job_rank`](crate::demo::job::run_job_rank)); empty (and not written) when ranks are threads of one process.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub peak_rss_per_rank: Vec<u64>,
+    /// Each rank's peak bytes in use on its device, counted by the device's own memory pools
+    /// (burn's `Device::memory_pool_usage`); for in-process ranks sharing one device, each
+    /// rank's figure is the whole device's. Empty (and not written) on flex.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub device_peak_per_rank: Vec<u64>,
 }
 
 /// The run report of `job` from every rank's summary.
@@ -143,6 +148,11 @@ pub(crate) fn report(
         peak_rss_per_rank: results
             .iter()
             .map(|r| r.peak_rss_bytes)
+            .collect::<Option<Vec<u64>>>()
+            .unwrap_or_default(),
+        device_peak_per_rank: results
+            .iter()
+            .map(|r| r.device_peak_bytes)
             .collect::<Option<Vec<u64>>>()
             .unwrap_or_default(),
         job: JobConfig {

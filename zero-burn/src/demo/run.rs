@@ -72,6 +72,9 @@ pub struct RankResult<M> {
     pub device_weight_bytes: u64,
     /// The device holding the optimizer's state; `None` for host memory.
     pub optimizer_device: Option<String>,
+    /// The peak bytes in use on the model's device, counted by its own memory pools (the whole
+    /// device: in-process ranks sharing it see their sum); `None` on flex.
+    pub device_peak_bytes: Option<u64>,
     /// The step training started from: 0, or the step of the checkpoint it resumed.
     pub first_step: u64,
     /// The checkpoints saved.
@@ -207,6 +210,10 @@ pub struct RankSummary {
     /// The process's peak resident set (Linux `VmHWM`) when its ranks are processes; `None` for
     /// ranks that are threads (they share one process) or where `/proc` is missing.
     pub peak_rss_bytes: Option<u64>,
+    /// The peak bytes in use on the rank's device, counted by its own memory pools; `None` on
+    /// flex (see [`RankResult::device_peak_bytes`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_peak_bytes: Option<u64>,
     /// The step training started from.
     pub first_step: u64,
     /// The checkpoints saved.
@@ -224,6 +231,7 @@ impl RankSummary {
             traffic: r.traffic.clone(),
             memory: r.memory,
             peak_rss_bytes: None,
+            device_peak_bytes: r.device_peak_bytes,
             first_step: r.first_step,
             saves: r.saves.clone(),
         }
@@ -370,6 +378,7 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         device_grad_bytes: report.device_grad_bytes,
         device_weight_bytes: report.device_weight_bytes,
         optimizer_device: report.optimizer_device,
+        device_peak_bytes: report.device_peak_bytes,
         model: t.model().clone(),
         final_params,
         first_step,

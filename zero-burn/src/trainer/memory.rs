@@ -1,6 +1,7 @@
 //! What a rank counts as it runs ([`Meter`]): its peak memory in the plan's categories
-//! ([`MeasuredMemory`], the engine's own bookkeeping), its traffic bases, the steps it skipped,
-//! the bytes its device hooks moved, and stage 3's gathered units.
+//! ([`MeasuredMemory`], the engine's own bookkeeping), the peak its device's own memory pools
+//! count, its traffic bases, the steps it skipped, the bytes its device hooks moved, and stage
+//! 3's gathered units.
 
 use serde::{Deserialize, Serialize};
 use zero_comm::Communicator;
@@ -82,6 +83,9 @@ pub(crate) struct Meter {
     pub(super) gathered_bytes: u64,
     /// Stage 3: per unit, the bytes of the buffer it was installed from (0 when released).
     pub(super) unit_gathered_bytes: Vec<u64>,
+    /// The peak bytes in use that the model's device's memory pools counted at the samples
+    /// (`None` on flex; see [`ZeroEngine::device_memory_peak`]).
+    pub(super) device_peak: Option<u64>,
 }
 
 impl Meter {
@@ -98,6 +102,7 @@ impl Meter {
             gathered_elems: 0,
             gathered_bytes: 0,
             unit_gathered_bytes: vec![0; units],
+            device_peak: None,
         }
     }
 }
@@ -114,6 +119,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         m
     }
 
+    /// The peak bytes in use on the model's device, counted by the device's own memory pools
+    /// (burn's `Device::memory_pool_usage`, CubeCL's statistics) where the engine samples its
+    /// memory: after every micro-step and optimizer step. For the whole device: ranks that share
+    /// it (in-process ranks on one GPU or wgpu adapter) each see their sum, and memory that
+    /// burn's pools do not manage (a communicator's own buffers) is not in it. `None` on flex,
+    /// whose memory is the process's.
+    pub fn device_memory_peak(&self) -> Option<u64> {
+        self.meter.device_peak
+    }
+
     pub(super) fn track_comm_buffer(&mut self, bytes: u64) {
         self.meter.peak.communication_buffers = self.meter.peak.communication_buffers.max(bytes);
     }
@@ -126,6 +141,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // The working weights' bytes per element: 4 in fp32, 2 in bf16/fp16 (where burn's f32
         // copies hold 2 more, reported as `f32_compute_copies`).
         let w = if self.half.is_some() { 2 } else { 4 };
+        if let Some(usage) = self.device.memory_pool_usage() {
+            let peak = self.meter.device_peak.get_or_insert(0);
+            *peak = (*peak).max(usage.bytes_in_use);
+        }
         let p = &mut self.meter.peak;
         // The engine's own buffers count as allocated (capacities); burn's tensors by elements.
         let cap32 = |v: &Vec<f32>| v.capacity() as u64 * 4;

@@ -234,13 +234,11 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
 /// The job of test `name` for one draw, its checks and the resume; false when the harness could
 /// not launch it (recorded).
 fn killed_and_resumed(name: &str, draw: Draw) -> bool {
-    let dir: PathBuf = std::env::temp_dir().join(format!(
-        "zero-burn-mpi-kill-{}-{}",
-        draw.to_env(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("zero-burn-mpi-kill-{}-", draw.to_env()))
+        .tempdir()
+        .expect("a temp dir");
+    let dir: PathBuf = tmp.path().to_path_buf();
     let env = [(OUT, dir.display().to_string()), (DRAW, draw.to_env())];
     let timeout = Duration::from_secs(30);
     let Some(job) = launch(name, 4, 2, timeout, &env, Duration::from_secs(120)) else {
@@ -322,6 +320,5 @@ fn killed_and_resumed(name: &str, draw: Draw) -> bool {
         stale_before,
         "{draw:?}: the resumed saves left no staging"
     );
-    let _ = std::fs::remove_dir_all(&dir);
     true
 }

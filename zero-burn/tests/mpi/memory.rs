@@ -75,9 +75,11 @@ fn zero_3_peaks_at_most_0_30x_plain_data_parallel_per_process() {
     if is_rank() {
         return rank_side();
     }
-    let dir = std::env::temp_dir().join(format!("zero-burn-mpi-memory-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-burn-mpi-memory-")
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
     let d = dir.display().to_string();
     let mut peaks = Vec::new();
     for stage in [0u8, 3] {
@@ -125,5 +127,4 @@ fn zero_3_peaks_at_most_0_30x_plain_data_parallel_per_process() {
         "above its baseline, ZeRO-3's largest process peak is {ratio:.3}x plain data \
          parallel's smallest"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

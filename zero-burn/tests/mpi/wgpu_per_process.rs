@@ -114,8 +114,11 @@ fn wgpu_ranks_as_processes_match_in_process_ranks() {
     let Some(shared) = common::shared(NAME) else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("zero-burn-mpi-wgpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-burn-mpi-wgpu-")
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
     let env = [(OUT, dir.display().to_string())];
     let limit = Duration::from_secs(600);
     let Some(job) = launch(NAME, 2, 2, Duration::from_secs(120), &env, limit) else {
@@ -143,5 +146,4 @@ fn wgpu_ranks_as_processes_match_in_process_ranks() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

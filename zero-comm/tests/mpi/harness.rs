@@ -96,9 +96,12 @@ static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn run(mut cmd: Command, limit: Duration) -> Job {
     // A test that failed while holding the lock poisons it; the next job may still run.
     let _one = ONE_JOB.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("zero-mpi-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{:?}.log", Instant::now()).replace(['{', '}', ' ', ':'], ""));
+    // One directory per job, removed when `dir` drops (also when this panics).
+    let dir = tempfile::Builder::new()
+        .prefix("zero-mpi-test-")
+        .tempdir()
+        .expect("a temp dir");
+    let path = dir.path().join("mpirun.log");
     let log = File::create(&path).unwrap();
     let start = Instant::now();
     let mut child = cmd
@@ -120,9 +123,6 @@ fn run(mut cmd: Command, limit: Duration) -> Job {
     };
     let elapsed = start.elapsed();
     let output = std::fs::read_to_string(&path).unwrap_or_default();
-    let _ = std::fs::remove_file(&path);
-    // The directory goes once the last job of this process is done with it.
-    let _ = std::fs::remove_dir(&dir);
     let status = status.unwrap_or_else(|| {
         panic!("the MPI job hung: killed after {limit:?}; its output:\n{output}")
     });
