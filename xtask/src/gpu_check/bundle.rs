@@ -79,9 +79,14 @@ pub(super) fn unpack(dir: &Path, work: &Path, name: &str) -> anyhow::Result<Opti
     Ok(Some(exe))
 }
 
-/// `--bundle DIR`: the GPU programs and the wgpu programs (stripped, compressed: a lent machine
-/// takes a limited upload), this xtask, and Debian's Vulkan loader packages in `DIR/debs` when
-/// `apt-get` can fetch them, for a GPU machine without cargo.
+/// What a lent GPU machine takes with it: the device tool's carry limit.
+const CARRY_LIMIT: u64 = 64 << 20;
+
+/// `--bundle DIR`: the GPU programs, the wgpu programs unless `--no-wgpu` left them out
+/// (`wgpu` empty), the xtask-nccl launch program and this xtask, each stripped and compressed (a
+/// lent machine takes at most [`CARRY_LIMIT`]), and, with the wgpu programs, Debian's Vulkan
+/// loader packages in `DIR/debs` when `apt-get` can fetch them, for a GPU machine without cargo.
+/// Prints its size (a warning above the limit) and the commands to run there.
 pub(super) fn bundle(
     dir: &Path,
     programs: &[(&Program, PathBuf)],
@@ -89,7 +94,7 @@ pub(super) fn bundle(
     nccl_xtask: &Path,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut total = pack(dir, "xtask", &std::env::current_exe()?, false)?;
+    let mut total = pack(dir, "xtask", &std::env::current_exe()?, true)?;
     total += pack(dir, launch::PROGRAM, nccl_xtask, true)?;
     for (p, exe) in programs {
         total += pack(dir, p.name, exe, true)?;
@@ -98,27 +103,47 @@ pub(super) fn bundle(
         total += pack(dir, WGPU_PROGRAMS[*i].name, exe, true)?;
     }
     let debs = dir.join("debs");
-    std::fs::create_dir_all(&debs)?;
-    let fetched = Command::new("apt-get")
-        .arg("download")
-        .args(VULKAN_DEBS)
-        .current_dir(&debs)
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    println!(
-        "bundle: {} programs and xtask, {:.1} MiB in {}; Vulkan loader packages: {}\nrun on the \
-         GPU machine, from the repository root:\n  {}/xtask gpu-check --prebuilt {}",
-        programs.len() + wgpu.len(),
-        total as f64 / (1 << 20) as f64,
-        dir.display(),
+    let _ = std::fs::remove_dir_all(&debs);
+    let vulkan = if wgpu.is_empty() {
+        "not needed (--no-wgpu)".to_string()
+    } else {
+        std::fs::create_dir_all(&debs)?;
+        let fetched = Command::new("apt-get")
+            .arg("download")
+            .args(VULKAN_DEBS)
+            .current_dir(&debs)
+            .status()
+            .is_ok_and(|s| s.success());
+        for deb in std::fs::read_dir(&debs)? {
+            total += deb?.metadata()?.len();
+        }
         if fetched {
-            "in debs/"
+            "in debs/".to_string()
         } else {
-            "not fetched (apt-get download failed); the GPU machine needs libvulkan.so.1"
-        },
-        dir.display(),
-        dir.display()
+            "not fetched (apt-get download failed); the GPU machine needs libvulkan.so.1".into()
+        }
+    };
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let d = dir.display();
+    let no_wgpu = if wgpu.is_empty() { " --no-wgpu" } else { "" };
+    println!(
+        "bundle: {} programs and xtask, {:.1} MiB in {d}; Vulkan loader packages: {vulkan}\n\
+         run on the GPU machine, from the repository root (python3's lzma where xz is missing):\n  \
+         xz -dk {d}/xtask.xz && {d}/xtask gpu-check --prebuilt {d}{no_wgpu}",
+        programs.len() + wgpu.len(),
+        mib(total),
     );
+    if total > CARRY_LIMIT {
+        eprintln!(
+            "warning: the bundle is {:.1} MiB, over the {:.0} MiB a lent GPU machine takes{}",
+            mib(total),
+            mib(CARRY_LIMIT),
+            if wgpu.is_empty() {
+                ""
+            } else {
+                "; --no-wgpu leaves the wgpu programs out"
+            }
+        );
+    }
     Ok(())
 }
