@@ -32,7 +32,9 @@
 //!    zero-burn's bridge and wgpu-path tests, features `wgpu`, debug build) with
 //!    `ZERO_REQUIRE_WGPU=1` on the GPU's Vulkan driver: NVIDIA's ICD manifest is passed as
 //!    `VK_DRIVER_FILES`, and a machine without a Vulkan loader gets Debian's, unpacked from the
-//!    bundle's `debs/` into `<work>/vulkan`. No loader at all skips the step.
+//!    bundle's `debs/` into `<work>/vulkan`. No loader at all skips the step. The step passes
+//!    only when the programs' figures name an NVIDIA adapter (not another driver the loader
+//!    found). `--no-wgpu` turns it off.
 //!    **calibration**: the codec figures (and NCCL's, as comments) written as
 //!    `<work>/gpu-calibration.toml`, the GPU class's simulator preset with this GPU's codec speeds,
 //!    for `cargo xtask simulate --cluster <that file>`.

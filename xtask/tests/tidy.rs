@@ -120,6 +120,15 @@ fn no_ignored_or_should_panic_tests() {
             "{}: an ignored test checks nothing in CI",
             f.display()
         );
+        // An ignore inside a cfg_attr ignores a test as surely, where its condition holds.
+        let cfg_attr = concat!("cfg_", "attr(");
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.contains(cfg_attr) && l.contains("ignore")),
+            "{}: a conditionally ignored test checks nothing in CI where its condition holds",
+            f.display()
+        );
         assert!(
             !text.contains(sp),
             "{}: assert on the Err instead of should_panic",

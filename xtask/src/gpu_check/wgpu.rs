@@ -99,24 +99,38 @@ pub(super) fn wgpu_step(
     let icd = icd.map_or("the loader's default ICDs".into(), |p| {
         p.display().to_string()
     });
+    let (verdict, detail) = wgpu_verdict(&failed, &figures);
     Ok(Step {
         name: "wgpu",
-        verdict: if failed.is_empty() {
-            Verdict::Pass
-        } else {
-            Verdict::Fail
-        },
+        verdict,
         secs: Some(t.elapsed().as_secs_f64()),
-        detail: if failed.is_empty() {
-            format!(
-                "{note}{} programs passed on {icd}; {}",
-                programs.len(),
-                figures.join("; ")
-            )
-        } else {
-            format!("{note}failed: {}", failed.join(", "))
+        detail: match verdict {
+            Verdict::Pass => format!(
+                "{note}{} programs passed on {icd}; {detail}",
+                programs.len()
+            ),
+            _ => format!("{note}{detail} (ICD: {icd})"),
         },
     })
+}
+
+/// The wgpu step's verdict from the programs that failed and the figures they printed (each
+/// naming its adapter): PASS only when none failed and the figures show NVIDIA's adapter ran
+/// them, not another driver the Vulkan loader found (lavapipe, say).
+fn wgpu_verdict(failed: &[String], figures: &[String]) -> (Verdict, String) {
+    if !failed.is_empty() {
+        return (Verdict::Fail, format!("failed: {}", failed.join(", ")));
+    }
+    if !figures.iter().any(|f| f.contains("NVIDIA")) {
+        return (
+            Verdict::Fail,
+            format!(
+                "the programs passed, but not on an NVIDIA adapter: {}",
+                figures.join("; ")
+            ),
+        );
+    }
+    (Verdict::Pass, figures.join("; "))
 }
 
 /// The wgpu programs: a bundle's, unzipped into `<work>/wgpu`, or built here.
@@ -146,4 +160,23 @@ pub(super) fn wgpu_programs(
         }
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wgpu_step_passes_only_on_nvidia_s_adapter() {
+        let nvidia = ["stage=3 ... on NVIDIA H200 (570.86, Vulkan)".to_string()];
+        let lavapipe =
+            ["stage=3 ... on llvmpipe (LLVM 15.0.6, 256 bits) (Mesa, Vulkan)".to_string()];
+        assert_eq!(wgpu_verdict(&[], &nvidia).0, Verdict::Pass);
+        let (v, detail) = wgpu_verdict(&[], &lavapipe);
+        assert_eq!(v, Verdict::Fail);
+        assert!(detail.contains("llvmpipe"), "{detail}");
+        assert_eq!(wgpu_verdict(&[], &[]).0, Verdict::Fail);
+        let failed = ["zero-burn-wgpu-path: exit status: 101".to_string()];
+        assert_eq!(wgpu_verdict(&failed, &nvidia).0, Verdict::Fail);
+    }
 }
