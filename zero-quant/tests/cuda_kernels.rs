@@ -24,9 +24,10 @@ use zero_quant::{BlockCodec, Codec, CudaQuantizer, Error, Identity, Int4Block, I
 fn gpu(test: &str) -> Option<&'static CudaQuantizer> {
     static Q: OnceLock<Result<CudaQuantizer, String>> = OnceLock::new();
     if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
-        common::record_skip(&format!(
-            "{test}: ZERO_GPU_TESTS=1 is not set (cargo xtask gpu-check sets it)"
-        ));
+        common::record_skip(
+            test,
+            "ZERO_GPU_TESTS=1 is not set (cargo xtask gpu-check sets it)",
+        );
         return None;
     }
     match Q.get_or_init(|| CudaQuantizer::on_device(0).map_err(|e| e.to_string())) {

@@ -24,7 +24,7 @@ const SIMULATE_NO_ADAPTER: &str = "ZERO_SIMULATE_NO_ADAPTER";
 /// One quantizer (one device) shared by every test of this binary, or `None` when there is no
 /// adapter (recorded as a test that did not run; a failure with `ZERO_REQUIRE_WGPU=1`). Only a
 /// missing adapter skips: a device that fails to open or kernels that fail to compile panic.
-fn gpu() -> Option<&'static WgpuQuantizer> {
+fn gpu(test: &str) -> Option<&'static WgpuQuantizer> {
     static Q: OnceLock<Result<WgpuQuantizer, String>> = OnceLock::new();
     let q = Q.get_or_init(|| {
         let adapter = adapter()?;
@@ -43,9 +43,10 @@ fn gpu() -> Option<&'static WgpuQuantizer> {
             panic!("{REQUIRE}=1 but there is no wgpu adapter: {why}")
         }
         Err(why) => {
-            common::record_skip(&format!(
-                "no wgpu adapter ({why}); install mesa-vulkan-drivers for lavapipe"
-            ));
+            common::record_skip(
+                test,
+                &format!("no wgpu adapter ({why}); install mesa-vulkan-drivers for lavapipe"),
+            );
             None
         }
     }
@@ -79,37 +80,49 @@ impl DeviceCodec for WgpuQuantizer {
 
 #[test]
 fn encode_decode_accumulate_match_host_bit_for_bit() {
-    let Some(q) = gpu() else { return };
+    let Some(q) = gpu("encode_decode_accumulate_match_host_bit_for_bit") else {
+        return;
+    };
     device::encode_decode_accumulate_match_host_bit_for_bit(q);
 }
 
 #[test]
 fn every_length_up_to_70_with_small_blocks() {
-    let Some(q) = gpu() else { return };
+    let Some(q) = gpu("every_length_up_to_70_with_small_blocks") else {
+        return;
+    };
     device::every_length_up_to_70_with_small_blocks(q);
 }
 
 #[test]
 fn hand_computed_int4_wire() {
-    let Some(q) = gpu() else { return };
+    let Some(q) = gpu("hand_computed_int4_wire") else {
+        return;
+    };
     device::hand_computed_int4_wire(q);
 }
 
 #[test]
 fn non_finite_input_reports_the_first_index() {
-    let Some(q) = gpu() else { return };
+    let Some(q) = gpu("non_finite_input_reports_the_first_index") else {
+        return;
+    };
     device::non_finite_input_reports_the_first_index(q);
 }
 
 #[test]
 fn corrupt_wires_give_the_host_errors() {
-    let Some(q) = gpu() else { return };
+    let Some(q) = gpu("corrupt_wires_give_the_host_errors") else {
+        return;
+    };
     device::corrupt_wires_give_the_host_errors(q);
 }
 
 #[test]
 fn device_buffers_are_checked() {
-    let Some(q) = gpu() else { return };
+    let Some(q) = gpu("device_buffers_are_checked") else {
+        return;
+    };
     let c = Int8Block::default();
     let small = q.device().create_buffer(&wgpu::BufferDescriptor {
         label: None,

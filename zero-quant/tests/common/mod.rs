@@ -6,16 +6,15 @@ pub(crate) mod device;
 
 use std::fmt::Write as _;
 
-/// Records that the calling test did not run and why: a line on stderr, and one line
-/// `<crate>/<test binary>::<test thread>\t<reason>` appended to `$ZERO_SKIP_LOG` when set, which
-/// `cargo xtask test` counts and prints (the format xtask/src/test.rs reads).
-pub(crate) fn record_skip(reason: &str) {
-    let thread = std::thread::current();
+/// Records that `test` did not run and why: a line on stderr, and one line
+/// `<crate>/<test binary>::<test>\t<reason>` appended to `$ZERO_SKIP_LOG` when set, which
+/// `cargo xtask test` counts and prints (the format xtask/src/test.rs reads). The test names
+/// itself: under `--test-threads=1` every test's thread is `main`.
+pub(crate) fn record_skip(test: &str, reason: &str) {
     let name = format!(
-        "{}/{}::{}",
+        "{}/{}::{test}",
         env!("CARGO_PKG_NAME"),
         env!("CARGO_CRATE_NAME"),
-        thread.name().unwrap_or("?")
     );
     eprintln!("did not run {name}: {reason}");
     if let Some(path) = std::env::var_os("ZERO_SKIP_LOG") {
