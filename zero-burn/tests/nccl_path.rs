@@ -4,12 +4,13 @@
 //! One GPU allows one NCCL rank (NCCL refuses two ranks on one device), so this is world size 1,
 //! where NCCL's results are exact: the run must be **bit-identical** to the host loopback's, and
 //! its measured traffic must equal the plan. The model computes on burn's flex (CPU) backend
-//! (the trainer has no burn-cuda path yet), so parameters and gradients are staged through host
+//! (burn-cuda's path is `cuda_path.rs`'s), so parameters and gradients are staged through host
 //! memory around each collective.
 //!
 //! It runs with the `gpu-tests` feature and `ZERO_GPU_TESTS=1` (what `cargo xtask gpu-check`
-//! sets) and otherwise prints why it skips. When it passes it appends its name to the gpu-check
-//! cookie (`$ZERO_GPU_COOKIE`).
+//! sets) and otherwise prints why it skips; with `ZERO_GPU_TESTS=1` on a machine where NCCL
+//! cannot run it fails, naming why. When it passes it appends its name to the gpu-check cookie
+//! (`$ZERO_GPU_COOKIE`).
 #![cfg(feature = "nccl")]
 
 mod common;
@@ -53,16 +54,11 @@ fn gpu_ready(test: &str) -> bool {
         eprintln!("skip {test}: ZERO_GPU_TESTS=1 is not set");
         return false;
     }
+    // Asked to run on a GPU (gpu-check), a machine that cannot is a failure, not a skip.
     match zero_comm::nccl::probe() {
         Ok(rt) if rt.devices > 0 => true,
-        Ok(_) => {
-            eprintln!("skip {test}: no CUDA device");
-            false
-        }
-        Err(e) => {
-            eprintln!("skip {test}: {e}");
-            false
-        }
+        Ok(_) => panic!("{test}: ZERO_GPU_TESTS=1 but the CUDA driver sees no device"),
+        Err(e) => panic!("{test}: ZERO_GPU_TESTS=1 but NCCL cannot run here: {e}"),
     }
 }
 
