@@ -22,9 +22,11 @@ mod gpu_check;
 mod launch;
 mod plan;
 mod plot;
+#[cfg(feature = "engine")]
 mod procs;
 mod ptx;
 mod release;
+#[cfg(feature = "engine")]
 mod report;
 mod simulate;
 mod test;
@@ -87,14 +89,25 @@ fn main() -> std::process::ExitCode {
     }
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
-        Command::Simulate(a) if a.validate_host && release::wanted() => release::rerun(&[]),
+        // The commands that run the engine run a release build that has it (see `release`).
+        Command::Simulate(a)
+            if a.validate_host && (release::wanted() || !release::compiled(&[])) =>
+        {
+            release::rerun(&[])
+        }
         Command::Simulate(a) => simulate::run(*a),
         // The jobs that time real work run optimised (see `release`).
         Command::Train(a) if a.needs_other_build() || release::wanted() => {
             release::rerun(&a.features())
         }
-        Command::Bench(_) if release::wanted() => release::rerun(&[]),
+        Command::Bench(_) if release::wanted() || !release::compiled(&[]) => release::rerun(&[]),
+        Command::Ckpt(_) if !release::compiled(&[]) => release::rerun(&[]),
+        #[cfg(feature = "engine")]
         Command::Train(a) => train::run(*a),
+        #[cfg(feature = "engine")]
+        Command::Ckpt(a) => ckpt::run(a),
+        #[cfg(not(feature = "engine"))]
+        Command::Train(_) | Command::Ckpt(_) => Err(release::missing(&[])),
         // Every process runs this binary as it is: build the release one with NCCL first.
         // Checked first: a bad launch fails before a release build of minutes.
         Command::Launch(a)
@@ -107,7 +120,6 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::GpuCheck(a) => gpu_check::run(a),
         Command::Ptx(a) => ptx::run(a),
-        Command::Ckpt(a) => ckpt::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

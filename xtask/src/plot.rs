@@ -32,6 +32,7 @@ pub(crate) struct Panel {
     pub(crate) series: Vec<Series>,
 }
 
+#[cfg(feature = "engine")]
 /// Grouped bars: one group per category, one bar per series in it.
 #[derive(Clone, Debug)]
 pub(crate) struct Bars {
@@ -55,6 +56,7 @@ pub(crate) fn line_charts(
     render(path, (width, height), &LineCharts(panels))
 }
 
+#[cfg(feature = "engine")]
 /// Draws the `lines` panels left to right, then `bars`, side by side into `path` (SVG, or PNG for
 /// `.png`) of `width × height`.
 pub(crate) fn lines_and_bars(
@@ -109,8 +111,10 @@ impl Figure for LineCharts<'_> {
     }
 }
 
+#[cfg(feature = "engine")]
 struct LinesAndBars<'a>(&'a [Panel], &'a Bars);
 
+#[cfg(feature = "engine")]
 impl Figure for LinesAndBars<'_> {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
         let areas = root.split_evenly((1, self.0.len() + 1));
@@ -215,6 +219,7 @@ fn draw_lines<DB: DrawingBackend>(
         .draw()
 }
 
+#[cfg(feature = "engine")]
 fn draw_bars<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, b: &Bars) -> DrawResult<DB> {
     let n = b.categories.len().max(1);
     let y1 = b

@@ -1,8 +1,10 @@
-//! `cargo xtask train`, `bench` and `simulate --validate-host` run optimised code: the `cargo xtask` alias builds this
-//! binary in the dev profile (opt-level 1, fast to build for `cargo xtask test`), so those two
-//! commands run themselves again from a release build (`cargo run --release`), which is 2–3x
-//! faster per step. The release build never enables the `wgpu` feature: burn-wgpu takes over 20
-//! minutes to build in release, so a wgpu build runs where it is.
+//! The commands that run the engine (`train`, `launch -- train`, `bench`, `ckpt`, `simulate
+//! --validate-host`) run a release build that has it. The `cargo xtask` alias builds this binary
+//! in the dev profile without the `engine` feature (no burn: quick to build for `cargo xtask
+//! test`), so those commands run themselves again from a release build (`cargo run --release`,
+//! default features: the engine), which is also 2–3x faster per step: burn compiles once, in
+//! release. The release build never enables the `wgpu` feature: burn-wgpu takes over 20 minutes
+//! to build in release, so a wgpu build (which has the engine) runs where it is.
 
 use std::process::Command;
 
@@ -23,16 +25,22 @@ const FEATURES: [(&str, bool); 3] = [
     ("cuda", cfg!(feature = "cuda")),
 ];
 
-/// Whether this binary was built with every one of xtask's `features` (`mpi`, `nccl`, `cuda`).
+/// Whether this binary was built with the engine and every one of xtask's `features` (`mpi`,
+/// `nccl`, `cuda`).
 pub(crate) fn compiled(features: &[&str]) -> bool {
-    features
-        .iter()
-        .all(|f| FEATURES.iter().any(|(name, on)| name == f && *on))
+    cfg!(feature = "engine")
+        && features
+            .iter()
+            .all(|f| FEATURES.iter().any(|(name, on)| name == f && *on))
 }
 
 /// Runs this command line again from a release build with xtask's `features` (none: the default
-/// build) and exits with its status.
+/// build, which has the engine) and exits with its status. Refused where [`STAY`] is set: the
+/// user asked for this build, and a release child never reruns itself.
 pub(crate) fn rerun(features: &[&str]) -> anyhow::Result<()> {
+    if std::env::var_os(STAY).is_some() {
+        return Err(missing(features));
+    }
     eprintln!(
         "running an optimised (release) xtask for this job; the first build takes a few minutes \
          (set {STAY}=1 to run the dev build instead)"
@@ -66,4 +74,16 @@ pub(crate) fn rerun(features: &[&str]) -> anyhow::Result<()> {
         Some(code) => std::process::exit(code),
         None => bail!("the release xtask was killed ({status})"),
     }
+}
+
+/// The error of a command this build cannot run: it lacks the engine or one of `features`.
+pub(crate) fn missing(features: &[&str]) -> anyhow::Error {
+    let mut all = vec!["engine"];
+    all.extend(features);
+    anyhow::anyhow!(
+        "this xtask was built without the features this command needs ({}); run `cargo run -p \
+         xtask --release --features {} -- ...`, or `cargo xtask ...` with {STAY} unset",
+        all.join(", "),
+        all.join(",")
+    )
 }

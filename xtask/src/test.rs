@@ -116,12 +116,52 @@ const REQUIRE_WGPU: &str = "ZERO_REQUIRE_WGPU";
 /// Makes a missing `mpirun` fail the MPI tests instead of skipping them.
 const REQUIRE_MPI: &str = "ZERO_REQUIRE_MPI";
 
-/// The test binaries whose tests need a wgpu adapter, as the gates name them in the skip log.
-const WGPU_BINARIES: &[(&str, &str)] = &[
-    ("zero-comm", "wgpu"),
-    ("zero-quant", "wgpu_kernels"),
-    ("zero-burn", "wgpu_bridge"),
-    ("zero-burn", "wgpu_path"),
+/// Makes the MPI gates behave as on a machine without `mpirun` (the self-check below).
+const SIMULATE_NO_MPI: &str = "ZERO_SIMULATE_NO_MPI";
+
+/// A test binary behind a gate, as the gate names it in the skip log (`package/binary`), and the
+/// tests of it the self-check runs (a filter; `None`: all of them).
+type Gated = (&'static str, &'static str, Option<&'static str>);
+
+/// A device gate that `cargo xtask test` simulates away to check its not-run accounting.
+struct Gate {
+    /// What is missing, for messages.
+    missing: &'static str,
+    /// The variable that simulates its absence.
+    simulate: &'static str,
+    /// The variable that makes its absence fail the tests.
+    require: &'static str,
+    /// The test binaries whose tests need it.
+    binaries: &'static [Gated],
+}
+
+/// The gates: a wgpu adapter, and `mpirun`.
+const GATES: [Gate; 2] = [
+    Gate {
+        missing: "a wgpu adapter",
+        simulate: SIMULATE_NO_ADAPTER,
+        require: REQUIRE_WGPU,
+        binaries: &[
+            ("zero-comm", "wgpu", None),
+            ("zero-quant", "wgpu_kernels", None),
+            ("zero-burn", "wgpu_bridge", None),
+            ("zero-burn", "wgpu_path", None),
+        ],
+    },
+    Gate {
+        missing: "mpirun",
+        simulate: SIMULATE_NO_MPI,
+        require: REQUIRE_MPI,
+        binaries: &[
+            ("zero-comm", "mpi", None),
+            ("zero-burn", "mpi", None),
+            (
+                "xtask",
+                "cli",
+                Some("the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads"),
+            ),
+        ],
+    },
 ];
 
 /// A test that returned early without checking anything, and why.
@@ -174,12 +214,12 @@ fn not_run_summary(skips: &[NotRun]) -> String {
     out
 }
 
-/// The self-check's verdict: with the adapter simulated away, every wgpu test binary must have
-/// recorded tests that did not run, each for the simulated reason. Returns how many.
-fn simulated_no_adapter_verdict(log: &str) -> anyhow::Result<usize> {
+/// The self-check's verdict for `gate`: with its device simulated away, every test binary behind
+/// it must have recorded tests that did not run, each for the simulated reason. Returns how many.
+fn simulated_verdict(gate: &Gate, log: &str) -> anyhow::Result<usize> {
     let skips = parse_skip_log(log);
     let mut missing = Vec::new();
-    for (package, binary) in WGPU_BINARIES {
+    for (package, binary, _) in gate.binaries {
         let prefix = format!("{package}/{binary}::");
         if !skips.iter().any(|s| s.test.starts_with(&prefix)) {
             missing.push(format!("{package}/{binary}"));
@@ -187,16 +227,15 @@ fn simulated_no_adapter_verdict(log: &str) -> anyhow::Result<usize> {
     }
     if !missing.is_empty() {
         bail!(
-            "with {SIMULATE_NO_ADAPTER}=1 these wgpu test binaries recorded no test that did not \
-             run, so their skips would go uncounted: {missing:?}"
+            "with {}=1 these test binaries recorded no test that did not run, so their skips \
+             would go uncounted: {missing:?}",
+            gate.simulate
         );
     }
-    if let Some(s) = skips
-        .iter()
-        .find(|s| !s.reason.contains(SIMULATE_NO_ADAPTER))
-    {
+    if let Some(s) = skips.iter().find(|s| !s.reason.contains(gate.simulate)) {
         bail!(
-            "with {SIMULATE_NO_ADAPTER}=1, {} recorded another reason: {}",
+            "with {}=1, {} recorded another reason: {}",
+            gate.simulate,
             s.test,
             s.reason
         );
@@ -246,6 +285,19 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             "warnings",
         ]);
         run_step("clippy", clippy)?;
+        // The build the `cargo xtask` alias makes: xtask without the engine (no burn).
+        let mut thin = cargo();
+        thin.args([
+            "clippy",
+            "-p",
+            "xtask",
+            "--no-default-features",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]);
+        run_step("clippy (xtask without the engine)", thin)?;
         // The API docs: broken links and bad markup fail like lints.
         let mut doc = cargo();
         doc.args([
@@ -289,7 +341,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             skips.len()
         );
     }
-    simulated_no_adapter_check(&work)?;
+    simulated_gates_check(&work)?;
     let stray = find_pending_snapshots(&root)?;
     if !stray.is_empty() {
         bail!("pending snapshots left behind (review and commit or delete them): {stray:?}");
@@ -327,7 +379,8 @@ fn device_env(cmd: &mut Command, work: &Path, allow_skips: bool) -> anyhow::Resu
     let require = if allow_skips { "0" } else { "1" };
     cmd.env(REQUIRE_WGPU, require)
         .env(REQUIRE_MPI, require)
-        .env_remove(SIMULATE_NO_ADAPTER);
+        .env_remove(SIMULATE_NO_ADAPTER)
+        .env_remove(SIMULATE_NO_MPI);
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         let xdg = work.join("xdg-runtime");
         std::fs::create_dir_all(&xdg)?;
@@ -341,46 +394,75 @@ fn device_env(cmd: &mut Command, work: &Path, allow_skips: bool) -> anyhow::Resu
     Ok(())
 }
 
-/// Checks the not-run accounting itself on a machine without an adapter, simulated by
-/// `ZERO_SIMULATE_NO_ADAPTER=1` (the test programs are already built): the wgpu test binaries
-/// must pass with `ZERO_REQUIRE_WGPU=0` and record every test that returned early, and must fail
-/// with `ZERO_REQUIRE_WGPU=1`.
-fn simulated_no_adapter_check(work: &Path) -> anyhow::Result<()> {
-    let log = work.join("simulated-not-run.log");
-    let _ = std::fs::remove_file(&log);
-    let run = |require: &str| -> anyhow::Result<std::process::Output> {
-        let mut c = cargo();
-        c.args(["test", "--workspace", "--features", TEST_FEATURES]);
-        for (_, binary) in WGPU_BINARIES {
-            c.args(["--test", binary]);
+/// Checks the not-run accounting itself on a machine without a wgpu adapter or `mpirun`, each
+/// simulated by its gate's variable (`ZERO_SIMULATE_NO_ADAPTER=1`, `ZERO_SIMULATE_NO_MPI=1`; the
+/// test programs are already built): the test binaries behind the gate must pass with its
+/// `ZERO_REQUIRE_*=0` and record every test that returned early, and must fail with `=1`.
+fn simulated_gates_check(work: &Path) -> anyhow::Result<()> {
+    for gate in &GATES {
+        let log = work.join(format!("simulated-{}.log", gate.simulate));
+        let _ = std::fs::remove_file(&log);
+        // One cargo per filter: the binaries run whole together, each filtered one alone.
+        let run = |require: &str| -> anyhow::Result<bool> {
+            let whole: Vec<&str> = gate
+                .binaries
+                .iter()
+                .filter(|b| b.2.is_none())
+                .map(|b| b.1)
+                .collect();
+            let mut runs: Vec<(Vec<&str>, Option<&str>)> = vec![(whole, None)];
+            runs.extend(
+                gate.binaries
+                    .iter()
+                    .filter_map(|b| b.2.map(|f| (vec![b.1], Some(f)))),
+            );
+            let mut all_passed = true;
+            for (binaries, filter) in runs.into_iter().filter(|r| !r.0.is_empty()) {
+                let mut c = cargo();
+                c.args(["test", "--workspace", "--features", TEST_FEATURES]);
+                for binary in binaries {
+                    c.args(["--test", binary]);
+                }
+                if let Some(f) = filter {
+                    c.args(["--", f]);
+                }
+                c.env(gate.simulate, "1")
+                    .env(gate.require, require)
+                    .env(SKIP_LOG, &log)
+                    .env("INSTA_UPDATE", "no");
+                eprintln!(
+                    "==> not-run accounting, no {} (simulated), {}={require}: {c:?}",
+                    gate.missing, gate.require
+                );
+                let out = c.output().context("cannot start cargo test")?;
+                if require == "0" && !out.status.success() {
+                    bail!(
+                        "with no {} (simulated) and skips allowed, the tests failed ({}):\n{}\n{}",
+                        gate.missing,
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                all_passed &= out.status.success();
+            }
+            Ok(all_passed)
+        };
+        run("0")?;
+        let n = simulated_verdict(gate, &std::fs::read_to_string(&log).unwrap_or_default())?;
+        if run("1")? {
+            bail!(
+                "with no {} (simulated) and {}=1 some tests passed; they must fail",
+                gate.missing,
+                gate.require
+            );
         }
-        c.env(SIMULATE_NO_ADAPTER, "1")
-            .env(REQUIRE_WGPU, require)
-            .env(SKIP_LOG, &log)
-            .env("INSTA_UPDATE", "no");
-        eprintln!("==> not-run accounting, no adapter simulated, {REQUIRE_WGPU}={require}: {c:?}");
-        c.output().context("cannot start cargo test")
-    };
-    let allowed = run("0")?;
-    if !allowed.status.success() {
-        bail!(
-            "with no adapter (simulated) and skips allowed, the wgpu tests failed ({}):\n{}\n{}",
-            allowed.status,
-            String::from_utf8_lossy(&allowed.stdout),
-            String::from_utf8_lossy(&allowed.stderr)
+        eprintln!(
+            "==> not-run accounting checked: without {} {n} tests are recorded as not run, and \
+             {}=1 fails them",
+            gate.missing, gate.require
         );
     }
-    let n = simulated_no_adapter_verdict(&std::fs::read_to_string(&log).unwrap_or_default())?;
-    let required = run("1")?;
-    if required.status.success() {
-        bail!(
-            "with no adapter (simulated) and {REQUIRE_WGPU}=1 the wgpu tests passed; they must fail"
-        );
-    }
-    eprintln!(
-        "==> not-run accounting checked: without an adapter {n} wgpu tests are recorded as not \
-         run, and {REQUIRE_WGPU}=1 fails them"
-    );
     Ok(())
 }
 
@@ -551,26 +633,44 @@ mod tests {
 
     #[test]
     fn the_simulated_machine_without_an_adapter_must_record_every_wgpu_binary() {
-        assert_eq!(simulated_no_adapter_verdict(&simulated_log()).unwrap(), 5);
+        assert_eq!(simulated_verdict(&GATES[0], &simulated_log()).unwrap(), 5);
         // A binary whose gate records nothing (its skips would go uncounted) fails the check.
         let without_quant: String = simulated_log()
             .lines()
             .filter(|l| !l.starts_with("zero-quant/"))
             .map(|l| format!("{l}\n"))
             .collect();
-        let e = simulated_no_adapter_verdict(&without_quant)
+        let e = simulated_verdict(&GATES[0], &without_quant)
             .unwrap_err()
             .to_string();
         assert!(e.contains("zero-quant/wgpu_kernels"), "{e}");
         // So does a skip for another reason than the simulated one.
         let other = format!("{}zero-comm/wgpu::x\tsomething else\n", simulated_log());
-        let e = simulated_no_adapter_verdict(&other)
+        let e = simulated_verdict(&GATES[0], &other)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("zero-comm/wgpu::x recorded another reason"),
             "{e}"
         );
-        assert!(simulated_no_adapter_verdict("").is_err());
+        assert!(simulated_verdict(&GATES[0], "").is_err());
+    }
+
+    #[test]
+    fn the_simulated_machine_without_mpirun_must_record_every_mpi_binary() {
+        let why = "no mpirun (simulated by ZERO_SIMULATE_NO_MPI=1)";
+        let log: String = ["zero-comm/mpi::a", "zero-burn/mpi::b", "zero-burn/mpi::c"]
+            .iter()
+            .map(|t| format!("{t}\t{why}\n"))
+            .collect();
+        let e = simulated_verdict(&GATES[1], &log).unwrap_err().to_string();
+        assert!(e.contains("xtask/cli"), "{e}");
+        let log = format!("{log}xtask/cli::d\t{why}\n");
+        assert_eq!(simulated_verdict(&GATES[1], &log).unwrap(), 4);
+        // The wgpu gate's reason is not this gate's.
+        let e = simulated_verdict(&GATES[1], &simulated_log())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("recorded no test"), "{e}");
     }
 }

@@ -93,6 +93,52 @@ fn dependency_graph_is_one_way() {
     }
 }
 
+/// `cargo xtask` (the alias) builds xtask without its `engine` feature, and that build has no burn
+/// in its graph: a cold `cargo xtask train` compiles burn once, in the release build it hands the
+/// job to.
+#[test]
+fn the_xtask_alias_compiles_no_burn() {
+    let config = std::fs::read_to_string(root().join(".cargo/config.toml")).unwrap();
+    let alias = config
+        .lines()
+        .find(|l| l.trim_start().starts_with("xtask ="))
+        .expect("the `xtask` alias in .cargo/config.toml");
+    assert!(
+        alias.contains("--no-default-features"),
+        "the alias must build xtask without the engine: {alias}"
+    );
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "tree",
+            "-p",
+            "xtask",
+            "--no-default-features",
+            "--edges",
+            "normal,build",
+            "--prefix",
+            "none",
+            "--offline",
+        ])
+        .current_dir(root())
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        tree.lines().any(|l| l.starts_with("zero-comm ")),
+        "cargo tree listed xtask's graph: {tree}"
+    );
+    let burn: Vec<&str> = tree
+        .lines()
+        .filter(|l| l.starts_with("burn") || l.starts_with("zero-burn "))
+        .collect();
+    assert!(burn.is_empty(), "xtask without the engine builds {burn:?}");
+}
+
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();

@@ -14,6 +14,10 @@ use zero_burn::plan_for;
 use zero_core::{Topology, ZeroConfig};
 
 const STEPS: u64 = 3;
+/// The largest loss gap to ZeRO-3 allowed per step with ZeRO++ over [`STEPS`] steps. The runs are
+/// deterministic; their largest gaps are 0.0023 (qwZ, qwZ + hpZ), 0.0149 (qgZ) and 0.0161 (all
+/// three).
+const ZEROPP_STEP_BOUND: f32 = 0.025;
 
 fn run(topo: Topology, cfg: ZeroConfig) -> Vec<RankResult<Gpt>> {
     // I8 and the model-state bytes: measured equals the plan, per rank, exactly.
@@ -166,7 +170,8 @@ fn clipping_is_identical_across_stages() {
 }
 
 /// qwZ alone, qgZ alone, hpZ with qwZ, and all three: measured traffic equals the plan on every
-/// rank (`run` asserts it), and 3 steps stay close to ZeRO-3.
+/// rank (`run` asserts it), and each of 3 steps' losses is within [`ZEROPP_STEP_BOUND`] of
+/// ZeRO-3's.
 #[test]
 fn zeropp_traffic_matches_the_plan_and_stays_close_to_zero3() {
     let topo = Topology::new(4, 2).unwrap();
@@ -194,12 +199,18 @@ fn zeropp_traffic_matches_the_plan_and_stays_close_to_zero3() {
                 ..base.clone()
             },
         );
+        let mut worst = 0f32;
         for (a, b) in zp.iter().zip(&z3) {
             assert_ne!(a.losses, b.losses, "{name}: quantization changes the bits");
             for (x, y) in a.losses.iter().zip(&b.losses) {
-                assert!((x - y).abs() < 0.05, "{name}: loss {x} vs ZeRO-3 {y}");
+                worst = worst.max((x - y).abs());
             }
         }
+        eprintln!("{name}: largest loss gap to ZeRO-3 over 3 steps {worst:.6}");
+        assert!(
+            worst < ZEROPP_STEP_BOUND,
+            "{name}: a loss {worst} away from ZeRO-3's (bound {ZEROPP_STEP_BOUND})"
+        );
     }
 }
 

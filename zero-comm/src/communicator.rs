@@ -291,6 +291,22 @@ pub fn pairwise_split(len: usize) -> usize {
 /// let early = recv.as_slice()[0]; // error: `recv` is still borrowed by the open group
 /// group.finish().unwrap();
 /// ```
+///
+/// The same lines with the read moved after [`finish`](Group::finish) compile and run (so the
+/// example above fails for the borrow alone):
+///
+/// ```
+/// use zero_comm::{Communicator, host::HostWorld};
+/// # let topo = zero_core::Topology::single_node(1).unwrap();
+/// let mut comm = HostWorld::new(topo, std::time::Duration::from_secs(1)).into_comms().remove(0);
+/// let send = comm.upload(&[1.0f32]).unwrap();
+/// let mut recv = comm.alloc::<f32>(1).unwrap();
+/// let mut group = comm.group();
+/// group.all_gather(&send, &mut recv);
+/// group.finish().unwrap();
+/// let late = recv.as_slice()[0];
+/// assert_eq!(late, 1.0);
+/// ```
 pub struct Group<'g, C: Communicator + 'g> {
     comm: &'g mut C,
     ops: Vec<QueuedOp<'g, C>>,

@@ -22,9 +22,6 @@ use zero_core::sim::{Cluster, ModelShape, Overlap, SimOptions, simulate};
 use zero_core::{Collective, Plan, Topology, TrafficTable};
 use zero_quant::{BlockCodec, Int4Block, Int8Block};
 
-/// The calibrated host loopback.
-pub(crate) const HOST_LOOPBACK: &str = include_str!("host-loopback.toml");
-
 const PHASES: [Phase; 5] = [
     Phase::Forward,
     Phase::Backward,
