@@ -431,13 +431,13 @@ fn simulated_gates_check(work: &Path) -> anyhow::Result<()> {
                     .env(SKIP_LOG, &log)
                     .env("INSTA_UPDATE", "no");
                 eprintln!(
-                    "==> not-run accounting, no {} (simulated), {}={require}: {c:?}",
+                    "==> not-run accounting, without {} (simulated), {}={require}: {c:?}",
                     gate.missing, gate.require
                 );
                 let out = c.output().context("cannot start cargo test")?;
                 if require == "0" && !out.status.success() {
                     bail!(
-                        "with no {} (simulated) and skips allowed, the tests failed ({}):\n{}\n{}",
+                        "without {} (simulated) and with skips allowed, the tests failed ({}):\n{}\n{}",
                         gate.missing,
                         out.status,
                         String::from_utf8_lossy(&out.stdout),
@@ -452,7 +452,7 @@ fn simulated_gates_check(work: &Path) -> anyhow::Result<()> {
         let n = simulated_verdict(gate, &std::fs::read_to_string(&log).unwrap_or_default())?;
         if run("1")? {
             bail!(
-                "with no {} (simulated) and {}=1 some tests passed; they must fail",
+                "without {} (simulated) and with {}=1 some tests passed; they must fail",
                 gate.missing,
                 gate.require
             );
