@@ -90,17 +90,13 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
         // The commands that run the engine run a release build that has it (see `release`).
-        Command::Simulate(a)
-            if a.validate_host && (release::wanted() || !release::compiled(&[])) =>
-        {
-            release::rerun(&[])
-        }
+        Command::Simulate(a) if a.validate_host && release::needed(&[]) => release::rerun(&[]),
         Command::Simulate(a) => simulate::run(*a),
         // The jobs that time real work run optimised (see `release`).
         Command::Train(a) if a.needs_other_build() || release::wanted() => {
             release::rerun(&a.features())
         }
-        Command::Bench(_) if release::wanted() || !release::compiled(&[]) => release::rerun(&[]),
+        Command::Bench(_) if release::needed(&[]) => release::rerun(&[]),
         Command::Ckpt(_) if !release::compiled(&[]) => release::rerun(&[]),
         #[cfg(feature = "engine")]
         Command::Train(a) => train::run(*a),
@@ -110,9 +106,7 @@ fn main() -> std::process::ExitCode {
         Command::Train(_) | Command::Ckpt(_) => Err(release::missing(&[])),
         // Every process runs this binary as it is: build the release one with NCCL first.
         // Checked first: a bad launch fails before a release build of minutes.
-        Command::Launch(a)
-            if a.is_train() && (release::wanted() || !release::compiled(&a.train_features())) =>
-        {
+        Command::Launch(a) if a.is_train() && release::needed(&a.train_features()) => {
             a.check().and_then(|_| release::rerun(&a.train_features()))
         }
         Command::Launch(a) => launch::run(a),

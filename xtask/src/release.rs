@@ -34,6 +34,12 @@ pub(crate) fn compiled(features: &[&str]) -> bool {
             .all(|f| FEATURES.iter().any(|(name, on)| name == f && *on))
 }
 
+/// Whether a command that runs the engine with xtask's `features` hands itself to a release
+/// build: this build lacks one of them, or is a debug build that should ([`wanted`]).
+pub(crate) fn needed(features: &[&str]) -> bool {
+    wanted() || !compiled(features)
+}
+
 /// Runs this command line again from a release build with xtask's `features` (none: the default
 /// build, which has the engine) and exits with its status. Refused where [`STAY`] is set: the
 /// user asked for this build, and a release child never reruns itself.

@@ -403,27 +403,28 @@ fn simulated_gates_check(work: &Path) -> anyhow::Result<()> {
         let log = work.join(format!("simulated-{}.log", gate.simulate));
         let _ = std::fs::remove_file(&log);
         // One cargo per filter: the binaries run whole together, each filtered one alone.
-        let run = |require: &str| -> anyhow::Result<bool> {
-            let whole: Vec<&str> = gate
-                .binaries
+        let whole: Vec<&str> = gate
+            .binaries
+            .iter()
+            .filter(|b| b.2.is_none())
+            .map(|b| b.1)
+            .collect();
+        let mut runs: Vec<(Vec<&str>, Option<&str>)> = vec![(whole, None)];
+        runs.extend(
+            gate.binaries
                 .iter()
-                .filter(|b| b.2.is_none())
-                .map(|b| b.1)
-                .collect();
-            let mut runs: Vec<(Vec<&str>, Option<&str>)> = vec![(whole, None)];
-            runs.extend(
-                gate.binaries
-                    .iter()
-                    .filter_map(|b| b.2.map(|f| (vec![b.1], Some(f)))),
-            );
+                .filter_map(|b| b.2.map(|f| (vec![b.1], Some(f)))),
+        );
+        runs.retain(|r| !r.0.is_empty());
+        let run = |require: &str| -> anyhow::Result<bool> {
             let mut all_passed = true;
-            for (binaries, filter) in runs.into_iter().filter(|r| !r.0.is_empty()) {
+            for (binaries, filter) in &runs {
                 let mut c = cargo();
                 c.args(["test", "--workspace", "--features", TEST_FEATURES]);
                 for binary in binaries {
                     c.args(["--test", binary]);
                 }
-                if let Some(f) = filter {
+                if let Some(f) = *filter {
                     c.args(["--", f]);
                 }
                 c.env(gate.simulate, "1")

@@ -12,6 +12,11 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The cargo that runs the tests.
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
 /// The allowed edges between workspace crates (normal and dev dependencies alike).
 const ALLOWED: &[(&str, &[&str])] = &[
     ("zero-core", &[]),
@@ -26,7 +31,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
 
 #[test]
 fn dependency_graph_is_one_way() {
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    let out = cargo()
         .args([
             "metadata",
             "--format-version",
@@ -107,7 +112,7 @@ fn the_xtask_alias_compiles_no_burn() {
         alias.contains("--no-default-features"),
         "the alias must build xtask without the engine: {alias}"
     );
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    let out = cargo()
         .args([
             "tree",
             "-p",
