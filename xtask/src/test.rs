@@ -31,8 +31,8 @@ const TEST_FEATURES: &str =
     "zero-comm/mpi,zero-comm/wgpu,zero-quant/wgpu,zero-burn/mpi,zero-burn/wgpu,xtask/mpi";
 
 /// The burn-train adapter's tests, in a build of their own: burn-train asks for burn-flex's
-/// default features (SIMD kernels, rayon), which change flex's float results for everything in
-/// the build, so the other tests (and their snapshots) keep the build `cargo xtask train` uses.
+/// default features, rayon among them, for everything in the build, so the other tests (and
+/// their snapshots) keep the build `cargo xtask train` uses.
 const BURN_TRAIN_TESTS: [&str; 7] = [
     "test",
     "-p",

@@ -37,9 +37,8 @@
 //!   engine's own checkpoint ([`Sharded::engine`], `ZeroEngine::save` and `load`).
 //! - burn-train's multi-device strategy is refused (`optimize_multi`); run one single-device
 //!   `SupervisedTraining` per rank.
-//! - The feature turns on burn-flex's SIMD kernels and rayon for the whole build (burn-train asks
-//!   for flex's default features), so flex's float results differ from a build without it; each
-//!   build is deterministic on its own.
+//! - The feature also turns on burn-flex's rayon for the whole build (burn-train asks for flex's
+//!   default features); each build is deterministic on its own.
 //! - `optimize` cannot return an error: a failed step panics with the engine's error, which ends
 //!   that rank's training (and, through its dropped communicator, every other rank's).
 
