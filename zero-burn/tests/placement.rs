@@ -10,7 +10,8 @@
 //!   print whether the bits were equal; on lavapipe they are, and the tests assert it there.
 //! - The wgpu device's own memory pools (burn's `Device::memory_pool_usage`) see the state: with
 //!   it on the device, once the ranks' work is done, they hold the state the plan books more
-//!   than with it in host memory, within 64 KiB.
+//!   than with it in host memory, within 64 KiB. Stage 3's fp32 shard is on the device with
+//!   either placement: the pools hold the parameters the plan books, within 64 KiB.
 
 mod common;
 
@@ -337,21 +338,30 @@ mod wgpu {
     }
 
     /// The bytes in use in the wgpu device's own memory pools once 2 in-process ranks (host
-    /// loopback, models on the device) have taken 3 steps at stage 1 in bf16 and their device
-    /// work is done, the ranks' engines still alive; and the optimizer state the two ranks book.
+    /// loopback, models on the device) have taken 3 steps under `cfg` and their device work is
+    /// done, the ranks' engines still alive and the initial model dropped, beyond what was in use
+    /// before; the state the ranks measured; and the plan.
     fn settled_device_bytes(
         shared: &zero_burn::WgpuShared,
         gpt: GptConfig,
-        placement: Placement,
-    ) -> (u64, u64) {
+        cfg: &ZeroConfig,
+    ) -> (u64, Vec<zero_burn::MeasuredMemory>, Arc<zero_core::Plan>) {
         use zero_burn::demo::run::{corpus_step, engine_builder};
+        let device = shared.device();
+        let in_use = || {
+            device.sync().expect("the device's work finishes");
+            device
+                .memory_pool_usage()
+                .expect("wgpu's pools count the device's memory")
+                .bytes_in_use
+        };
+        // What earlier tests left in the shared device's pools.
+        let before = in_use();
         let model = gpt.init(&shared.autodiff_device(), 7);
-        let cfg = config(1, Precision::Bf16, placement);
-        let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), &cfg).unwrap());
+        let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
         let corpus = MarkovLanguage::new(gpt.vocab, 3).unwrap();
         let mut options = common::options();
         options.seq = gpt.context;
-        let device = shared.device();
         let engines = zero_burn::Launch::new(*plan.topology())
             .timeout(Duration::from_secs(60))
             .run_with(&model, |comm, mine| {
@@ -364,41 +374,43 @@ mod wgpu {
                 Ok(engine)
             })
             .unwrap();
-        let in_use = device
-            .memory_pool_usage()
-            .expect("wgpu's pools count the device's memory")
-            .bytes_in_use;
-        let booked = engines
-            .iter()
-            .map(|e| {
-                let m = e.measured_memory();
-                m.optimizer_states + m.master_weights
-            })
-            .sum();
-        (in_use, booked)
+        drop(model);
+        let measured = engines.iter().map(|e| e.measured_memory()).collect();
+        (in_use().saturating_sub(before), measured, plan)
+    }
+
+    /// About 0.5M parameters: a state of megabytes, far above the pools' granularity.
+    fn wider() -> GptConfig {
+        GptConfig {
+            vocab: 256,
+            context: 16,
+            d_model: 128,
+            heads: 4,
+            layers: 2,
+        }
     }
 
     /// The device's own memory pools count the optimizer's state where the engine says it is:
-    /// with the default placement, once the ranks' work is done, the bytes in use exceed host
-    /// placement's by the moments and bf16 master both ranks hold, as the plan books them, up
-    /// to the pools' rounding (256 B per tensor) and 64 KiB of burn's own buffers.
+    /// with the default placement, once the ranks' work is done (3 steps at stage 1 in bf16),
+    /// the bytes in use exceed host placement's by the moments and bf16 master both ranks hold,
+    /// as the plan books them, up to the pools' rounding (256 B per tensor) and 64 KiB of burn's
+    /// own buffers.
     #[test]
     fn the_device_memory_pools_count_the_optimizer_state() {
         let _one = one_at_a_time();
         let Some(shared) = shared("the_device_memory_pools_count_the_optimizer_state") else {
             return;
         };
-        // About 0.5M parameters: a state of megabytes, far above the pools' granularity.
-        let wider = GptConfig {
-            vocab: 256,
-            context: 16,
-            d_model: 128,
-            heads: 4,
-            layers: 2,
+        let cfg = |p| config(1, Precision::Bf16, p);
+        let (d, dm, _) = settled_device_bytes(&shared, wider(), &cfg(Placement::Device));
+        let (h, hm, _) = settled_device_bytes(&shared, wider(), &cfg(Placement::Host));
+        let state = |m: &[zero_burn::MeasuredMemory]| -> u64 {
+            m.iter()
+                .map(|m| m.optimizer_states + m.master_weights)
+                .sum()
         };
-        let (d, booked) = settled_device_bytes(&shared, wider, Placement::Device);
-        let (h, host_booked) = settled_device_bytes(&shared, wider, Placement::Host);
-        assert_eq!(booked, host_booked, "the same state, wherever it is");
+        let booked = state(&dm);
+        assert_eq!(booked, state(&hm), "the same state, wherever it is");
         let extra = d as i64 - h as i64;
         println!(
             "device pools in use after 3 steps: state on the device {d} B, in host memory {h} B; \
@@ -408,6 +420,32 @@ mod wgpu {
         assert!(
             (extra - booked as i64).abs() <= 64 << 10,
             "the pools' difference {extra} B is not the booked state {booked} B"
+        );
+    }
+
+    /// Stage 3's fp32 shard lives on the model's device whatever the optimizer's placement:
+    /// with the optimizer in host memory, once the ranks' work is done (3 steps), the device
+    /// pools hold what the plan books as both ranks' parameters (the shard, the persistent
+    /// units), up to the pools' rounding and 64 KiB of burn's own buffers.
+    #[test]
+    fn the_stage3_shard_lives_on_the_device() {
+        let _one = one_at_a_time();
+        let Some(shared) = shared("the_stage3_shard_lives_on_the_device") else {
+            return;
+        };
+        let cfg = config(3, Precision::Fp32, Placement::Host);
+        let (in_use, _, plan) = settled_device_bytes(&shared, wider(), &cfg);
+        let booked = plan.memory();
+        let params = 2 * booked.parameters;
+        let shard = 2 * plan.shard_len() * 4;
+        println!(
+            "device pools in use after 3 stage-3 steps, optimizer in host memory: {in_use} B; \
+             both ranks' parameters booked {params} B, of which the shard {shard} B"
+        );
+        assert!(shard > 1 << 20, "a shard of megabytes: {shard} B");
+        assert!(
+            (in_use as i64 - params as i64).abs() <= 64 << 10,
+            "the pools hold {in_use} B, not the booked parameters {params} B"
         );
     }
 

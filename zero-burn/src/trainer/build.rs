@@ -6,11 +6,12 @@ use std::sync::Arc;
 use burn::module::ParamId;
 use zero_comm::Communicator;
 use zero_comm::quantized::{QuantGroups, QuantScratch};
-use zero_core::{Plan, UnitKind};
+use zero_core::{Placement, Plan, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
 use super::layout::RankLayout;
-use super::opt_state::{self, OptState};
+use super::opt_state::OptState;
+use super::slab::{self, Shard};
 use super::{Clock, EngineOptions, GradAccum, Meter, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
@@ -151,7 +152,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             options,
             params,
             layout,
-            shard: Vec::new(),
+            shard: Shard::default(),
             half,
             shard16: Vec::new(),
             acc16: if accum == GradAccum::Half {
@@ -173,12 +174,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             },
             opt: OptState::new(
                 options.optimizer,
-                opt_state::state_device(plan.config().optimizer_placement, &device),
+                slab::state_device(plan.config().optimizer_placement, &device),
                 &slot_lens,
                 (plan.config().precision == zero_core::Precision::Fp16)
                     .then(|| LossScaler::new(plan.config().loss_scaler)),
             ),
-            secondary: vec![None; units.len()],
+            secondary: (0..units.len()).map(|_| None).collect(),
             secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
             fetching: vec![false; units.len()],
@@ -204,17 +205,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         if stage == 3 {
             // The shard of every unit, from the initial full values; then release gather units.
-            match half {
-                None => t.shard = vec![0.0; plan.shard_len() as usize],
-                Some(_) => t.shard16 = vec![0; plan.shard_len() as usize],
+            if half.is_some() {
+                t.shard16 = vec![0; plan.shard_len() as usize];
             }
+            let mut chunks = Vec::new();
             for (u, unit) in units.iter().enumerate() {
                 let full = t.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
                 let off = unit.shard_offset as usize;
                 let mine = &full[rank * c..(rank + 1) * c];
                 match half {
-                    None => t.shard[off..off + c].copy_from_slice(mine),
+                    None => chunks.push(mine.to_vec()),
                     Some(h) => {
                         for (d, &x) in t.shard16[off..off + c].iter_mut().zip(mine) {
                             *d = h.round(x);
@@ -224,6 +225,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 if unit.kind == UnitKind::Gather {
                     t.release(u);
                 }
+            }
+            if half.is_none() {
+                // The parameters' shard lives on the model's device whatever the optimizer's
+                // placement (the plan books it there).
+                let on = slab::state_device(Placement::Device, &device);
+                t.shard = Shard::new(chunks, on);
             }
         }
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module

@@ -102,7 +102,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 _ if stage == 3 => {
                     let so = unit.shard_offset as usize;
                     match self.half {
-                        None => self.shard[so..so + real].to_vec(),
+                        None => self.shard.head(u, real),
                         Some(h) => h.widen_all(&self.shard16[so..so + real]),
                     }
                 }
@@ -199,11 +199,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if !in_model {
                 // A stage-3 gather unit: the rank's chunk is the shard (the fp32 master).
                 match self.half {
-                    None => {
-                        let w = &mut self.shard[so..so + c];
-                        w.fill(0.0);
-                        fill(u, 0, chunk.clone(), w)?;
-                    }
+                    None => self
+                        .shard
+                        .unit_mut(u)
+                        .fill(|w| fill(u, 0, chunk.clone(), w))?,
                     Some(h) => {
                         let mut w = vec![0.0; c];
                         fill(u, 0, chunk.clone(), &mut w)?;
@@ -226,7 +225,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
             if stage == 3 {
                 match self.half {
-                    None => self.shard[so..so + c].fill(0.0),
+                    None => self.shard.unit_mut(u).fill(|_| Ok::<_, crate::Error>(()))?,
                     Some(_) => self.shard16[so..so + c].fill(0),
                 }
             }
@@ -248,9 +247,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 if stage == 3
                     && let Some((a, b, at)) = overlap(&chunk)
                 {
-                    let to = so + (at - chunk.start) as usize;
+                    let at = (at - chunk.start) as usize;
+                    let to = so + at;
                     match self.half {
-                        None => self.shard[to..to + (b - a)].copy_from_slice(&w[a..b]),
+                        None => self.shard.unit_mut(u).write(at, &w[a..b]),
                         Some(h) => {
                             for (d, &x) in self.shard16[to..to + (b - a)].iter_mut().zip(&w[a..b]) {
                                 *d = h.round(x);

@@ -8,6 +8,7 @@ use zero_comm::Communicator;
 use zero_core::{MemoryModel, TrafficTable};
 
 use super::ZeroEngine;
+use super::slab::Slab;
 use crate::params;
 use crate::segmented::Segmented;
 
@@ -151,7 +152,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let cap16 = |v: &Vec<u16>| v.capacity() as u64 * 2;
         p.parameters = p
             .parameters
-            .max(resident * w + cap32(&self.shard) + cap16(&self.shard16));
+            .max(resident * w + self.shard.bytes() + cap16(&self.shard16));
         // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
         p.gradients = p
             .gradients
@@ -161,7 +162,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if self.half.is_some() {
             p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
         }
-        let sec: u64 = self.secondary.iter().flatten().map(cap32).sum::<u64>()
+        let sec: u64 = self
+            .secondary
+            .iter()
+            .flatten()
+            .map(Slab::bytes)
+            .sum::<u64>()
             + self.secondary16.iter().flatten().map(cap16).sum::<u64>();
         p.hpz_secondary = p.hpz_secondary.max(sec);
     }

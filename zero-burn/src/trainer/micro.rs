@@ -383,8 +383,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             ))
         };
         let piece = match (self.half, hpz) {
-            (None, true) => Elems::F32(self.secondary[u].clone().ok_or_else(no_secondary)?),
-            (None, false) => Elems::F32(self.shard[so..so + cl].to_vec()),
+            (None, true) => {
+                let s = self.secondary[u].as_ref().ok_or_else(no_secondary)?;
+                Elems::F32(s.read(0..s.len()))
+            }
+            (None, false) => Elems::F32(self.shard.chunk(u)),
             (Some(_), true) => Elems::U16(self.secondary16[u].clone().ok_or_else(no_secondary)?),
             (Some(_), false) => Elems::U16(self.shard16[so..so + cl].to_vec()),
         };

@@ -46,6 +46,7 @@ use crate::reduction::{Reduction, TreeAccumulator};
 use crate::segmented::Segmented;
 use layout::RankLayout;
 use opt_state::{OptState, Part};
+use slab::{Shard, Slab};
 
 mod build;
 mod ckpt;
@@ -54,6 +55,7 @@ mod layout;
 mod memory;
 mod micro;
 mod opt_state;
+mod slab;
 mod step;
 mod train_mode;
 mod weights;
@@ -138,8 +140,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     params: Vec<ParamInfo>,
     /// Where the rank's state lives (immutable after build).
     layout: RankLayout,
-    /// Stage 3 in fp32: the rank's shard of every unit (the fp32 master).
-    shard: Vec<f32>,
+    /// Stage 3 in fp32: the rank's shard of every unit (the fp32 master), on the model's device.
+    shard: Shard,
     /// bf16/fp16: the 16-bit working type.
     half: Option<Half>,
     /// Stage 3 in bf16/fp16: the rank's 16-bit working shard of every unit (what is gathered).
@@ -155,8 +157,9 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     tree: TreeAccumulator,
     /// The optimizer's state (master weights, moments), the loss scaler and the step count.
     opt: OptState,
-    /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step).
-    secondary: Vec<Option<Vec<f32>>>,
+    /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step),
+    /// where `shard` lives.
+    secondary: Vec<Option<Slab>>,
     /// bf16/fp16: the same, 16-bit.
     secondary16: Vec<Option<Vec<u16>>>,
     /// Stage 3: units installed in the model.

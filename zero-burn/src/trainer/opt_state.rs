@@ -5,15 +5,16 @@
 //! live in host memory when the model runs on a CPU backend or `optimizer_placement = host`
 //! (DeepSpeed's optimizer offload), and are stepped there by [`optim::step`]; otherwise they are
 //! tensors on the model's device, stepped there by [`optim::step_tensors`] (the same operations,
-//! so the same bits on the CPU). Only the gradients and, in fp32, the weights cross to the state,
-//! and the new fp32 values come back. The loss scaler, the step count and the last step's outcome
-//! live here too.
+//! so the same bits on the CPU). The gradients cross to the state; so do fp32 weights that live
+//! apart from it (the model's at stages 0–2, stage 3's device shard under host placement), and
+//! their new values come back. Stage 3's fp32 shard on the state's device is stepped where it is.
+//! The loss scaler, the step count and the last step's outcome live here too.
 
 use std::ops::Range;
 
-use burn::tensor::{Device, Tensor, TensorData};
-use zero_core::Placement;
+use burn::tensor::{Device, Tensor};
 
+use super::slab::{Slab, download, upload};
 use crate::optim::{self, Optimizer};
 use crate::precision::{LossScaler, StepInfo};
 
@@ -28,60 +29,35 @@ pub(super) enum Part {
     V,
 }
 
-/// A flat fp32 buffer: in host memory, or a tensor on a device.
-#[derive(Debug)]
-enum Slab {
-    Host(Vec<f32>),
-    /// Boxed: a burn tensor handle is 640 bytes.
-    Device(Box<Tensor<1>>),
+/// The host moments of a unit whose state is in host memory (empty for an optimizer without).
+fn host_moments(s: &mut UnitState) -> (&mut [f32], &mut [f32]) {
+    let m = match &mut s.m {
+        Some(Slab::Host(m)) => &mut m[..],
+        _ => &mut [],
+    };
+    let v = match &mut s.v {
+        Some(Slab::Host(v)) => &mut v[..],
+        _ => &mut [],
+    };
+    (m, v)
 }
 
-impl Slab {
-    fn new(values: Vec<f32>, device: Option<&Device>) -> Self {
-        match device {
-            None => Slab::Host(values),
-            Some(d) => Slab::Device(Box::new(upload(&values, d))),
-        }
-    }
-
-    fn read(&self, range: Range<usize>) -> Vec<f32> {
-        match self {
-            Slab::Host(v) => v[range].to_vec(),
-            Slab::Device(t) => download(&t.clone().slice(range)),
-        }
-    }
-
-    fn write(&mut self, at: usize, values: &[f32]) {
-        match self {
-            Slab::Host(v) => v[at..at + values.len()].copy_from_slice(values),
-            Slab::Device(t) => {
-                let new = upload(values, &t.device());
-                **t = if at == 0 && values.len() == t.dims()[0] {
-                    new
-                } else {
-                    t.clone().slice_assign(at..at + values.len(), new)
-                };
-            }
-        }
-    }
-
-    fn tensor(self) -> Tensor<1> {
-        match self {
-            Slab::Device(t) => *t,
-            Slab::Host(_) => unreachable!("a device slab"),
-        }
-    }
-}
-
-fn upload(values: &[f32], device: &Device) -> Tensor<1> {
-    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
-}
-
-fn download(t: &Tensor<1>) -> Vec<f32> {
-    t.clone()
-        .into_data()
-        .try_into_vec_as::<f32>()
-        .expect("the optimizer state is f32")
+/// One step of `w` on the state's device with `grads`: the moments are taken from `s` and put
+/// back; returns the new weights.
+fn step_on_device(
+    s: &mut UnitState,
+    opt: &Optimizer,
+    lr: f32,
+    n: u64,
+    w: Tensor<1>,
+    grads: Tensor<1>,
+) -> Tensor<1> {
+    let take = |p: &mut Option<Slab>| p.as_mut().map(|s| s.take_tensor().expect("on the device"));
+    let (m, v) = (take(&mut s.m), take(&mut s.v));
+    let (w, m, v) = optim::step_tensors(opt, lr, n, w, grads, m, v);
+    let device_slab = |t| Slab::Device(Box::new(t));
+    (s.m, s.v) = (m.map(device_slab), v.map(device_slab));
+    w
 }
 
 /// One trainable unit's state; a part is `None` when the run keeps none.
@@ -127,16 +103,6 @@ pub(super) struct OptState {
     pub(super) last: StepInfo,
     /// Testing aid: poison this rank's reduced gradients at the next optimizer step.
     pub(super) inject_overflow: bool,
-}
-
-/// Where `placement` puts the state of a model on `model`: `None` for host memory (a CPU
-/// backend's device is host memory too), else the model's device without autodiff.
-pub(super) fn state_device(placement: Placement, model: &Device) -> Option<Device> {
-    let inner = model.clone().inner();
-    match placement {
-        Placement::Device if inner != Device::flex() => Some(inner),
-        _ => None,
-    }
 }
 
 impl OptState {
@@ -221,82 +187,78 @@ impl OptState {
         part: Part,
         fill: impl FnOnce(&mut [f32]) -> Result<(), E>,
     ) -> Result<(), E> {
-        let Some(s) = self.units[u].as_mut() else {
-            return Ok(());
-        };
-        let len = s.len;
-        match s.part_mut(part) {
+        match self.units[u].as_mut().and_then(|s| s.part_mut(part)) {
+            Some(slab) => slab.fill(fill),
             None => Ok(()),
-            Some(Slab::Host(v)) => {
-                v.fill(0.0);
-                fill(v)
-            }
-            Some(slab) => {
-                let mut v = vec![0.0; len];
-                fill(&mut v)?;
-                slab.write(0, &v);
-                Ok(())
-            }
         }
     }
 
-    /// Steps trainable unit `u` with its gradients `grads` at learning rate `lr` (the update
-    /// count is [`Self::steps`]): the master where the run keeps one, else `weights`, the unit's
-    /// fp32 values, in place. Hands the new fp32 values to `then`.
-    pub(super) fn step<R>(
+    /// Steps trainable unit `u` in fp32 with its gradients `grads` at learning rate `lr` (the
+    /// update count is [`Self::steps`]): `weights`, the unit's fp32 values and its master, in
+    /// place. Where `weights` and the state live apart, the weights cross to the state and back.
+    pub(super) fn step_weights(&mut self, u: usize, lr: f32, grads: &[f32], weights: &mut Slab) {
+        let (opt, n) = (self.optimizer, self.steps);
+        let s = self.units[u]
+            .as_mut()
+            .expect("only trainable units are stepped");
+        let Some(device) = self.device.clone() else {
+            let (m, v) = host_moments(s);
+            match weights {
+                Slab::Host(w) => optim::step(&opt, lr, n, w, grads, m, v),
+                Slab::Device(_) => {
+                    let mut w = weights.read(0..weights.len());
+                    optim::step(&opt, lr, n, &mut w, grads, m, v);
+                    weights.write(0, &w);
+                }
+            }
+            return;
+        };
+        let on_device = matches!(weights, Slab::Device(_));
+        let w = match weights.take_tensor() {
+            Some(t) => t,
+            None => match weights {
+                Slab::Host(w) => upload(w, &device),
+                Slab::Device(_) => unreachable!("a host slab stays"),
+            },
+        };
+        let w = step_on_device(s, &opt, lr, n, w, upload(grads, &device));
+        match weights {
+            Slab::Host(dst) if !on_device => dst.copy_from_slice(&download(&w)),
+            _ => *weights = Slab::Device(Box::new(w)),
+        }
+    }
+
+    /// Steps trainable unit `u`'s fp32 master (bf16/fp16) with its gradients `grads` at
+    /// learning rate `lr`, and hands the new master, in host memory, to `then`.
+    pub(super) fn step_master<R>(
         &mut self,
         u: usize,
         lr: f32,
         grads: &[f32],
-        weights: Option<&mut [f32]>,
         then: impl FnOnce(&[f32]) -> R,
     ) -> R {
         let (opt, n) = (self.optimizer, self.steps);
         let s = self.units[u]
             .as_mut()
             .expect("only trainable units are stepped");
-        let Some(device) = self.device.clone() else {
-            let (mut no_m, mut no_v) = (Vec::new(), Vec::new());
-            let m = match &mut s.m {
-                Some(Slab::Host(m)) => m,
-                _ => &mut no_m,
-            };
-            let v = match &mut s.v {
-                Some(Slab::Host(v)) => v,
-                _ => &mut no_v,
-            };
-            let w: &mut [f32] = match (&mut s.master, weights) {
-                (Some(Slab::Host(master)), _) => master,
-                (_, Some(w)) => w,
-                _ => unreachable!("fp32 steps hand over their weights"),
-            };
-            optim::step(&opt, lr, n, w, grads, m, v);
-            return then(w);
-        };
-        let (master, keep) = match s.master.take() {
-            Some(m) => (Some(m.tensor()), true),
-            None => (None, false),
-        };
-        let w = match (master, &weights) {
-            (Some(master), _) => master,
-            (None, Some(w)) => upload(w, &device),
-            (None, None) => unreachable!("fp32 steps hand over their weights"),
-        };
-        let (m, v) = (s.m.take().map(Slab::tensor), s.v.take().map(Slab::tensor));
-        let (w, m, v) = optim::step_tensors(&opt, lr, n, w, upload(grads, &device), m, v);
-        let device_slab = |t| Slab::Device(Box::new(t));
-        (s.m, s.v) = (m.map(device_slab), v.map(device_slab));
-        let out = download(&w);
-        if keep {
-            s.master = Some(device_slab(w));
-        }
-        match weights {
-            Some(dst) => {
-                dst.copy_from_slice(&out);
-                then(dst)
+        let mut master = s.master.take().expect("bf16/fp16 units keep a master");
+        let out = match (&self.device, &mut master) {
+            (None, Slab::Host(w)) => {
+                let (m, v) = host_moments(s);
+                optim::step(&opt, lr, n, w, grads, m, v);
+                then(w)
             }
-            None => then(&out),
-        }
+            (Some(device), slab) => {
+                let w = slab.take_tensor().expect("the master lives with the state");
+                let w = step_on_device(s, &opt, lr, n, w, upload(grads, device));
+                let out = then(&download(&w));
+                *slab = Slab::Device(Box::new(w));
+                out
+            }
+            (None, Slab::Device(_)) => unreachable!("the master lives with the state"),
+        };
+        s.master = Some(master);
+        out
     }
 
     /// Bytes of the moments, or of the master (`master`), by elements.

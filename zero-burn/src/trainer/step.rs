@@ -18,6 +18,7 @@ use std::borrow::Cow;
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
+use super::slab::Slab;
 use super::{GradAccum, HOME, ZeroEngine};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
@@ -152,12 +153,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let publish = match (half, stage) {
                 (None, 0..=2) => {
                     let full = self.read_unit(u)?;
-                    let mut w = if stage == 0 {
+                    let w = if stage == 0 {
                         full
                     } else {
                         full[self.rank * len..(self.rank + 1) * len].to_vec()
                     };
-                    self.opt.step(u, lr, &g, Some(&mut w), |_| ());
+                    let mut slab = Slab::Host(w);
+                    self.opt.step_weights(u, lr, &g, &mut slab);
+                    let Slab::Host(w) = slab else {
+                        unreachable!("host weights stay in host memory")
+                    };
                     if stage == 0 {
                         Publish::Write(w)
                     } else {
@@ -165,13 +170,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     }
                 }
                 (None, _) => {
-                    let so = unit.shard_offset as usize;
-                    let w = &mut self.shard[so..so + len];
-                    self.opt.step(u, lr, &g, Some(w), |_| ());
+                    self.opt.step_weights(u, lr, &g, self.shard.unit_mut(u));
                     Publish::InPlace
                 }
                 (Some(h), _) => {
-                    let w16 = self.opt.step(u, lr, &g, None, |master| h.round_all(master));
+                    let w16 = self
+                        .opt
+                        .step_master(u, lr, &g, |master| h.round_all(master));
                     match stage {
                         0 => Publish::Write(h.widen_all(&w16)),
                         1 | 2 => Publish::Gather16(h, w16),
@@ -192,7 +197,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let cl = plan.chunk_len(u) as usize;
                     let so = unit.shard_offset as usize;
                     let publish = match half {
-                        None => Publish::Gather(self.shard[so..so + cl].to_vec()),
+                        None => Publish::Gather(self.shard.chunk(u)),
                         Some(h) => Publish::Gather16(h, self.shard16[so..so + cl].to_vec()),
                     };
                     updates.push((u, publish));

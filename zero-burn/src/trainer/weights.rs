@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use burn::module::ParamId;
 use zero_comm::Communicator;
 
+use super::slab::Slab;
 use super::{HOME, ZeroEngine};
 use crate::comms::{Elems, Job, Out};
 use crate::device::DeviceTensors;
@@ -28,7 +29,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         .as_mut()
                         .expect(HOME)
                         .world
-                        .all_gather_host(&self.shard[so..so + cl])?,
+                        .all_gather_host(&self.shard.chunk(u))?,
                     Some(h) => h.widen_all(&h.all_gather(
                         &mut self.comms.as_mut().expect(HOME).world,
                         &self.shard16[so..so + cl],
@@ -142,7 +143,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             (Elems::Device(buf), _) => self.install_device(u, &buf, slice)?,
             (Elems::F32(full), _) => {
                 if let Some(r) = slice {
-                    self.secondary[u] = Some(full[r].to_vec());
+                    self.secondary[u] = Some(self.shard.slab(full[r].to_vec()));
                 }
                 self.write_unit(u, &full);
             }
@@ -163,8 +164,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// [`Self::install`] from the communicator's memory through the [`DeviceTensors`] hook: each
-    /// parameter becomes a tensor on the model's device, with no host round trip (the hpZ
-    /// secondary slice, kept in host memory like the shard, is read back).
+    /// parameter becomes a tensor on the model's device, with no host round trip, and so does the
+    /// hpZ secondary slice.
     pub(super) fn install_device(
         &mut self,
         u: usize,
@@ -173,11 +174,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     ) -> Result<()> {
         let hook = self.hook()?;
         if let Some(r) = slice {
-            let sec = hook.tensor_at(buf, r.start, r.len())?.into_data();
-            let sec = sec
-                .try_into_vec_as::<f32>()
-                .map_err(|e| Error::Tensor(format!("hpZ secondary slice: {e:?}")))?;
-            self.secondary[u] = Some(sec);
+            let sec = hook.tensor_at(buf, r.start, r.len())?;
+            self.secondary[u] = Some(Slab::Device(Box::new(sec)));
         }
         self.install_tensors(u, buf)
     }

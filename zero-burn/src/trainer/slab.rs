@@ -1,0 +1,168 @@
+//! Flat fp32 buffers that live where the state they hold lives: host memory, or a tensor on the
+//! model's device. The optimizer's moments and masters ([`super::opt_state`]) and stage 3's fp32
+//! shard ([`Shard`]) are made of them.
+
+use std::ops::Range;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use zero_core::Placement;
+
+/// A flat fp32 buffer: in host memory, or a tensor on a device.
+#[derive(Debug)]
+pub(super) enum Slab {
+    Host(Vec<f32>),
+    /// Boxed: a burn tensor handle is 640 bytes.
+    Device(Box<Tensor<1>>),
+}
+
+impl Slab {
+    /// `values`, in host memory (`device` is `None`) or uploaded to `device`.
+    pub(super) fn new(values: Vec<f32>, device: Option<&Device>) -> Self {
+        match device {
+            None => Slab::Host(values),
+            Some(d) => Slab::Device(Box::new(upload(&values, d))),
+        }
+    }
+
+    /// Elements.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Slab::Host(v) => v.len(),
+            Slab::Device(t) => t.dims()[0],
+        }
+    }
+
+    /// Bytes held: a host buffer as allocated, a tensor by its elements.
+    pub(super) fn bytes(&self) -> u64 {
+        match self {
+            Slab::Host(v) => v.capacity() as u64 * 4,
+            Slab::Device(t) => t.dims()[0] as u64 * 4,
+        }
+    }
+
+    /// Elements `range`, in host memory.
+    pub(super) fn read(&self, range: Range<usize>) -> Vec<f32> {
+        match self {
+            Slab::Host(v) => v[range].to_vec(),
+            Slab::Device(t) if range.start == 0 && range.end == t.dims()[0] => download(t),
+            Slab::Device(t) => download(&t.clone().slice(range)),
+        }
+    }
+
+    /// Writes `values` from element `at`.
+    pub(super) fn write(&mut self, at: usize, values: &[f32]) {
+        match self {
+            Slab::Host(v) => v[at..at + values.len()].copy_from_slice(values),
+            Slab::Device(t) => {
+                let new = upload(values, &t.device());
+                **t = if at == 0 && values.len() == t.dims()[0] {
+                    new
+                } else {
+                    t.clone().slice_assign(at..at + values.len(), new)
+                };
+            }
+        }
+    }
+
+    /// Overwrites the whole slab with what `fill` writes into a zeroed slice of its length: in
+    /// place in host memory, else through one host buffer uploaded once.
+    pub(super) fn fill<E>(
+        &mut self,
+        fill: impl FnOnce(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        match self {
+            Slab::Host(v) => {
+                v.fill(0.0);
+                fill(v)
+            }
+            Slab::Device(_) => {
+                let mut v = vec![0.0; self.len()];
+                fill(&mut v)?;
+                self.write(0, &v);
+                Ok(())
+            }
+        }
+    }
+
+    /// The device tensor, leaving an empty host slab behind (put the new one back with
+    /// [`Slab::Device`]); `None` for a host slab, which stays.
+    pub(super) fn take_tensor(&mut self) -> Option<Tensor<1>> {
+        match std::mem::replace(self, Slab::Host(Vec::new())) {
+            Slab::Device(t) => Some(*t),
+            host => {
+                *self = host;
+                None
+            }
+        }
+    }
+}
+
+/// Stage 3 in fp32: the rank's shard of every unit, one slab per unit, on the model's device
+/// (host memory on a CPU backend). It is the fp32 master: the optimizer steps it in place, the
+/// gathers read it. Empty at other stages and in bf16/fp16.
+#[derive(Debug, Default)]
+pub(super) struct Shard {
+    units: Vec<Slab>,
+    /// Where it lives (`None`: host memory).
+    device: Option<Device>,
+}
+
+impl Shard {
+    /// The shard of `chunks` (one per unit, in order) on `device` (`None`: host memory).
+    pub(super) fn new(chunks: Vec<Vec<f32>>, device: Option<Device>) -> Self {
+        Shard {
+            units: chunks
+                .into_iter()
+                .map(|c| Slab::new(c, device.as_ref()))
+                .collect(),
+            device,
+        }
+    }
+
+    /// A slab of `values` where the shard lives (the hpZ secondary shard's place).
+    pub(super) fn slab(&self, values: Vec<f32>) -> Slab {
+        Slab::new(values, self.device.as_ref())
+    }
+
+    /// Unit `u`'s chunk, in host memory.
+    pub(super) fn chunk(&self, u: usize) -> Vec<f32> {
+        let s = &self.units[u];
+        s.read(0..s.len())
+    }
+
+    /// The first `len` elements of unit `u`'s chunk, in host memory.
+    pub(super) fn head(&self, u: usize, len: usize) -> Vec<f32> {
+        self.units[u].read(0..len)
+    }
+
+    /// Unit `u`'s slab.
+    pub(super) fn unit_mut(&mut self, u: usize) -> &mut Slab {
+        &mut self.units[u]
+    }
+
+    /// Bytes held by every unit's slab.
+    pub(super) fn bytes(&self) -> u64 {
+        self.units.iter().map(Slab::bytes).sum()
+    }
+}
+
+/// Where the engine's state of `placement` lives for a model on `model`: `None` for host memory
+/// (a CPU backend's device is host memory too), else the model's device without autodiff.
+pub(super) fn state_device(placement: Placement, model: &Device) -> Option<Device> {
+    let inner = model.clone().inner();
+    match placement {
+        Placement::Device if inner != Device::flex() => Some(inner),
+        _ => None,
+    }
+}
+
+pub(super) fn upload(values: &[f32], device: &Device) -> Tensor<1> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+}
+
+pub(super) fn download(t: &Tensor<1>) -> Vec<f32> {
+    t.clone()
+        .into_data()
+        .try_into_vec_as::<f32>()
+        .expect("the engine's state is f32")
+}
