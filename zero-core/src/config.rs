@@ -80,16 +80,17 @@ impl OptimizerKind {
     }
 }
 
-/// Where the optimizer's state lives: its moments and, in mixed precision, the fp32 master
-/// weights. The optimizer step runs where they are.
+/// Where the optimizer's state lives: its moments, in mixed precision the fp32 master weights,
+/// and the gradient accumulator it reads. The optimizer step runs where they are.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
     /// On the model's device (host memory on a CPU backend).
     #[default]
     Device,
-    /// In host memory, stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`):
-    /// the device keeps the working weights, the gradients and the gathered units.
+    /// In host memory, stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`, as
+    /// ZeRO-Offload: the reduced gradients go to host memory too); the device keeps the working
+    /// weights and the gathered units.
     Host,
 }
 
@@ -161,8 +162,9 @@ pub struct ZeroConfig {
     /// backward instead: no backward gathers, ZeRO-2-like peak memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_activations: Option<bool>,
-    /// Where the optimizer's moments and fp32 master weights live, and so where the optimizer
-    /// step runs: on the model's device (the default) or offloaded to host memory.
+    /// Where the optimizer's moments, fp32 master weights and gradient accumulator live, and so
+    /// where the optimizer step runs: on the model's device (the default) or offloaded to host
+    /// memory.
     #[serde(skip_serializing_if = "Placement::is_device")]
     pub optimizer_placement: Placement,
 }

@@ -22,8 +22,9 @@
 //! master weights. Activations are not modelled.
 //!
 //! Placement: every category is on the model's device, except with
-//! `optimizer_placement = host`, where `optimizer_states` and `master_weights` are in host memory
-//! (`host_bytes`); `device_bytes` is what the accelerator holds.
+//! `optimizer_placement = host` (ZeRO-Offload), where `optimizer_states`, `master_weights` and
+//! the `gradients` the optimizer reads are in host memory (`host_bytes`); `device_bytes` is what
+//! the accelerator holds.
 
 use serde::Serialize;
 
@@ -51,8 +52,8 @@ pub struct MemoryModel {
     pub model_states_bytes: u64,
     /// Sum of every category.
     pub total_bytes: u64,
-    /// The part of `total_bytes` in host memory (`optimizer_placement = host`: optimizer states
-    /// and master weights); zero otherwise.
+    /// The part of `total_bytes` in host memory (`optimizer_placement = host`: optimizer states,
+    /// master weights and gradients); zero otherwise.
     #[serde(skip_serializing_if = "is_zero")]
     pub host_bytes: u64,
     /// The part of `total_bytes` on the model's device.
@@ -184,7 +185,7 @@ impl Plan {
         m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
         m.total_bytes = m.rows().iter().map(|(_, b)| b).sum();
         if c.optimizer_placement == crate::config::Placement::Host {
-            m.host_bytes = m.optimizer_states + m.master_weights;
+            m.host_bytes = m.optimizer_states + m.master_weights + m.gradients;
         }
         m.device_bytes = m.total_bytes - m.host_bytes;
         m

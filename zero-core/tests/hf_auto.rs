@@ -113,7 +113,10 @@ fn the_optimizer_offloaded_to_the_cpu_is_host_placement() {
     let m = Plan::new(&model, Topology::new(8, 8).unwrap(), &imp.config)
         .unwrap()
         .memory();
-    assert_eq!(m.host_bytes, m.optimizer_states + m.master_weights);
+    assert_eq!(
+        m.host_bytes,
+        m.optimizer_states + m.master_weights + m.gradients
+    );
     assert_eq!(m.device_bytes + m.host_bytes, m.total_bytes);
     assert!(m.host_bytes > 0);
 }

@@ -328,7 +328,8 @@ fn offloading_the_optimizer_changes_where_not_what() {
         let planned = &v["memory"]["planned"][0];
         let host = planned["host_bytes"].as_u64().unwrap_or(0);
         let states = planned["optimizer_states"].as_u64().unwrap()
-            + planned["master_weights"].as_u64().unwrap();
+            + planned["master_weights"].as_u64().unwrap()
+            + planned["gradients"].as_u64().unwrap();
         assert_eq!(
             host,
             if offload == "true" { states } else { 0 },

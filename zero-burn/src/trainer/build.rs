@@ -11,7 +11,7 @@ use zero_quant::{Int4Block, Int8Block};
 
 use super::layout::RankLayout;
 use super::opt_state::OptState;
-use super::slab::{self, Shard};
+use super::slab::{self, Shard, Slab};
 use super::{Clock, EngineOptions, GradAccum, Meter, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
@@ -161,10 +161,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Vec::new()
             },
             accum,
-            acc: if accum == GradAccum::Half {
-                Vec::new()
-            } else {
-                vec![0.0; acc_len]
+            acc: match accum {
+                GradAccum::Half => Slab::Host(Vec::new()),
+                GradAccum::HalfIntoF32 => Slab::Host(vec![0.0; acc_len]),
+                // Only ever added into on this path: with the optimizer's state, which reads it
+                // (on the model's device, or in host memory under optimizer offload).
+                GradAccum::F32
+                    if options.reduction == Reduction::RankOrdered
+                        && !(stage <= 1 && plan.config().accumulate_before_reduce) =>
+                {
+                    let on = slab::state_device(plan.config().optimizer_placement, &device);
+                    Slab::zeros(acc_len, on.as_ref())
+                }
+                GradAccum::F32 => Slab::Host(vec![0.0; acc_len]),
             },
             tree: match options.reduction {
                 Reduction::RankOrdered => TreeAccumulator::default(),

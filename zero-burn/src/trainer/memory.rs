@@ -148,7 +148,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         let p = &mut self.meter.peak;
         // The engine's own buffers count as allocated (capacities); burn's tensors by elements.
-        let cap32 = |v: &Vec<f32>| v.capacity() as u64 * 4;
         let cap16 = |v: &Vec<u16>| v.capacity() as u64 * 2;
         p.parameters = p
             .parameters
@@ -156,7 +155,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
         p.gradients = p
             .gradients
-            .max(cap32(&self.acc) + self.tree.len() as u64 * 4 + cap16(&self.acc16));
+            .max(self.acc.bytes() + self.tree.len() as u64 * 4 + cap16(&self.acc16));
         p.optimizer_states = p.optimizer_states.max(self.opt.bytes(false));
         p.master_weights = p.master_weights.max(self.opt.bytes(true));
         if self.half.is_some() {

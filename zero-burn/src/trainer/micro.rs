@@ -6,7 +6,7 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::GroupKind;
 
 use super::layout::ReduceBy;
-use super::{GradAccum, Pending, Ticket, ZeroEngine};
+use super::{GradAccum, HOST_ACC, Pending, Ticket, ZeroEngine};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::reduction::Reduction;
@@ -262,15 +262,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Some(h) if self.accum == GradAccum::Half => {
                     h.add_f32_into(&mut self.acc16[off..off + len], &g)
                 }
-                _ => add_into(&mut self.acc[off..off + len], &g),
+                _ => self.acc.add(off, &g),
             }
             if !last_micro {
                 return Ok(());
             }
+            let acc = self.acc.host().expect(HOST_ACC);
             match self.half {
-                None => Elems::F32(self.acc[off..off + len].to_vec()),
+                None => Elems::F32(acc[off..off + len].to_vec()),
                 Some(h) if self.accum == GradAccum::HalfIntoF32 => {
-                    Elems::U16(h.round_all(&self.acc[off..off + len]))
+                    Elems::U16(h.round_all(&acc[off..off + len]))
                 }
                 Some(_) => Elems::U16(self.acc16[off..off + len].to_vec()),
             }
@@ -315,10 +316,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         match ticket {
             Ticket::Gather { u, backward } => self.install(u, backward, words)?,
             Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
-                (Elems::F32(r), _) if overwrite => self.acc[off..off + r.len()].copy_from_slice(&r),
+                (Elems::F32(r), _) if overwrite => self.acc.write(off, &r),
                 (Elems::F32(r), _) => self.accumulate(off, r),
                 (Elems::U16(r), Some(h)) if self.accum == GradAccum::HalfIntoF32 => {
-                    let acc = &mut self.acc[off..off + r.len()];
+                    let acc = &mut self.acc.host_mut().expect(HOST_ACC)[off..off + r.len()];
                     for (a, &b) in acc.iter_mut().zip(&r) {
                         *a = if overwrite {
                             h.widen(b)
@@ -351,10 +352,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Adds this micro-step's reduced values for `acc[off..off + reduced.len()]`.
     pub(super) fn accumulate(&mut self, off: usize, reduced: Vec<f32>) {
         match self.options.reduction {
-            Reduction::RankOrdered => add_into(&mut self.acc[off..off + reduced.len()], &reduced),
+            Reduction::RankOrdered => self.acc.add(off, &reduced),
             Reduction::CanonicalTree => {
-                self.tree
-                    .push(&mut self.acc, self.clock.micro, off, reduced)
+                let acc = self.acc.host_mut().expect(HOST_ACC);
+                self.tree.push(acc, self.clock.micro, off, reduced)
             }
         }
     }
@@ -458,12 +459,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         self.sample_memory();
         Ok(())
-    }
-}
-
-fn add_into(dst: &mut [f32], src: &[f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d += s;
     }
 }
 

@@ -113,6 +113,10 @@ enum Ticket {
     },
 }
 
+/// Where the accumulator is read or written element by element (the canonical tree,
+/// `accumulate_before_reduce`, 16-bit gradients widened into it), it lives in host memory.
+const HOST_ACC: &str = "the accumulator is in host memory on this path";
+
 /// The communicators are away only inside [`ZeroEngine::micro_step`], which always takes them
 /// back, so every other method finds them home.
 const HOME: &str = "the communicators are home between micro-steps";
@@ -151,8 +155,10 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     /// Where the reduced gradients accumulate: `acc` (f32) or `acc16`.
     accum: GradAccum,
     /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
-    /// otherwise this rank's chunks of trainable units.
-    acc: Vec<f32>,
+    /// otherwise this rank's chunks of trainable units. With the optimizer's state where the
+    /// reductions' results are only added into it (fp32, rank-ordered, reduced every
+    /// micro-step), else in host memory ([`HOST_ACC`]).
+    acc: Slab,
     /// [`Reduction::CanonicalTree`]: the pending subtrees of the micro-step sum beyond `acc`.
     tree: TreeAccumulator,
     /// The optimizer's state (master weights, moments), the loss scaler and the step count.

@@ -10,6 +10,7 @@
 //! their new values come back. Stage 3's fp32 shard on the state's device is stepped where it is.
 //! The loss scaler, the step count and the last step's outcome live here too.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor};
@@ -27,6 +28,32 @@ pub(super) enum Part {
     M,
     /// The second moment (Adam).
     V,
+}
+
+/// A unit's gradients for the step: in host memory, or a tensor on the model's device (slices
+/// of a device accumulator).
+pub(super) enum Grads<'a> {
+    Host(Cow<'a, [f32]>),
+    /// Boxed: a burn tensor handle is 640 bytes.
+    Device(Box<Tensor<1>>),
+}
+
+impl<'a> Grads<'a> {
+    /// In host memory.
+    pub(super) fn host(self) -> Cow<'a, [f32]> {
+        match self {
+            Grads::Host(g) => g,
+            Grads::Device(t) => Cow::Owned(download(&t)),
+        }
+    }
+
+    /// On `device`.
+    fn tensor(self, device: &Device) -> Tensor<1> {
+        match self {
+            Grads::Host(g) => upload(&g, device),
+            Grads::Device(t) => *t,
+        }
+    }
 }
 
 /// The host moments of a unit whose state is in host memory (empty for an optimizer without).
@@ -196,18 +223,19 @@ impl OptState {
     /// Steps trainable unit `u` in fp32 with its gradients `grads` at learning rate `lr` (the
     /// update count is [`Self::steps`]): `weights`, the unit's fp32 values and its master, in
     /// place. Where `weights` and the state live apart, the weights cross to the state and back.
-    pub(super) fn step_weights(&mut self, u: usize, lr: f32, grads: &[f32], weights: &mut Slab) {
+    pub(super) fn step_weights(&mut self, u: usize, lr: f32, grads: Grads, weights: &mut Slab) {
         let (opt, n) = (self.optimizer, self.steps);
         let s = self.units[u]
             .as_mut()
             .expect("only trainable units are stepped");
         let Some(device) = self.device.clone() else {
             let (m, v) = host_moments(s);
+            let grads = grads.host();
             match weights {
-                Slab::Host(w) => optim::step(&opt, lr, n, w, grads, m, v),
+                Slab::Host(w) => optim::step(&opt, lr, n, w, &grads, m, v),
                 Slab::Device(_) => {
                     let mut w = weights.read(0..weights.len());
-                    optim::step(&opt, lr, n, &mut w, grads, m, v);
+                    optim::step(&opt, lr, n, &mut w, &grads, m, v);
                     weights.write(0, &w);
                 }
             }
@@ -221,7 +249,7 @@ impl OptState {
                 Slab::Device(_) => unreachable!("a host slab stays"),
             },
         };
-        let w = step_on_device(s, &opt, lr, n, w, upload(grads, &device));
+        let w = step_on_device(s, &opt, lr, n, w, grads.tensor(&device));
         match weights {
             Slab::Host(dst) if !on_device => dst.copy_from_slice(&download(&w)),
             _ => *weights = Slab::Device(Box::new(w)),

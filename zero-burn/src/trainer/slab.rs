@@ -1,6 +1,6 @@
 //! Flat fp32 buffers that live where the state they hold lives: host memory, or a tensor on the
-//! model's device. The optimizer's moments and masters ([`super::opt_state`]) and stage 3's fp32
-//! shard ([`Shard`]) are made of them.
+//! model's device. The optimizer's moments and masters ([`super::opt_state`]), stage 3's fp32
+//! shard ([`Shard`]) and the fp32 gradient accumulator are made of them.
 
 use std::ops::Range;
 
@@ -21,6 +21,14 @@ impl Slab {
         match device {
             None => Slab::Host(values),
             Some(d) => Slab::Device(Box::new(upload(&values, d))),
+        }
+    }
+
+    /// `len` zeros, in host memory (`device` is `None`) or on `device`.
+    pub(super) fn zeros(len: usize, device: Option<&Device>) -> Self {
+        match device {
+            None => Slab::Host(vec![0.0; len]),
+            Some(d) => Slab::Device(Box::new(Tensor::zeros([len], d))),
         }
     }
 
@@ -61,6 +69,55 @@ impl Slab {
                     t.clone().slice_assign(at..at + values.len(), new)
                 };
             }
+        }
+    }
+
+    /// Adds `values` into the elements from `at`, one IEEE addition each, wherever it lives.
+    pub(super) fn add(&mut self, at: usize, values: &[f32]) {
+        match self {
+            Slab::Host(v) => {
+                for (d, s) in v[at..at + values.len()].iter_mut().zip(values) {
+                    *d += s;
+                }
+            }
+            Slab::Device(t) => {
+                let range = at..at + values.len();
+                let sum = t.clone().slice(range.clone()) + upload(values, &t.device());
+                **t = t.clone().slice_assign(range, sum);
+            }
+        }
+    }
+
+    /// Sets every element to zero (a device slab gets a zeroed tensor).
+    pub(super) fn zero(&mut self) {
+        match self {
+            Slab::Host(v) => v.fill(0.0),
+            Slab::Device(t) => **t = Tensor::zeros([t.dims()[0]], &t.device()),
+        }
+    }
+
+    /// The host buffer; `None` for a device slab.
+    pub(super) fn host(&self) -> Option<&[f32]> {
+        match self {
+            Slab::Host(v) => Some(v),
+            Slab::Device(_) => None,
+        }
+    }
+
+    /// The host buffer, mutable; `None` for a device slab.
+    pub(super) fn host_mut(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Slab::Host(v) => Some(v),
+            Slab::Device(_) => None,
+        }
+    }
+
+    /// Elements `range` of a device slab, as a tensor there; `None` for a host slab.
+    pub(super) fn device_slice(&self, range: Range<usize>) -> Option<Tensor<1>> {
+        match self {
+            Slab::Device(t) if range.start == 0 && range.end == t.dims()[0] => Some((**t).clone()),
+            Slab::Device(t) => Some(t.clone().slice(range)),
+            Slab::Host(_) => None,
         }
     }
 

@@ -18,8 +18,9 @@ use std::borrow::Cow;
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
+use super::opt_state::Grads;
 use super::slab::Slab;
-use super::{GradAccum, HOME, ZeroEngine};
+use super::{GradAccum, HOME, HOST_ACC, ZeroEngine};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
 use crate::params;
@@ -56,22 +57,32 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if let Some(g) = self.acc16.first_mut() {
                 *g = half.map_or(0, |h| h.round(f32::INFINITY));
             }
-            if let Some(g) = self.acc.first_mut() {
-                *g = f32::INFINITY;
+            if self.acc.len() > 0 {
+                self.acc.write(0, &[f32::INFINITY]);
             }
         }
         if self.options.reduction == Reduction::CanonicalTree {
             // The root of the tree over all N·A micro-batches, then the one division (fp32 only:
             // the builder refuses the tree in bf16/fp16).
             let a = c.gradient_accumulation_steps;
-            self.tree.finish(&mut self.acc, a);
+            let acc = self.acc.host_mut().expect(HOST_ACC);
+            self.tree.finish(acc, a);
             let total = (plan.world_size() as u64 * u64::from(a)) as f32;
-            for g in &mut self.acc {
+            for g in acc {
                 *g /= total;
             }
         }
+        // A device accumulator is read in host memory only for the norm (whole, once); the
+        // update then takes its slices as they are (fp32 without clipping: nothing changes them).
+        let acc_host: Option<Cow<[f32]>> = match self.acc.host() {
+            Some(acc) => Some(Cow::Borrowed(acc)),
+            None if c.gradient_clipping > 0.0 || fp16 => {
+                Some(Cow::Owned(self.acc.read(0..self.acc.len())))
+            }
+            None => None,
+        };
         let grads = GradView {
-            acc: &self.acc,
+            acc: acc_host.as_deref().unwrap_or(&[]),
             acc16: &self.acc16,
             half: half.filter(|_| self.accum == GradAccum::Half),
             inv,
@@ -149,7 +160,14 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 plan.chunk_len(u) as usize
             };
             // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
-            let g = grads.slice(off, len, coef);
+            let g = match &acc_host {
+                Some(_) => Grads::Host(grads.slice(off, len, coef)),
+                None => Grads::Device(Box::new(
+                    self.acc
+                        .device_slice(off..off + len)
+                        .expect("a device accumulator"),
+                )),
+            };
             let publish = match (half, stage) {
                 (None, 0..=2) => {
                     let full = self.read_unit(u)?;
@@ -159,7 +177,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         full[self.rank * len..(self.rank + 1) * len].to_vec()
                     };
                     let mut slab = Slab::Host(w);
-                    self.opt.step_weights(u, lr, &g, &mut slab);
+                    self.opt.step_weights(u, lr, g, &mut slab);
                     let Slab::Host(w) = slab else {
                         unreachable!("host weights stay in host memory")
                     };
@@ -170,13 +188,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     }
                 }
                 (None, _) => {
-                    self.opt.step_weights(u, lr, &g, self.shard.unit_mut(u));
+                    self.opt.step_weights(u, lr, g, self.shard.unit_mut(u));
                     Publish::InPlace
                 }
                 (Some(h), _) => {
                     let w16 = self
                         .opt
-                        .step_master(u, lr, &g, |master| h.round_all(master));
+                        .step_master(u, lr, &g.host(), |master| h.round_all(master));
                     match stage {
                         0 => Publish::Write(h.widen_all(&w16)),
                         1 | 2 => Publish::Gather16(h, w16),
@@ -242,7 +260,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     fn end_step(&mut self) {
         self.sample_memory();
         self.acc16.iter_mut().for_each(|g| *g = 0);
-        self.acc.iter_mut().for_each(|g| *g = 0.0);
+        self.acc.zero();
         self.clock.micro = 0;
     }
 }
