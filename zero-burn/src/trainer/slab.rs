@@ -61,13 +61,15 @@ impl Slab {
     pub(super) fn write(&mut self, at: usize, values: &[f32]) {
         match self {
             Slab::Host(v) => v[at..at + values.len()].copy_from_slice(values),
-            Slab::Device(t) => {
-                let new = upload(values, &t.device());
-                **t = if at == 0 && values.len() == t.dims()[0] {
-                    new
-                } else {
-                    t.clone().slice_assign(at..at + values.len(), new)
-                };
+            Slab::Device(t) if at == 0 && values.len() == t.dims()[0] => {
+                **t = upload(values, &t.device());
+            }
+            Slab::Device(_) => {
+                // Owned, the tensor is the only handle to its memory: burn may write in place.
+                let whole = self.take_tensor().expect("a device slab");
+                let new = upload(values, &whole.device());
+                let range = at..at + values.len();
+                *self = Slab::Device(Box::new(whole.slice_assign(range, new)));
             }
         }
     }
@@ -80,10 +82,12 @@ impl Slab {
                     *d += s;
                 }
             }
-            Slab::Device(t) => {
+            Slab::Device(_) => {
+                // As in `write`: owned, so burn may add in place.
+                let whole = self.take_tensor().expect("a device slab");
                 let range = at..at + values.len();
-                let sum = t.clone().slice(range.clone()) + upload(values, &t.device());
-                **t = t.clone().slice_assign(range, sum);
+                let sum = whole.clone().slice(range.clone()) + upload(values, &whole.device());
+                *self = Slab::Device(Box::new(whole.slice_assign(range, sum)));
             }
         }
     }
