@@ -6,9 +6,9 @@
 //!
 //! What works here: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`), [`device`]
 //! guards it, and the demo trains on it ([`Backend::Cuda`](crate::demo::job::Backend::Cuda):
-//! the model and the optimizer's state on the GPU, the collectives staged through host memory);
-//! none of it has run on a GPU yet. Not yet: the shards and accumulators on the device, a CUDA
-//! loopback and NCCL on device pointers; see STATUS.md.
+//! the model, the optimizer's state, the fp32 shard and accumulator on the GPU, the collectives
+//! staged through host memory); none of it has run on a GPU yet. Not yet: the 16-bit shard and
+//! accumulator on the device, a CUDA loopback and NCCL on device pointers; see STATUS.md.
 
 use burn::tensor::Device;
 

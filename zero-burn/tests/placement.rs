@@ -73,8 +73,8 @@ fn train_flex(
 }
 
 /// On flex both placements keep the state in host memory and give the same bits at every stage,
-/// in fp32 and bf16; the plan books host placement's optimizer state and master in host memory,
-/// and a checkpoint saved under one placement resumes under the other, bit-identically.
+/// in fp32 and bf16; the plan books host placement's optimizer state, master and gradients in host
+/// memory, and a checkpoint saved under one placement resumes under the other, bit-identically.
 #[test]
 fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
     for stage in 0..=3u8 {

@@ -161,7 +161,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// stage-3 fp32 shard are filled in place; the weights the model holds a few parameters at a
     /// time (up to the largest parameter's size, then written into the model), so besides the
     /// engine's own state the restore holds about two parameters' values (state on a device
-    /// takes one unit's moment through host memory). Only
+    /// takes one unit's moment or shard chunk through host memory). Only
     /// called after everything was read and verified. Derived state (16-bit working weights, the
     /// model's resident tensors, stage-3 16-bit shards) is recomputed from the fp32 values.
     pub(crate) fn ckpt_restore(

@@ -72,8 +72,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 *g /= total;
             }
         }
-        // A device accumulator is read in host memory only for the norm (whole, once); the
-        // update then takes its slices as they are (fp32 without clipping: nothing changes them).
+        // A device accumulator is read into host memory (whole, once) only when clipping, for the
+        // norm and the clipped slices; otherwise the update takes its slices as they are (fp32
+        // without clipping: nothing changes them).
         let acc_host: Option<Cow<[f32]>> = match self.acc.host() {
             Some(acc) => Some(Cow::Borrowed(acc)),
             None if c.gradient_clipping > 0.0 || fp16 => {
