@@ -242,12 +242,9 @@ impl OptState {
             return;
         };
         let on_device = matches!(weights, Slab::Device(_));
-        let w = match weights.take_tensor() {
-            Some(t) => t,
-            None => match weights {
-                Slab::Host(w) => upload(w, &device),
-                Slab::Device(_) => unreachable!("a host slab stays"),
-            },
+        let w = match weights {
+            Slab::Host(w) => upload(w, &device),
+            Slab::Device(_) => weights.take_tensor().expect("a device slab"),
         };
         let w = step_on_device(s, &opt, lr, n, w, grads.tensor(&device));
         match weights {
