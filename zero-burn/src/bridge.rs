@@ -45,14 +45,9 @@ use std::sync::Arc;
 use burn::backend::Cube;
 use burn::backend::wgpu::{AutoCompiler, WgpuResource};
 use burn::tensor::{DType, Device, Tensor};
-use zero_comm::quantized::QuantGroups;
-use zero_comm::wgpu_loopback::{
-    REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, qgz_reduce_scatter_device,
-    qwz_all_gather_device, wgpu,
-};
-use zero_quant::{Int4Block, Int8Block, WgpuQuantizer};
+use zero_comm::wgpu_loopback::{REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, wgpu};
 
-use crate::device::{DeviceQuant, DeviceTensors};
+use crate::device::DeviceTensors;
 use crate::error::{Error, Result};
 
 /// cubecl's server of the wgpu runtime burn's wgpu devices run on.
@@ -386,63 +381,5 @@ impl DeviceTensors<WgpuComm> for BridgeTensors {
         let at = src.offset() + (offset * size_of::<f32>()) as u64;
         let view = WgpuBuffer::from_wgpu(src.wgpu_buffer().clone(), at, len)?;
         tensor_from_buffer(&view, [len], &self.model, &self.comm)
-    }
-}
-
-/// The trainer's [`DeviceQuant`] codecs on the wgpu path: zero-comm's device qwZ and qgZ with
-/// zero-quant's WGSL kernels on the shared device (bit-identical to the host codecs). Clones
-/// share the compiled kernels, so one serves every rank of the device.
-#[derive(Clone, Debug)]
-pub struct BridgeQuant {
-    quantizer: Arc<WgpuQuantizer>,
-}
-
-impl BridgeQuant {
-    /// The WGSL codecs on the loopback's side of the shared device.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Quant`] if the kernels cannot be built on the device.
-    pub fn new(comm: &WgpuDevice) -> Result<Self> {
-        Ok(BridgeQuant {
-            quantizer: Arc::new(WgpuQuantizer::new(
-                comm.device().clone(),
-                comm.queue().clone(),
-            )?),
-        })
-    }
-}
-
-impl DeviceQuant<WgpuComm> for BridgeQuant {
-    fn qwz_all_gather(
-        &self,
-        comm: &mut WgpuComm,
-        codec: Int8Block,
-        chunk: &WgpuBuffer<f32>,
-        out: &mut WgpuBuffer<f32>,
-    ) -> Result<()> {
-        Ok(qwz_all_gather_device(
-            comm,
-            &self.quantizer,
-            codec,
-            chunk,
-            out,
-        )?)
-    }
-
-    fn qgz_reduce_scatter(
-        &self,
-        groups: &mut QuantGroups<WgpuComm>,
-        codec: Int4Block,
-        input: &WgpuBuffer<f32>,
-        out: &mut WgpuBuffer<f32>,
-    ) -> Result<()> {
-        Ok(qgz_reduce_scatter_device(
-            groups,
-            &self.quantizer,
-            codec,
-            input,
-            out,
-        )?)
     }
 }

@@ -13,10 +13,14 @@
 //! error when it reaches it); a panic in a communicator is re-raised on the rank's thread.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread;
 
-use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter, qwz_all_gather};
+use zero_comm::quantized::{
+    QuantGroups, QuantScratch, qgz_reduce_scatter, qgz_reduce_scatter_device, qwz_all_gather,
+    qwz_all_gather_device,
+};
 use zero_comm::{Communicator, ReduceOp};
 use zero_quant::{Int4Block, Int8Block};
 
@@ -40,7 +44,7 @@ pub(crate) struct Comms<C: Communicator> {
     /// bf16/fp16: the 16-bit element type of weights and gradients on the wire.
     pub(crate) half: Option<Half>,
     /// qwZ/qgZ codecs on the communicator's memory, for the device jobs.
-    pub(crate) quant: Option<Box<dyn DeviceQuant<C>>>,
+    pub(crate) quant: Option<Arc<dyn DeviceQuant<C>>>,
     /// qwZ's wire buffers.
     pub(crate) qwz_scratch: QuantScratch,
     /// qgZ's wire buffers and accumulators (apart from qwZ's, as the plan counts them).
@@ -107,7 +111,7 @@ impl<C: Communicator> Comms<C> {
                 let mut full = comm.alloc::<f32>(piece.len() * comm.world_size())?;
                 match (qwz, &self.qwz, &self.quant) {
                     (true, Some(codec), Some(q)) => {
-                        q.qwz_all_gather(comm, *codec, &send, &mut full)?
+                        qwz_all_gather_device(comm, &**q, *codec, &send, &mut full)?
                     }
                     (true, Some(_), None) => return Err(no_device_codec("qwZ")),
                     _ => comm.all_gather(&send, &mut full)?,
@@ -123,7 +127,7 @@ impl<C: Communicator> Comms<C> {
                 let mut out = self.world.alloc::<f32>(self.world.buffer_len(&data) / n)?;
                 match (qgz, &mut self.qgroups, &self.qgz, &self.quant) {
                     (true, Some(groups), Some(codec), Some(q)) => {
-                        q.qgz_reduce_scatter(groups, *codec, &data, &mut out)?
+                        qgz_reduce_scatter_device(groups, &**q, *codec, &data, &mut out)?
                     }
                     (true, Some(_), Some(_), None) => return Err(no_device_codec("qgZ")),
                     _ => self.world.reduce_scatter(&data, &mut out, op)?,

@@ -2,8 +2,7 @@
 
 use burn::tensor::Tensor;
 use zero_comm::Communicator;
-use zero_comm::quantized::QuantGroups;
-use zero_quant::{Int4Block, Int8Block};
+use zero_comm::quantized::DeviceCodec;
 
 use crate::error::Result;
 
@@ -23,24 +22,19 @@ pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
     fn tensor_at(&self, src: &C::Buffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>>;
 }
 
-/// ZeRO++'s codecs on the communicator's memory (the wgpu path's is `bridge::BridgeQuant`, over
-/// zero-comm's device qwZ and qgZ): with them, qwZ gathers and qgZ reductions of fp32 units stay
-/// on the device too. They must give the host codecs' bits, as zero-comm's device versions do.
-pub trait DeviceQuant<C: Communicator>: Send + std::fmt::Debug {
-    /// qwZ: all-gathers every rank's `chunk` through `codec` into `out` (`n · chunk` elements).
-    fn qwz_all_gather(
-        &self,
-        comm: &mut C,
-        codec: Int8Block,
-        chunk: &C::Buffer<f32>,
-        out: &mut C::Buffer<f32>,
-    ) -> Result<()>;
-    /// qgZ: the hierarchical int4 reduce-scatter (mean) of `input` into the rank's `out`.
-    fn qgz_reduce_scatter(
-        &self,
-        groups: &mut QuantGroups<C>,
-        codec: Int4Block,
-        input: &C::Buffer<f32>,
-        out: &mut C::Buffer<f32>,
-    ) -> Result<()>;
+/// ZeRO++'s codecs on the communicator's memory: any fp32 [`DeviceCodec`] (the wgpu path's is
+/// zero-quant's `WgpuQuantizer` on the shared device, one for every rank). With them, qwZ gathers
+/// and qgZ reductions of fp32 units stay on the device too, through zero-comm's
+/// `qwz_all_gather_device` and `qgz_reduce_scatter_device`. They must give the host codecs' bits,
+/// as zero-comm's do.
+pub trait DeviceQuant<C: Communicator>:
+    DeviceCodec<C, f32> + Send + Sync + std::fmt::Debug
+{
+}
+
+impl<C, T> DeviceQuant<C> for T
+where
+    C: Communicator,
+    T: DeviceCodec<C, f32> + Send + Sync + std::fmt::Debug,
+{
 }

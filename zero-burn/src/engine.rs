@@ -46,7 +46,7 @@ pub struct EngineBuilder<C: Communicator, M: Segmented> {
     optimizer: Option<Optimizer>,
     reduction: Option<Reduction>,
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
-    device_quant: Option<Box<dyn DeviceQuant<C>>>,
+    device_quant: Option<Arc<dyn DeviceQuant<C>>>,
     seed: u64,
     buffers: BufferSync,
 }
@@ -128,7 +128,7 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
 
     /// Runs qwZ and qgZ on the communicator's memory where a [`DeviceTensors`] hook keeps the
     /// tensors there. It must give the host codecs' bits.
-    pub fn device_quant(mut self, quant: Box<dyn DeviceQuant<C>>) -> Self {
+    pub fn device_quant(mut self, quant: Arc<dyn DeviceQuant<C>>) -> Self {
         self.device_quant = Some(quant);
         self
     }

@@ -21,7 +21,8 @@
 //!   time, constructors return an error ([`Error::NotCompiled`] or [`Error::Backend`]), never a
 //!   panic. It has run on one H200 at world size 1 (`cargo xtask gpu-check`); never on several GPUs.
 //! - [`quantized`]: qwZ's int8 all-gather and qgZ's int4 hierarchical all-to-all reduce-scatter
-//!   over any communicator.
+//!   over any communicator, and their device forms over a backend's
+//!   [`DeviceCodec`](quantized::DeviceCodec) (WGSL, CUDA, or the host codecs).
 //!
 //! **May depend on:** zero-core (topology, traffic accounting), zero-quant (codecs), half, bytemuck
 //! and thiserror; wgpu/pollster, cudarc and rsmpi (`mpi`) only behind their features.

@@ -767,7 +767,7 @@ fn gpu_bandwidth_report() {
 #[test]
 fn gpu_qwz_on_device_matches_the_host_path() {
     use half::bf16;
-    use zero_comm::nccl::qwz_all_gather_device;
+    use zero_comm::quantized::qwz_all_gather_device;
     use zero_comm::quantized::{QuantScratch, qwz_all_gather};
     use zero_quant::{Codec, CudaQuantizer, Int4Block, Int8Block};
 
@@ -833,7 +833,7 @@ fn gpu_qwz_on_device_matches_the_host_path() {
 #[test]
 fn gpu_qgz_on_device_matches_the_host_path() {
     use half::bf16;
-    use zero_comm::nccl::qgz_reduce_scatter_device;
+    use zero_comm::quantized::qgz_reduce_scatter_device;
     use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter};
     use zero_quant::{Codec, CudaQuantizer, Identity, Int4Block, Int8Block};
 

@@ -473,7 +473,11 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
     let models = Clones::new(&model, plan.world_size());
     // The WGSL codecs, compiled once for every rank.
     let quant = match grads {
-        WgpuTensors::Bridge => Some(crate::bridge::BridgeQuant::new(shared.comm_device())?),
+        WgpuTensors::Bridge => {
+            let d = shared.comm_device();
+            let q = zero_quant::WgpuQuantizer::new(d.device().clone(), d.queue().clone())?;
+            Some(Arc::new(q))
+        }
         WgpuTensors::Host => None,
     };
     Launch::new(*plan.topology())
@@ -488,7 +492,7 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
                         shared.comm_device().clone(),
                         shared.autodiff_device(),
                     )) as Box<dyn DeviceTensors<_>>)
-                    .device_quant(Box::new(q) as Box<dyn DeviceQuant<_>>);
+                    .device_quant(q as Arc<dyn DeviceQuant<_>>);
             }
             run_rank(builder, corpus, options, run.clone(), on_step)
         })

@@ -189,7 +189,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Runs qwZ and qgZ on the communicator's memory through `quant` (see [`DeviceQuant`]) where
     /// a [`DeviceTensors`] hook keeps the tensors there. The same bits as the host codecs.
-    pub fn with_device_quant(mut self, quant: Box<dyn DeviceQuant<C>>) -> Self {
+    pub fn with_device_quant(mut self, quant: Arc<dyn DeviceQuant<C>>) -> Self {
         self.comms().quant = Some(quant);
         self.device_quant = true;
         self

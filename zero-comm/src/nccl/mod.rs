@@ -184,8 +184,6 @@ pub use options::{
     DEFAULT_TIMEOUT, ENV_CHECK_PEERS, ENV_DEVICE, ENV_NONBLOCKING, ENV_TIMEOUT, ENV_WAIT,
     NcclOptions, WaitMode,
 };
-#[cfg(feature = "nccl")]
-pub use quantized::{qgz_reduce_scatter_device, qwz_all_gather_device};
 
 /// The cudarc this backend is built on, for callers that exchange device memory with it.
 #[cfg(feature = "nccl")]

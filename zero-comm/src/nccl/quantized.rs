@@ -1,87 +1,24 @@
-//! qwZ and qgZ on device memory (feature `nccl`): the quantized all-gather and the hierarchical
-//! quantized reduce-scatter with zero-quant's CUDA kernels, so a GPU trainer's weights and
-//! gradients never pass through the host.
+//! zero-quant's CUDA kernels as NCCL's [`DeviceCodec`] (feature `nccl`), so that
+//! [`qwz_all_gather_device`](crate::quantized::qwz_all_gather_device) and
+//! [`qgz_reduce_scatter_device`](crate::quantized::qgz_reduce_scatter_device) keep a GPU trainer's
+//! weights and gradients in device memory.
 //!
-//! The same collectives, bytes and results as [`qwz_all_gather`](crate::quantized::qwz_all_gather)
-//! and [`qgz_reduce_scatter`](crate::quantized::qgz_reduce_scatter) bit for bit (the CUDA codecs
-//! are bit-identical to the host ones, and qgZ's final division is a hand-written PTX kernel with
-//! IEEE `div.rn.f32` and the host's rounding to bf16/f16), with the same error contract: a rank
-//! whose data cannot be encoded sends poisoned pieces, and every rank fails with
-//! [`Error::Quant`](crate::Error::Quant) naming it. Only the failure path reads a wire back to the
-//! host (to find the poison marker).
+//! The CUDA codecs are bit-identical to the host ones, and qgZ's final division is a hand-written
+//! PTX kernel with IEEE `div.rn.f32` and the host's rounding to bf16/f16. The quantizer must run
+//! on the communicator's stream (`CudaQuantizer::new(comm.stream().clone())`), which orders its
+//! kernels with the collectives; a quantizer on another stream is refused.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
-use zero_core::Collective;
 use zero_quant::cuda::CudaElement;
-use zero_quant::{BlockCodec, Codec, CudaQuantizer, WireLayout};
+use zero_quant::{BlockCodec, Codec, CudaQuantizer};
 
 use super::backend::kernels::PtxModule;
 use super::{NcclBuffer, NcclComm};
-use crate::Communicator;
-use crate::element::Element;
-use crate::error::{Error, Op, Result};
-use crate::quantized::{Fault, QuantElement, QuantGroups, length, poison};
-
-/// qwZ all-gather on device: every rank's `chunk` is encoded with `codec` by `quantizer` on the
-/// GPU, the wires are all-gathered by NCCL, and rank `k`'s decoded chunk lands at
-/// `[k·c, (k+1)·c)` of `out` (`n · c` elements). `quantizer` must run on the communicator's
-/// stream (`CudaQuantizer::new(comm.stream().clone())`), which orders its kernels with the
-/// collective; a quantizer on another stream is refused.
-pub fn qwz_all_gather_device<E>(
-    comm: &mut NcclComm,
-    quantizer: &CudaQuantizer,
-    codec: impl Into<Codec>,
-    chunk: &NcclBuffer<E>,
-    out: &mut NcclBuffer<E>,
-) -> Result<()>
-where
-    E: Element + CudaElement,
-{
-    let codec: Codec = codec.into();
-    let op = Op::Collective(Collective::AllGather);
-    let (n, c, me) = (comm.world_size(), chunk.len(), comm.global_rank());
-    if out.len() != n * c {
-        return Err(length(op, me, n * c, out.len()));
-    }
-    if quantizer.stream().cu_stream() != comm.stream().cu_stream() {
-        return Err(Error::Backend(
-            "nccl: qwz_all_gather_device: the quantizer runs on another stream than the \
-             communicator (make it with CudaQuantizer::new(comm.stream().clone()))"
-                .into(),
-        ));
-    }
-    let layout = codec.layout(c);
-    let w = layout.total_len;
-    let mut fault = Fault::new(op, me);
-
-    let mut send = comm.alloc::<u8>(w)?;
-    if let Err(e) = quantizer.encode(codec, &chunk.view(), &mut send.view_mut()) {
-        fault.local(e);
-        let mut host = vec![0u8; w];
-        poison(&mut host, &layout, me);
-        comm.upload_into(&host, &mut send)?;
-    }
-    let mut recv = comm.alloc::<u8>(n * w)?;
-    comm.all_gather(&send, &mut recv)?;
-    drop(send);
-
-    let mut decode_error = None;
-    {
-        let wire = recv.view();
-        let mut dst = out.view_mut();
-        for j in 0..n {
-            let piece = wire.slice(j * w..(j + 1) * w);
-            let mut part = dst.slice_mut(j * c..(j + 1) * c);
-            if let Err(e) = quantizer.decode(codec, &piece, &mut part) {
-                decode_error.get_or_insert(e);
-            }
-        }
-    }
-    fault.finish_device(decode_error, &layout, n, || comm.download_vec(&recv))
-}
+use crate::error::{Error, Result};
+use crate::quantized::{DeviceCodec, QuantElement};
 
 // ---------------------------------------------------------------------------------------------
 // qgZ's final step: `out[i] = E(acc[i] / n)`
@@ -235,231 +172,142 @@ impl Finish {
     }
 }
 
-/// Sends `send` (every piece poisoned first if this rank has a fault) through one equal-split
-/// all-to-all of `comm`, as the host path's `exchange` does, and returns the received wire.
-fn exchange(
-    comm: &mut NcclComm,
-    fault: &Fault,
-    layout: &WireLayout,
-    mut send: NcclBuffer<u8>,
-) -> Result<NcclBuffer<u8>> {
-    if let Some(o) = fault.origin() {
-        let mut host = vec![0u8; send.len()];
-        for piece in host.chunks_exact_mut(layout.total_len.max(1)) {
-            poison(piece, layout, o);
-        }
-        comm.upload_into(&host, &mut send)?;
-    }
-    let mut recv = comm.alloc::<u8>(send.len())?;
-    comm.all_to_all(&send, &mut recv)?;
-    Ok(recv)
+fn wire_len(codec: Codec, len: usize) -> usize {
+    codec.layout(len).total_len
 }
 
-/// Decodes the `count` pieces of `e` bytes at `slots(k)` of `wire` into `acc` in order (the first
-/// decoded, the others added with `decode_accumulate`); the first error, if any.
-fn reduce_pieces(
-    quantizer: &CudaQuantizer,
-    codec: Codec,
-    wire: &NcclBuffer<u8>,
-    e: usize,
-    slots: impl Iterator<Item = usize>,
-    acc: &mut impl DevicePtrMut<f32>,
-) -> Option<zero_quant::Error> {
-    let w = wire.view();
-    for (k, slot) in slots.enumerate() {
-        let piece = w.slice(slot..slot + e);
-        let r = if k == 0 {
-            quantizer.decode(codec, &piece, acc)
+impl<E: QuantElement + CudaElement> DeviceCodec<NcclComm, E> for CudaQuantizer {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn supports(&self, codec: &Codec) -> bool {
+        !matches!(codec, Codec::Identity(_))
+    }
+
+    fn check(&self, comm: &NcclComm) -> std::result::Result<(), String> {
+        if self.stream().cu_stream() == comm.stream().cu_stream() {
+            Ok(())
         } else {
-            quantizer.decode_accumulate(codec, &piece, acc)
-        };
-        if let Err(err) = r {
-            return Some(err);
+            Err(
+                "the quantizer runs on another stream than the communicator (make it with \
+                 CudaQuantizer::new(comm.stream().clone()))"
+                    .into(),
+            )
         }
     }
-    None
-}
 
-/// qgZ reduce-scatter on device: the mean over all `N` ranks of chunk `rank` of every rank's
-/// `input` (`N·c` elements of `E`), through `codec` (int8 or int4; the identity codec has no device
-/// kernel and is refused), into `out` (`c` elements of `E`), by the hierarchical all-to-all of
-/// [`qgz_reduce_scatter`](crate::quantized::qgz_reduce_scatter): the same collectives and bytes,
-/// the same result bit for bit, the same errors.
-///
-/// The wires are encoded, exchanged by NCCL and decoded on the GPU; the partial sums are `f32`
-/// device buffers (`M·c` elements), and the mean is rounded once to `E` by a PTX kernel. An
-/// output whose mean is not finite in `E` is found on the device (the encoder's first-non-finite
-/// check); only then are the wire or that one sum read back. `quantizer` must run on the groups'
-/// stream (`CudaQuantizer::new(comm.stream().clone())` with the world communicator the groups
-/// were split from); a quantizer on another stream is refused. With `N = 1` there is no group
-/// and nothing moves: `out` is a copy of `input` (on the quantizer's stream) after the host
-/// path's finiteness check. Error feedback has no device form yet. On an error the contents of
-/// `out` are unspecified.
-pub fn qgz_reduce_scatter_device<E>(
-    groups: &mut QuantGroups<NcclComm>,
-    quantizer: &CudaQuantizer,
-    codec: impl Into<Codec>,
-    input: &NcclBuffer<E>,
-    out: &mut NcclBuffer<E>,
-) -> Result<()>
-where
-    E: QuantElement + CudaElement,
-{
-    let codec: Codec = codec.into();
-    let op = Op::Collective(Collective::ReduceScatter);
-    let (n, l, m, me) = (
-        groups.world_size(),
-        groups.ranks_per_node(),
-        groups.num_nodes(),
-        groups.global_rank(),
-    );
-    let len = input.len();
-    if !len.is_multiple_of(n) {
-        return Err(length(op, me, len.next_multiple_of(n), len));
+    fn buffer_len(&self, buf: &NcclBuffer<E>) -> usize {
+        buf.len()
     }
-    let c = len / n;
-    if out.len() != c {
-        return Err(length(op, me, c, out.len()));
-    }
-    if matches!(codec, Codec::Identity(_)) {
-        return Err(Error::Backend(
-            "nccl: qgz_reduce_scatter_device: the identity codec has no device kernel (use the \
-             host qgz_reduce_scatter)"
-                .into(),
-        ));
-    }
-    let (intra, cross) = groups.groups_mut();
-    if let Some(comm) = intra.as_deref().or(cross.as_deref())
-        && quantizer.stream().cu_stream() != comm.stream().cu_stream()
-    {
-        return Err(Error::Backend(
-            "nccl: qgz_reduce_scatter_device: the quantizer runs on another stream than the \
-             communicators (make it with CudaQuantizer::new(comm.stream().clone()))"
-                .into(),
-        ));
-    }
-    let stream = quantizer.stream().clone();
-    let layout = codec.layout(c);
-    let e = layout.total_len;
-    let mut fault = Fault::new(op, me);
-    let x = input.view();
 
-    if intra.is_none() && cross.is_none() {
-        // N = 1: nothing moves; the output is the input, after the host's finiteness check (the
-        // encoder reports the first non-finite element and its value, as the host does).
-        if c > 0 {
-            let mut wire = stream
-                .alloc_zeros::<u8>(e)
-                .map_err(|err| backend("allocating a wire", err))?;
-            if let Err(err) = quantizer.encode(codec, &x, &mut wire) {
-                fault.local(err);
-                return fault.finish();
+    fn encode_piece(
+        &self,
+        codec: Codec,
+        (src, at): (&NcclBuffer<E>, usize),
+        len: usize,
+        (wire, slot): (&mut NcclBuffer<u8>, usize),
+    ) -> zero_quant::Result<()> {
+        let x = src.view();
+        let mut w = wire.view_mut();
+        let mut dst = w.slice_mut(slot..slot + wire_len(codec, len));
+        self.encode(codec, &x.slice(at..at + len), &mut dst)
+    }
+
+    fn encode_sum(
+        &self,
+        codec: Codec,
+        sums: &NcclBuffer<f32>,
+        (wire, slot): (&mut NcclBuffer<u8>, usize),
+    ) -> zero_quant::Result<()> {
+        let mut w = wire.view_mut();
+        let mut dst = w.slice_mut(slot..slot + wire_len(codec, sums.len()));
+        self.encode(codec, &sums.view(), &mut dst)
+    }
+
+    fn decode_piece(
+        &self,
+        codec: Codec,
+        (wire, slot): (&NcclBuffer<u8>, usize),
+        len: usize,
+        (out, at): (&mut NcclBuffer<E>, usize),
+    ) -> zero_quant::Result<()> {
+        let w = wire.view();
+        let piece = w.slice(slot..slot + wire_len(codec, len));
+        let mut o = out.view_mut();
+        self.decode(codec, &piece, &mut o.slice_mut(at..at + len))
+    }
+
+    fn decode_sum(
+        &self,
+        codec: Codec,
+        (wire, slot): (&NcclBuffer<u8>, usize),
+        sums: &mut NcclBuffer<f32>,
+        accumulate: bool,
+    ) -> zero_quant::Result<()> {
+        let w = wire.view();
+        let piece = w.slice(slot..slot + wire_len(codec, sums.len()));
+        let mut acc = sums.view_mut();
+        if accumulate {
+            self.decode_accumulate(codec, &piece, &mut acc)
+        } else {
+            self.decode(codec, &piece, &mut acc)
+        }
+    }
+
+    fn finish_mean(
+        &self,
+        comm: &mut NcclComm,
+        codec: Codec,
+        sums: &NcclBuffer<f32>,
+        n: usize,
+        out: &mut NcclBuffer<E>,
+    ) -> Result<zero_quant::Result<()>> {
+        // The host fails on the first element whose rounded mean is not finite: the encoder finds
+        // it in `out`; only then is its sum read back.
+        let stream = self.stream();
+        let s = sums.view();
+        Finish::get(comm.context())?.run(stream, &s, &mut out.view_mut(), n as f32)?;
+        let mut wire = stream
+            .alloc_zeros::<u8>(wire_len(codec, sums.len()))
+            .map_err(|err| backend("allocating a wire", err))?;
+        Ok(match self.encode(codec, &out.view(), &mut wire) {
+            Ok(()) => Ok(()),
+            Err(zero_quant::Error::NonFinite { index, .. }) => {
+                let sum = stream
+                    .clone_dtoh(&s.slice(index..index + 1))
+                    .map_err(|err| backend("reading a sum", err))?;
+                Err(zero_quant::Error::Overflow {
+                    index,
+                    value: sum[0] / n as f32,
+                    dtype: <E as zero_quant::Element>::DTYPE,
+                })
             }
-            stream
-                .memcpy_dtod(&x, &mut out.view_mut())
-                .map_err(|err| backend("copying the input", err))?;
-        }
-        return Ok(());
-    }
-    let Some(comm0) = intra.as_deref().or(cross.as_deref()) else {
-        return Err(backend("groups", "no sub-group for N > 1"));
-    };
-    // The f32 accumulators of the M destinations (the stage-2 partials; the first `c` also hold
-    // the stage-4 sum).
-    let mut acc = comm0.alloc::<f32>(if l > 1 { m * c } else { c })?;
-    let context = comm0.context().clone();
-
-    // Stages 1-2: intra-node exchange, node partial sums for the M destinations in `acc`.
-    if let Some(intra) = intra {
-        let mut send = intra.alloc::<u8>(l * m * e)?;
-        {
-            let mut sv = send.view_mut();
-            'encode: for lp in 0..l {
-                for mp in 0..m {
-                    let p = mp * l + lp;
-                    let slot = (lp * m + mp) * e;
-                    let chunk = x.slice(p * c..(p + 1) * c);
-                    let mut dst = sv.slice_mut(slot..slot + e);
-                    if let Err(err) = quantizer.encode(codec, &chunk, &mut dst) {
-                        fault.local(err);
-                        break 'encode;
-                    }
-                }
-            }
-        }
-        let recv = exchange(intra, &fault, &layout, send)?;
-        let mut decode_error = None;
-        if fault.origin().is_none() {
-            let mut av = acc.view_mut();
-            for mp in 0..m {
-                let mut a = av.slice_mut(mp * c..(mp + 1) * c);
-                let slots = (0..l).map(|j| (j * m + mp) * e);
-                decode_error = reduce_pieces(quantizer, codec, &recv, e, slots, &mut a);
-                if decode_error.is_some() {
-                    break;
-                }
-            }
-        }
-        fault.after_exchange_device(decode_error, &layout, || intra.download_vec(&recv))?;
+            Err(err) => Err(err),
+        })
     }
 
-    // Stage 3: cross-node exchange of the partials (or, with L = 1, of the input chunks).
-    if let Some(cross) = cross {
-        let mut send = cross.alloc::<u8>(m * e)?;
-        if fault.origin().is_none() {
-            let mut sv = send.view_mut();
-            let av = acc.view();
-            for mp in 0..m {
-                let mut dst = sv.slice_mut(mp * e..(mp + 1) * e);
-                let r = if l > 1 {
-                    quantizer.encode(codec, &av.slice(mp * c..(mp + 1) * c), &mut dst)
-                } else {
-                    // L = 1: destination p = mp·1 + 0; this is the first quantization.
-                    quantizer.encode(codec, &x.slice(mp * c..(mp + 1) * c), &mut dst)
-                };
-                if let Err(err) = r {
-                    fault.local(err);
-                    break;
-                }
-            }
+    fn copy_finite(
+        &self,
+        codec: Codec,
+        src: &NcclBuffer<E>,
+        out: &mut NcclBuffer<E>,
+    ) -> Result<zero_quant::Result<()>> {
+        // The encoder reports the first non-finite element and its value, as the host does.
+        if src.is_empty() {
+            return Ok(Ok(()));
         }
-        let recv = exchange(cross, &fault, &layout, send)?;
-        let mut decode_error = None;
-        if fault.origin().is_none() {
-            let mut av = acc.view_mut();
-            let mut a = av.slice_mut(0..c);
-            decode_error = reduce_pieces(quantizer, codec, &recv, e, (0..m).map(|k| k * e), &mut a);
+        let stream = self.stream();
+        let mut wire = stream
+            .alloc_zeros::<u8>(wire_len(codec, src.len()))
+            .map_err(|err| backend("allocating a wire", err))?;
+        if let Err(err) = self.encode(codec, &src.view(), &mut wire) {
+            return Ok(Err(err));
         }
-        fault.after_exchange_device(decode_error, &layout, || cross.download_vec(&recv))?;
-    }
-
-    if fault.origin().is_some() || c == 0 {
-        return fault.finish();
-    }
-    // Stage 4: the mean, rounded once to E. The host fails on the first element whose rounded
-    // mean is not finite: the encoder finds it in `out`; only then is its sum read back.
-    let sums = acc.view().slice(0..c);
-    Finish::get(&context)?.run(&stream, &sums, &mut out.view_mut(), n as f32)?;
-    let mut wire = stream
-        .alloc_zeros::<u8>(e)
-        .map_err(|err| backend("allocating a wire", err))?;
-    match quantizer.encode(codec, &out.view(), &mut wire) {
-        Ok(()) => Ok(()),
-        Err(zero_quant::Error::NonFinite { index, .. }) => {
-            let s = stream
-                .clone_dtoh(&sums.slice(index..index + 1))
-                .map_err(|err| backend("reading a sum", err))?;
-            fault.local(zero_quant::Error::Overflow {
-                index,
-                value: s[0] / n as f32,
-                dtype: <E as zero_quant::Element>::DTYPE,
-            });
-            fault.finish()
-        }
-        Err(err) => {
-            fault.local(err);
-            fault.finish()
-        }
+        stream
+            .memcpy_dtod(&src.view(), &mut out.view_mut())
+            .map_err(|err| backend("copying the input", err))?;
+        Ok(Ok(()))
     }
 }
 

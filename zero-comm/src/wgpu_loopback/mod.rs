@@ -73,7 +73,6 @@ use crate::validate::{Desc, ar_chunk};
 use kernels::{Batch, Core, Loc};
 
 pub use buffer::{REQUIRED_USAGES, WgpuBuffer};
-pub use quantized::{qgz_reduce_scatter_device, qwz_all_gather_device};
 /// The `wgpu` this module is built against, so that callers adopt devices and wrap buffers of the
 /// same version.
 pub use wgpu;

@@ -6,8 +6,10 @@
 
 mod collectives;
 mod common;
+mod device_codec;
 mod failures;
 mod group;
 mod order;
+mod quant_common;
 mod split;
 mod traffic;

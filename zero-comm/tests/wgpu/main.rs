@@ -21,5 +21,7 @@ mod equality;
 mod failures;
 mod groups;
 mod qgz;
+#[path = "../comm/quant_common.rs"]
+mod quant_common;
 mod qwz;
 mod wrap;

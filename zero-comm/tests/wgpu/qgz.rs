@@ -1,15 +1,15 @@
-//! qgZ on wgpu buffers (`wgpu_loopback::qgz_reduce_scatter_device`, the WGSL codecs) against the
+//! qgZ on wgpu buffers (`quantized::qgz_reduce_scatter_device` with the WGSL codecs) against the
 //! host path (`quantized::qgz_reduce_scatter`) on the host loopback: results bit for bit, errors
 //! word for word, and the same bytes in the sub-groups' traffic tables.
 
-use zero_comm::quantized::{QuantGroups, QuantScratch, qgz_reduce_scatter};
-use zero_comm::wgpu_loopback::{WgpuBuffer, WgpuComm, qgz_reduce_scatter_device};
+use zero_comm::quantized::{QuantGroups, qgz_reduce_scatter_device};
+use zero_comm::wgpu_loopback::{WgpuBuffer, WgpuComm};
 use zero_comm::{Communicator, Error};
-use zero_core::TrafficTable;
 use zero_quant::{Codec, Identity, Int4Block, Int8Block, WgpuQuantizer};
 
 use crate::common::*;
 use crate::device::{or_skip, wgpu_world};
+use crate::quant_common::compare_qgz;
 
 /// `(N, L)`: one rank; L = 2, M = 1; L = 1, M = 2; 2 nodes × 2; 3 × 1; 1 × 3; 2 nodes × 3.
 const SHAPES: [(usize, usize); 7] = [(1, 1), (2, 2), (2, 1), (4, 2), (3, 3), (3, 1), (6, 3)];
@@ -21,10 +21,6 @@ fn codecs() -> [Codec; 3] {
         Int8Block::new(7).unwrap().into(),
     ]
 }
-
-/// What one rank got: its output chunk or the error (message and fields, the codec's error
-/// included), and its sub-groups' traffic.
-type Outcome = (Result<Vec<f32>, String>, TrafficTable);
 
 fn quantizer() -> WgpuQuantizer {
     let device = or_skip().expect("checked by the caller");
@@ -44,7 +40,8 @@ fn place(comm: &WgpuComm, x: &[f32], shift: usize) -> WgpuBuffer<f32> {
 }
 
 /// Runs qgZ on both paths for a world of `n` ranks on nodes of `l`, every rank's input being
-/// `input(rank)` of `n·c` elements, compares every rank's outcome and returns the host's.
+/// `input(rank)` of `n·c` elements placed at element `shift` of its buffer, compares every rank's
+/// outcome and returns the host's.
 fn compare(
     n: usize,
     l: usize,
@@ -53,36 +50,15 @@ fn compare(
     shift: usize,
     input: impl Fn(usize) -> Vec<f32> + Sync,
 ) -> Vec<Result<Vec<f32>, String>> {
-    let what = format!("{codec:?} N={n} L={l} c={c} shift={shift}");
-    let t = topo(n, l);
-    let host: Vec<Outcome> = run_ranks(host_world(t), |mut world| {
-        let x = input(world.rank());
-        let mut groups = QuantGroups::new(&mut world).unwrap();
-        let mut out = vec![0f32; c];
-        let r = qgz_reduce_scatter(&mut groups, &codec, &x, &mut out, &mut QuantScratch::new());
-        (
-            r.map(|()| out).map_err(|e| format!("{e} ({e:?})")),
-            groups.traffic(),
-        )
-    });
-    let q = quantizer();
-    let gpu: Vec<Outcome> = run_ranks(wgpu_world(t), |mut world| {
-        let x = place(&world, &input(world.rank()), shift);
-        let mut out = place(&world, &vec![7.0f32; c], shift);
-        let mut groups = QuantGroups::new(&mut world).unwrap();
-        let r = qgz_reduce_scatter_device(&mut groups, &q, codec, &x, &mut out);
-        let r = r.map(|()| world.download_vec(&out).unwrap());
-        (r.map_err(|e| format!("{e} ({e:?})")), groups.traffic())
-    });
-    for (r, ((g, gt), (h, ht))) in gpu.iter().zip(&host).enumerate() {
-        match (g, h) {
-            (Ok(g), Ok(h)) => assert_bits(g, h, &format!("{what} rank {r}")),
-            (Err(g), Err(h)) => assert_eq!(g, h, "{what} rank {r}"),
-            (g, h) => panic!("{what} rank {r}: device {g:?}, host {h:?}"),
-        }
-        assert_eq!(gt, ht, "{what} rank {r}: traffic");
-    }
-    host.into_iter().map(|(h, _)| h).collect()
+    let at = |comm: &WgpuComm, x: &[f32]| place(comm, x, shift);
+    compare_qgz(
+        wgpu_world(topo(n, l)),
+        &quantizer(),
+        (l, c),
+        codec,
+        at,
+        input,
+    )
 }
 
 #[test]

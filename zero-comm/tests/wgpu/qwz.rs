@@ -1,13 +1,13 @@
-//! qwZ on wgpu buffers (`wgpu_loopback::qwz_all_gather_device`, the WGSL codecs) against the host
+//! qwZ on wgpu buffers (`quantized::qwz_all_gather_device` with the WGSL codecs) against the host
 //! path on the host loopback, bit for bit, errors included.
 
 use zero_comm::Communicator;
-use zero_comm::quantized::{QuantScratch, qwz_all_gather};
-use zero_comm::wgpu_loopback::{WgpuBuffer, qwz_all_gather_device};
+use zero_comm::wgpu_loopback::WgpuComm;
 use zero_quant::{Codec, Int4Block, Int8Block, WgpuQuantizer};
 
 use crate::common::*;
 use crate::device::{or_skip, wgpu_world};
+use crate::quant_common::compare_qwz;
 
 fn codecs() -> [Codec; 3] {
     [
@@ -27,29 +27,10 @@ fn compare(n: usize, c: usize, codec: Codec, nan_at: Option<usize>) {
         }
         x
     };
-    let t = topo(n, n);
-    let host = run_ranks(host_world(t), |mut comm| {
-        let x = input(comm.rank());
-        let mut out = vec![0f32; n * c];
-        let r = qwz_all_gather(&mut comm, &codec, &x, &mut out, &mut QuantScratch::new());
-        r.map(|()| out).map_err(|e| e.to_string())
-    });
     let device = or_skip().expect("checked by the caller");
     let q = WgpuQuantizer::new(device.device().clone(), device.queue().clone()).unwrap();
-    let gpu = run_ranks(wgpu_world(t), |mut comm| {
-        let chunk = comm.upload(&input(comm.rank())).unwrap();
-        let mut out: WgpuBuffer<f32> = comm.alloc(n * c).unwrap();
-        let r = qwz_all_gather_device(&mut comm, &q, codec, &chunk, &mut out);
-        r.map(|()| comm.download_vec(&out).unwrap())
-            .map_err(|e| e.to_string())
-    });
-    for (r, (g, h)) in gpu.iter().zip(&host).enumerate() {
-        match (g, h) {
-            (Ok(g), Ok(h)) => assert_bits(g, h, &format!("{codec:?} n={n} c={c} rank {r}")),
-            (Err(g), Err(h)) => assert_eq!(g, h, "{codec:?} n={n} c={c} rank {r}"),
-            (g, h) => panic!("{codec:?} n={n} c={c} rank {r}: device {g:?}, host {h:?}"),
-        }
-    }
+    let place = |comm: &WgpuComm, x: &[f32]| comm.upload(x).unwrap();
+    compare_qwz(wgpu_world(topo(n, n)), &q, c, codec, place, input);
 }
 
 #[test]

@@ -49,6 +49,13 @@
 //! (the order is then rank order), and otherwise whenever the partial sums are exact (e.g.
 //! integer-valued inputs).
 //!
+//! # On device memory: [`qwz_all_gather_device`], [`qgz_reduce_scatter_device`]
+//!
+//! The same two algorithms on a communicator's own buffers, written once over [`DeviceCodec`]
+//! (a backend's encode, decode and finish kernels): the wgpu loopback's WGSL codecs, NCCL's CUDA
+//! codecs, and [`HostCodec`] on the host loopback. Same collectives, bytes, results and errors as
+//! the host functions; only the failure path reads a wire back to the host.
+//!
 //! # Accounting
 //!
 //! These are exactly the collectives zero-core's plan schedules (`comm_model.rs`), so measured
@@ -117,8 +124,11 @@
 //! buffers afresh (host `Vec`s for the loopback); the device paths write into existing buffers with
 //! [`Communicator::upload_into`].
 
+mod device;
+
 use std::fmt;
 
+pub use device::{DeviceCodec, HostCodec, qgz_reduce_scatter_device, qwz_all_gather_device};
 use zero_core::{Collective, TrafficTable};
 use zero_quant::{BlockCodec, WireLayout};
 
@@ -265,9 +275,8 @@ impl<C: Communicator> QuantGroups<C> {
         self.global_rank
     }
 
-    /// Both sub-groups, mutably (`intra`, `cross`), for the device-side qgZ of the backends.
-    #[cfg(any(feature = "nccl", feature = "wgpu"))]
-    pub(crate) fn groups_mut(&mut self) -> (Option<&mut C>, Option<&mut C>) {
+    /// Both sub-groups, mutably (`intra`, `cross`), for the device-side qgZ.
+    fn groups_mut(&mut self) -> (Option<&mut C>, Option<&mut C>) {
         (self.intra.as_mut(), self.cross.as_mut())
     }
 
@@ -393,60 +402,6 @@ impl Fault {
         if let Some(o) = poisoned(piece, layout) {
             self.peer(o);
         }
-    }
-
-    /// After one exchange of a device-side qgZ (`nccl::` and
-    /// `wgpu_loopback::qgz_reduce_scatter_device`): when anything failed (this rank already had a
-    /// fault, or decoding the received pieces gave `decode_error`), reads the received wire back
-    /// (`wire`, called only then) and records the poisoned pieces' origins, as the host path's
-    /// check of every received piece does; a decode error with no poisoned piece (and no earlier
-    /// fault) is this rank's own. Decoding stops at the first error and a poisoned piece always
-    /// fails to decode (its first scale is a NaN), so this names the same rank as the host path.
-    #[cfg(any(feature = "nccl", feature = "wgpu"))]
-    pub(crate) fn after_exchange_device(
-        &mut self,
-        decode_error: Option<zero_quant::Error>,
-        layout: &WireLayout,
-        wire: impl FnOnce() -> Result<Vec<u8>>,
-    ) -> Result<()> {
-        if decode_error.is_some() || self.origin().is_some() {
-            let host = wire()?;
-            for piece in host.chunks_exact(layout.total_len.max(1)) {
-                self.check(piece, layout);
-            }
-            if self.origin().is_none()
-                && let Some(e) = decode_error
-            {
-                self.local(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// The end of a device-side qwZ (`nccl::` and `wgpu_loopback::qwz_all_gather_device`): when
-    /// anything failed, reads the received wire of `n` pieces (`wire`, called only then) and names
-    /// the failing rank from the poison markers, as the host path does; a decode error with no
-    /// poisoned piece is this rank's own.
-    #[cfg(any(feature = "nccl", feature = "wgpu"))]
-    pub(crate) fn finish_device(
-        mut self,
-        decode_error: Option<zero_quant::Error>,
-        layout: &WireLayout,
-        n: usize,
-        wire: impl FnOnce() -> Result<Vec<u8>>,
-    ) -> Result<()> {
-        if decode_error.is_some() || self.origin().is_some() {
-            let host = wire()?;
-            for piece in host.chunks_exact(layout.total_len.max(1)).take(n) {
-                self.check(piece, layout);
-            }
-            if self.origin().is_none()
-                && let Some(e) = decode_error
-            {
-                self.local(e);
-            }
-        }
-        self.finish()
     }
 
     pub(crate) fn finish(self) -> Result<()> {
