@@ -77,14 +77,11 @@ pub(crate) enum Job<C: Communicator> {
     /// All-gather a unit from this rank's `piece`; `hpz`: within the hpZ group (from the
     /// secondary shard). qwZ applies when it is on.
     Gather { piece: Out<C>, hpz: bool },
-    /// [`Job::Gather`] of an fp32 `piece`, leaving the unit in the communicator's memory (for a
+    /// [`Job::Gather`] of an fp32 `piece` (in host memory, or already in the communicator's),
+    /// leaving the unit in the communicator's memory (for a
     /// [`DeviceTensors`](crate::device::DeviceTensors) hook to install); `qwz`: through qwZ
     /// when it is on (with the [`DeviceQuant`] codecs), else plain (the post-step gathers).
-    GatherDevice {
-        piece: Vec<f32>,
-        hpz: bool,
-        qwz: bool,
-    },
+    GatherDevice { piece: Out<C>, hpz: bool, qwz: bool },
     /// [`Job::AllReduce`] of an f32 unit already in the communicator's memory (packed there by a
     /// [`DeviceTensors`](crate::device::DeviceTensors) hook), in place; the result is downloaded.
     AllReduceDevice { data: C::Buffer<f32>, op: ReduceOp },
@@ -107,8 +104,15 @@ impl<C: Communicator> Comms<C> {
                     (Some(h), true) => h,
                     _ => &mut self.world,
                 };
-                let send = comm.upload(&piece)?;
-                let mut full = comm.alloc::<f32>(piece.len() * comm.world_size())?;
+                let send = match piece {
+                    Elems::Device(b) => b,
+                    Elems::F32(v) => comm.upload(&v)?,
+                    Elems::U16(_) => {
+                        return Err(Error::Internal("a device gather of 16-bit elements".into()));
+                    }
+                };
+                let n = comm.world_size();
+                let mut full = comm.alloc::<f32>(comm.buffer_len(&send) * n)?;
                 match (qwz, &self.qwz, &self.quant) {
                     (true, Some(codec), Some(q)) => {
                         qwz_all_gather_device(comm, &**q, *codec, &send, &mut full)?

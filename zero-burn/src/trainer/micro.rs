@@ -383,26 +383,37 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
             ))
         };
-        let piece = match (self.half, hpz) {
-            (None, true) => {
-                let s = self.secondary[u].as_ref().ok_or_else(no_secondary)?;
-                Elems::F32(s.read(0..s.len()))
-            }
-            (None, false) => Elems::F32(self.shard.chunk(u)),
-            (Some(_), true) => Elems::U16(self.secondary16[u].clone().ok_or_else(no_secondary)?),
-            (Some(_), false) => Elems::U16(self.shard16[so..so + cl].to_vec()),
-        };
         // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
         // from there.
         let device = self.device_tensors.is_some()
             && (self.device_quant || !plan.config().quantized_weights);
-        let job = match piece {
-            Elems::F32(piece) if device => Job::GatherDevice {
-                piece,
-                hpz,
-                qwz: true,
-            },
-            piece => Job::Gather { piece, hpz },
+        let job = match (self.half, hpz) {
+            (None, _) => {
+                let slab = if hpz {
+                    self.secondary[u].as_ref().ok_or_else(no_secondary)?
+                } else {
+                    self.shard.unit(u)
+                };
+                if device {
+                    let piece = self.device_piece(slab)?;
+                    Job::GatherDevice {
+                        piece,
+                        hpz,
+                        qwz: true,
+                    }
+                } else {
+                    let piece = Elems::F32(slab.read(0..slab.len()));
+                    Job::Gather { piece, hpz }
+                }
+            }
+            (Some(_), true) => {
+                let piece = Elems::U16(self.secondary16[u].clone().ok_or_else(no_secondary)?);
+                Job::Gather { piece, hpz }
+            }
+            (Some(_), false) => {
+                let piece = Elems::U16(self.shard16[so..so + cl].to_vec());
+                Job::Gather { piece, hpz }
+            }
         };
         exec.submit(job, Ticket::Gather { u, backward })?;
         self.fetching[u] = true;

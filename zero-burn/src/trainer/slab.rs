@@ -197,6 +197,11 @@ impl Shard {
     }
 
     /// Unit `u`'s slab.
+    pub(super) fn unit(&self, u: usize) -> &Slab {
+        &self.units[u]
+    }
+
+    /// Unit `u`'s slab, mutable.
     pub(super) fn unit_mut(&mut self, u: usize) -> &mut Slab {
         &mut self.units[u]
     }

@@ -32,8 +32,9 @@ use crate::segmented::Segmented;
 enum Publish<B> {
     /// Written into the model as it is (stage 0: the whole unit).
     Write(Vec<f32>),
-    /// The rank's updated fp32 chunk, all-gathered (stages 1–2).
-    Gather(Vec<f32>),
+    /// The rank's updated fp32 chunk, all-gathered (stages 1–2, stage-3 persistent units): in
+    /// host memory, or already copied into the communicator's.
+    Gather(Elems<B>),
     /// The rank's updated 16-bit chunk, all-gathered (stages 1–2 in bf16/fp16).
     Gather16(Half, Vec<u16>),
     /// Already gathered into the communicator's memory.
@@ -185,7 +186,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     if stage == 0 {
                         Publish::Write(w)
                     } else {
-                        Publish::Gather(w)
+                        Publish::Gather(Elems::F32(w))
                     }
                 }
                 (None, _) => {
@@ -216,7 +217,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let cl = plan.chunk_len(u) as usize;
                     let so = unit.shard_offset as usize;
                     let publish = match half {
-                        None => Publish::Gather(self.shard.chunk(u)),
+                        None if self.device_tensors.is_some() => {
+                            Publish::Gather(self.device_piece(self.shard.unit(u))?)
+                        }
+                        None => Publish::Gather(Elems::F32(self.shard.chunk(u))),
                         Some(h) => Publish::Gather16(h, self.shard16[so..so + cl].to_vec()),
                     };
                     updates.push((u, publish));

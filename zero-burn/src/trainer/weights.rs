@@ -202,20 +202,40 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(())
     }
 
+    /// The piece a device gather sends from `slab` (this rank's fp32 chunk of a unit, or its hpZ
+    /// secondary slice): copied on the device into the communicator's memory through the
+    /// [`DeviceTensors`] hook when the slab lives there, so it never passes through host memory;
+    /// else its values, which the communicator uploads.
+    pub(super) fn device_piece(&self, slab: &Slab) -> Result<Out<C>> {
+        let len = slab.len();
+        match slab.device_slice(0..len) {
+            Some(t) => {
+                let hook = self.hook()?;
+                let mut buf = hook.zeros(len)?;
+                hook.copy_in(&mut buf, 0, &t)?;
+                Ok(Elems::Device(buf))
+            }
+            None => Ok(Elems::F32(slab.read(0..len))),
+        }
+    }
+
     /// The all-gather of an updated fp32 chunk after the optimizer step (stages 1–2, stage-3
-    /// persistent units): into the communicator's memory when a [`DeviceTensors`] hook installs
-    /// weights from there, else into host memory.
-    pub(super) fn post_step_gather(&mut self, piece: Vec<f32>) -> Result<Out<C>> {
+    /// persistent units), from host values or a [`device_piece`](Self::device_piece): into the
+    /// communicator's memory when a [`DeviceTensors`] hook installs weights from there, else into
+    /// host memory.
+    pub(super) fn post_step_gather(&mut self, piece: Out<C>) -> Result<Out<C>> {
         let device = self.device_tensors.is_some();
         let comms = self.comms();
-        if device {
-            comms.run(Job::GatherDevice {
+        match piece {
+            piece if device => comms.run(Job::GatherDevice {
                 piece,
                 hpz: false,
                 qwz: false,
-            })
-        } else {
-            Ok(Elems::F32(comms.world.all_gather_host(&piece)?))
+            }),
+            Elems::F32(piece) => Ok(Elems::F32(comms.world.all_gather_host(&piece)?)),
+            Elems::U16(_) | Elems::Device(_) => Err(Error::Internal(
+                "a post-step gather of a 16-bit or device piece without a device hook".into(),
+            )),
         }
     }
 
