@@ -15,6 +15,8 @@
 
 use std::borrow::Cow;
 
+use burn::tensor::Tensor;
+
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
@@ -32,6 +34,8 @@ use crate::segmented::Segmented;
 enum Publish<B> {
     /// Written into the model as it is (stage 0: the whole unit).
     Write(Vec<f32>),
+    /// [`Publish::Write`] of the unit as a tensor on the optimizer state's device.
+    WriteTensor(Box<Tensor<1>>),
     /// The rank's updated fp32 chunk, all-gathered (stages 1–2, stage-3 persistent units): in
     /// host memory, or already copied into the communicator's.
     Gather(Elems<B>),
@@ -172,21 +176,33 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             };
             let publish = match (half, stage) {
                 (None, 0..=2) => {
-                    let full = self.read_unit(u)?;
-                    let w = if stage == 0 {
-                        full
-                    } else {
-                        full[self.rank * len..(self.rank + 1) * len].to_vec()
+                    // The weights are read where the optimizer's state lives: on its device from
+                    // the model's tensors, else into host memory.
+                    let mine = self.rank * len..(self.rank + 1) * len;
+                    let mut slab = match self.opt.device().cloned() {
+                        Some(d) => {
+                            let full = self.unit_tensor(u, &d)?;
+                            let w = if stage == 0 { full } else { full.slice(mine) };
+                            Slab::Device(Box::new(w))
+                        }
+                        None => {
+                            let full = self.read_unit(u)?;
+                            Slab::Host(if stage == 0 {
+                                full
+                            } else {
+                                full[mine].to_vec()
+                            })
+                        }
                     };
-                    let mut slab = Slab::Host(w);
                     self.opt.step_weights(u, lr, g, &mut slab);
-                    let Slab::Host(w) = slab else {
-                        unreachable!("host weights stay in host memory")
-                    };
-                    if stage == 0 {
-                        Publish::Write(w)
-                    } else {
-                        Publish::Gather(Elems::F32(w))
+                    match (stage, slab) {
+                        (0, Slab::Host(w)) => Publish::Write(w),
+                        (0, Slab::Device(w)) => Publish::WriteTensor(w),
+                        (_, Slab::Host(w)) => Publish::Gather(Elems::F32(w)),
+                        (_, slab) if self.device_tensors.is_some() => {
+                            Publish::Gather(self.device_piece(&slab)?)
+                        }
+                        (_, slab) => Publish::Gather(Elems::F32(slab.read(0..slab.len()))),
                     }
                 }
                 (None, _) => {
@@ -232,6 +248,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         // Every unit written back in one pass over the model.
         let mut values = params::NewValues::new();
+        let mut tensors = params::NewTensors::new();
         for (u, publish) in updates {
             let publish = match publish {
                 Publish::Gather(piece) => Publish::Gathered(self.post_step_gather(piece)?),
@@ -245,6 +262,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Publish::Write(full) | Publish::Gathered(Elems::F32(full)) => {
                     self.unit_values(u, &full, &mut values);
                 }
+                Publish::WriteTensor(full) => self.unit_tensors(u, &full, &mut tensors),
                 Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
                 Publish::InPlace => {}
                 Publish::Gathered(Elems::U16(_)) | Publish::Gather(_) | Publish::Gather16(..) => {
@@ -256,6 +274,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         if !values.is_empty() {
             self.set_params(values);
+        }
+        if !tensors.is_empty() {
+            let model = self.model.clone();
+            self.model = params::write_tensors(model, tensors);
         }
         self.end_step();
         Ok(())

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use burn::module::ParamId;
+use burn::tensor::{Device, Tensor};
 use zero_comm::Communicator;
 
 use super::slab::Slab;
@@ -63,20 +64,69 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(out)
     }
 
-    /// Reads unit `u`'s parameters from the model into a zero-padded flat buffer of its length.
-    pub(super) fn read_unit(&self, u: usize) -> Result<Vec<f32>> {
-        let entries = self.plan.unit_entries(u);
-        let want: HashMap<ParamId, usize> = entries
+    /// Unit `u`'s parameters: id → their slot in the unit's entries.
+    fn unit_ids(&self, u: usize) -> HashMap<ParamId, usize> {
+        self.plan
+            .unit_entries(u)
             .iter()
             .enumerate()
             .map(|(k, e)| (self.params[e.param].id, k))
-            .collect();
+            .collect()
+    }
+
+    /// Reads unit `u`'s parameters from the model into a zero-padded flat buffer of its length.
+    pub(super) fn read_unit(&self, u: usize) -> Result<Vec<f32>> {
+        let entries = self.plan.unit_entries(u);
+        let want = self.unit_ids(u);
         let values = params::read_values(&self.model, &want)?;
         let mut full = vec![0.0; self.plan.units()[u].len as usize];
         for (e, v) in entries.iter().zip(values) {
             full[e.offset as usize..e.offset as usize + v.len()].copy_from_slice(&v);
         }
         Ok(full)
+    }
+
+    /// Unit `u`'s flat fp32 values as a tensor on `device` (the optimizer state's), cut and
+    /// joined on the device from the model's parameter tensors (detached), with zeros where the
+    /// unit has no parameter: [`Self::read_unit`] with no host round trip.
+    pub(super) fn unit_tensor(&self, u: usize, device: &Device) -> Result<Tensor<1>> {
+        let entries = self.plan.unit_entries(u);
+        let want = self.unit_ids(u);
+        let mut tensors = params::read_tensors(&self.model, &want);
+        let len = self.plan.units()[u].len as usize;
+        let mut parts = Vec::with_capacity(2 * entries.len() + 1);
+        let mut at = 0;
+        for e in entries {
+            let o = e.offset as usize;
+            if o > at {
+                parts.push(Tensor::<1>::zeros([o - at], device));
+            }
+            let (t, _, _) = tensors.remove(&self.params[e.param].id).ok_or_else(|| {
+                Error::Internal(format!("unit {u}: a parameter is not in the module"))
+            })?;
+            parts.push(t.inner().to_device(device));
+            at = o + e.numel as usize;
+        }
+        if len > at {
+            parts.push(Tensor::<1>::zeros([len - at], device));
+        }
+        Ok(Tensor::cat(parts, 0))
+    }
+
+    /// Adds unit `u`'s parameters, cut from `full` (its flat values on the optimizer state's
+    /// device), to `tensors`, as tensors of the model.
+    pub(super) fn unit_tensors(
+        &self,
+        u: usize,
+        full: &Tensor<1>,
+        tensors: &mut params::NewTensors,
+    ) {
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            let o = e.offset as usize;
+            let t = Tensor::from_inner(full.clone().slice(o..o + e.numel as usize));
+            tensors.insert(p.id, (t, p.shape.clone(), p.trainable));
+        }
     }
 
     pub(super) fn write_unit(&mut self, u: usize, full: &[f32]) {
