@@ -125,6 +125,7 @@ const GPU_TESTS: &[&str] = &[
     "gpu_qgz_finish_kernels_divide_and_round_like_the_host",
     "gpu_burn_cuda_computes_like_flex",
     "gpu_zero3_on_cuda_equals_stage0_bit_for_bit",
+    "gpu_nccl_on_cuda_bridged_equals_host_staged",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

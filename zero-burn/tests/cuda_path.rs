@@ -7,8 +7,9 @@
 //! - With feature `gpu-tests` (clippy builds it), `ZERO_GPU_TESTS=1` and a GPU: a matmul, a
 //!   reduction and a softmax on burn-cuda equal burn-flex's within 1e-5; ZeRO-3 over 2 in-process
 //!   ranks on the GPU (host loopback) gives stage 0's losses bit for bit, with the traffic the
-//!   plan books, and flex's within 1e-3 (relative). `cargo xtask gpu-check` runs both (a program
-//!   of its own); they have not run on a GPU yet.
+//!   plan books, and flex's within 1e-3 (relative); and over NCCL at world size 1, the CUDA bridge
+//!   (`cuda::CudaTensors`) gives the host-staged path's bits. `cargo xtask gpu-check` runs them (a
+//!   program of its own); they have not run on a GPU yet.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -19,6 +20,8 @@ use zero_burn::demo::job::{Backend, JobConfig, run_job};
 use burn::tensor::activation::softmax;
 #[cfg(feature = "gpu-tests")]
 use burn::tensor::{Device, Tensor, TensorData};
+#[cfg(feature = "gpu-tests")]
+use zero_burn::cuda::CudaTensors;
 
 fn driver_present() -> bool {
     zero_burn::cuda::gpu_count().is_ok()
@@ -188,4 +191,80 @@ fn gpu_burn_cuda_computes_like_flex() {
         .fold(0.0f32, f32::max);
     assert!(worst <= 1e-5, "burn-cuda vs flex: worst gap {worst}");
     cookie("gpu_burn_cuda_computes_like_flex");
+}
+
+/// The CUDA bridge over NCCL (`cuda::CudaTensors`, with NCCL's CUDA codecs as `DeviceQuant`) on
+/// one GPU at world size 1: ZeRO-3 (plain, and with qwZ and qgZ) gives the host-staged path's
+/// losses and final parameters bit for bit (the same kernels on the same values; only where the
+/// bytes travel differs), with the traffic the plan books.
+#[cfg(feature = "gpu-tests")]
+#[test]
+fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
+    use std::sync::Arc;
+    use zero_burn::demo::data::MarkovLanguage;
+    use zero_burn::demo::run::{TrainOptions, corpus_step, engine_builder};
+    use zero_burn::optim::Optimizer;
+    use zero_burn::{DeviceQuant, Reduction, plan_for};
+    use zero_comm::nccl::{NcclComm, NcclOptions};
+    use zero_core::{Topology, ZeroConfig};
+    use zero_quant::CudaQuantizer;
+
+    const NAME: &str = "gpu_nccl_on_cuda_bridged_equals_host_staged";
+    if !gpu_gate(NAME) {
+        return;
+    }
+    let job = JobConfig::default_job();
+    let corpus = MarkovLanguage::new(job.model.vocab, 5).expect("a corpus");
+    let options = TrainOptions {
+        lr: job.lr,
+        optimizer: Optimizer::default(),
+        micro_batch: 2,
+        seq: job.model.context,
+        reduction: Reduction::RankOrdered,
+    };
+    for zpp in [false, true] {
+        let train = |bridged: bool| {
+            let device = zero_burn::cuda::device(0).expect("a GPU").autodiff();
+            let model = job.model.init(&device, 11);
+            let zero = ZeroConfig {
+                stage: 3,
+                param_persistence_threshold: 256,
+                quantized_weights: zpp,
+                quantized_gradients: zpp,
+                optimizer: Optimizer::default().kind(),
+                ..ZeroConfig::default()
+            };
+            let topology = Topology::new(1, 1).expect("a topology");
+            let plan = Arc::new(plan_for(&model, topology, &zero).expect("a plan"));
+            let comm = NcclComm::single(0, NcclOptions::default()).expect("NCCL on GPU 0");
+            let hooks = CudaTensors::new(&comm, device.clone());
+            let quant = CudaQuantizer::new(comm.stream().clone()).expect("the CUDA codecs");
+            let mut builder = engine_builder(&plan, comm, model, options);
+            if bridged {
+                builder = builder
+                    .device_tensors(Box::new(hooks))
+                    .device_quant(Arc::new(quant) as Arc<dyn DeviceQuant<_>>);
+            }
+            let mut engine = builder.build().expect("an engine");
+            let losses: Vec<u32> = (0..3)
+                .map(|_| {
+                    let out = corpus_step(&mut engine, &corpus, &options).expect("a step");
+                    out.loss.to_bits()
+                })
+                .collect();
+            assert!(engine.report().traffic_matches_plan(), "zpp={zpp}: traffic");
+            let params = engine.gather_all_params().expect("the parameters");
+            let bits: Vec<u32> = params.iter().flatten().map(|v| v.to_bits()).collect();
+            (losses, bits, engine.device_weight_bytes())
+        };
+        let (bridged, staged) = (train(true), train(false));
+        assert_eq!(bridged.0, staged.0, "zpp={zpp}: losses");
+        assert!(bridged.1 == staged.1, "zpp={zpp}: parameters");
+        assert!(
+            bridged.2 > 0,
+            "zpp={zpp}: weights installed from NCCL's memory"
+        );
+        assert_eq!(staged.2, 0, "zpp={zpp}: the staged path");
+    }
+    cookie(NAME);
 }

@@ -7,12 +7,21 @@
 //! What works here: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`), [`device`]
 //! guards it, and the demo trains on it ([`Backend::Cuda`](crate::demo::job::Backend::Cuda):
 //! the model, the optimizer's state, the fp32 shard and accumulator on the GPU, the collectives
-//! staged through host memory); none of it has run on a GPU yet. Not yet: the 16-bit shard and
-//! accumulator on the device, a CUDA loopback and NCCL on device pointers; see STATUS.md.
+//! staged through host memory). With feature `nccl` too, [`CudaTensors`] is the trainer's
+//! [`DeviceTensors`](crate::DeviceTensors) hook over NCCL: gradients and gathered weights move
+//! between burn-cuda tensors and NCCL's device buffers on the device. None of it has run on a GPU
+//! yet. Not yet: the 16-bit shard and accumulator on the device, and a CUDA loopback; see
+//! STATUS.md.
 
 use burn::tensor::Device;
 
 use crate::error::{Error, Result};
+
+#[cfg(feature = "nccl")]
+mod bridge;
+
+#[cfg(feature = "nccl")]
+pub use bridge::CudaTensors;
 
 /// burn's CUDA device `index` (without autodiff: call `.autodiff()` to train on it), after
 /// checking that this machine has a CUDA driver and a GPU of that index.
