@@ -412,11 +412,11 @@ pub fn global_losses<M>(results: &[RankResult<M>]) -> Vec<f32> {
 /// Tensors reach the loopback through the zero-copy bridge ([`WgpuTensors::Bridge`]) in fp32:
 /// units reduced every micro-step are packed from burn's gradient tensors on the device and
 /// reduced there (qgZ with the WGSL codecs), only the rank's reduced chunk downloaded; weights
-/// are gathered on the device (qwZ likewise) and installed from there, only the rank's chunk
-/// uploaded. The trainer keeps its 16-bit shards and accumulators, and the fp32
-/// accumulator of `accumulate_before_reduce`, in host memory, so the other collectives (16-bit
-/// or deferred) upload their input and download the result: a host round trip. The loopback
-/// reduces in rank order, so [`Reduction::CanonicalTree`] is rejected.
+/// are gathered on the device (qwZ likewise) and installed from there, stage 3's pieces copied
+/// from its device shard. The trainer keeps its 16-bit shards and accumulators in host memory, and
+/// the gradients of `accumulate_before_reduce` pass through it, so those collectives upload their
+/// input and download the result: a host round trip. The loopback reduces in rank order, so
+/// [`Reduction::CanonicalTree`] is rejected.
 #[cfg(feature = "wgpu")]
 pub fn train_wgpu<M: Segmented<Batch = TokenBatch>>(
     shared: &WgpuShared,

@@ -164,12 +164,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             acc: match accum {
                 GradAccum::Half => Slab::Host(Vec::new()),
                 GradAccum::HalfIntoF32 => Slab::Host(vec![0.0; acc_len]),
-                // Only ever added into on this path: with the optimizer's state, which reads it
-                // (on the model's device, or in host memory under optimizer offload).
-                GradAccum::F32
-                    if options.reduction == Reduction::RankOrdered
-                        && !(stage <= 1 && plan.config().accumulate_before_reduce) =>
-                {
+                // Only ever added into, written and read whole on this path: with the optimizer's
+                // state, which reads it (on the model's device, or in host memory under optimizer
+                // offload).
+                GradAccum::F32 if options.reduction == Reduction::RankOrdered => {
                     let on = slab::state_device(plan.config().optimizer_placement, &device);
                     Slab::zeros(acc_len, on.as_ref())
                 }

@@ -267,10 +267,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if !last_micro {
                 return Ok(());
             }
-            let acc = self.acc.host().expect(HOST_ACC);
             match self.half {
-                None => Elems::F32(acc[off..off + len].to_vec()),
+                None => Elems::F32(self.acc.read(off..off + len)),
                 Some(h) if self.accum == GradAccum::HalfIntoF32 => {
+                    let acc = self.acc.host().expect(HOST_ACC);
                     Elems::U16(h.round_all(&acc[off..off + len]))
                 }
                 Some(_) => Elems::U16(self.acc16[off..off + len].to_vec()),

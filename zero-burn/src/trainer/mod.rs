@@ -113,8 +113,8 @@ enum Ticket {
     },
 }
 
-/// Where the accumulator is read or written element by element (the canonical tree,
-/// `accumulate_before_reduce`, 16-bit gradients widened into it), it lives in host memory.
+/// Where the accumulator is read or written element by element (the canonical tree, 16-bit
+/// gradients widened into it), it lives in host memory.
 const HOST_ACC: &str = "the accumulator is in host memory on this path";
 
 /// The communicators are away only inside [`ZeroEngine::micro_step`], which always takes them
@@ -155,9 +155,9 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     /// Where the reduced gradients accumulate: `acc` (f32) or `acc16`.
     accum: GradAccum,
     /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
-    /// otherwise this rank's chunks of trainable units. With the optimizer's state where the
-    /// reductions' results are only added into it (fp32, rank-ordered, reduced every
-    /// micro-step), else in host memory ([`HOST_ACC`]).
+    /// otherwise this rank's chunks of trainable units. With the optimizer's state where it is
+    /// only added into, written and read whole (fp32, rank-ordered), else in host memory
+    /// ([`HOST_ACC`]).
     acc: Slab,
     /// [`Reduction::CanonicalTree`]: the pending subtrees of the micro-step sum beyond `acc`.
     tree: TreeAccumulator,
