@@ -1,6 +1,12 @@
-//! The run report of `cargo xtask train`: printed (loss, throughput, memory and bytes measured
-//! against planned, checkpoints saved), written as `report.json`, and drawn as
-//! `report.svg` and `report.png`.
+//! The run report of `cargo xtask train`: printed (loss, throughput, memory booked and bytes
+//! counted against planned, what the process and the device measured, checkpoints saved),
+//! written as `report.json`, and drawn as `report.svg` and `report.png`.
+//!
+//! Words keep their meaning: **counted** bytes are summed where the communicator hands them to
+//! its transport (peer reads on the loopbacks, the counts given to MPI and NCCL); **booked**
+//! memory is the engine's own accounting of its buffers (in `report.json` under
+//! `memory.measured`); **measured** memory comes from outside the engine: the process's peak
+//! RSS, the device's memory pools.
 
 use std::path::Path;
 
@@ -10,9 +16,16 @@ use zero_core::report::human_bytes;
 use zero_core::{Collective, LinkClass, Precision};
 
 /// Prints the report, writes `report.json` (with the process's peak RSS when known),
-/// `report.svg` and `report.png` into `out`, and fails when measured bytes differ from the plan.
+/// `report.svg` and `report.png` into `out`, and fails when the counted traffic or the booked
+/// memory differs from the plan.
 pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> anyhow::Result<()> {
     print_report(report);
+    if let Some(rss) = peak_rss {
+        println!(
+            "process peak RSS, measured by the OS (every rank of this process): {}",
+            human_bytes(rss)
+        );
+    }
     let json = out.join("report.json");
     let mut value = serde_json::to_value(report)?;
     if let (Some(obj), Some(rss)) = (value.as_object_mut(), peak_rss) {
@@ -29,12 +42,15 @@ pub(crate) fn finish(report: &RunReport, out: &Path, peak_rss: Option<u64>) -> a
         out.display()
     );
     if !report.comm_matches_plan || !report.memory_matches_plan {
-        bail!("measured bytes differ from the plan (see the tables above and report.json)");
+        bail!(
+            "counted traffic or booked memory differs from the plan (see the tables above and \
+             report.json)"
+        );
     }
     Ok(())
 }
 
-/// Rank 0's memory per plan category: (the plan's name, a short label, measured, planned).
+/// Rank 0's memory per plan category: (the plan's name, a short label, booked, planned).
 fn memory_rows(r: &RunReport) -> [(&'static str, &'static str, u64, u64); 7] {
     let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
     [
@@ -74,7 +90,7 @@ fn memory_rows(r: &RunReport) -> [(&'static str, &'static str, u64, u64); 7] {
 }
 
 /// The report's figure: the loss per step (rank mean) with the entropy floor, the tokens/s of
-/// each step, and measured against planned memory per category on rank 0, in MiB; SVG, or PNG
+/// each step, and booked against planned memory per category on rank 0, in MiB; SVG, or PNG
 /// for a `.png` path.
 fn report_figure(r: &RunReport, path: &Path) -> anyhow::Result<()> {
     use crate::plot::{Bars, Panel, Series};
@@ -128,7 +144,7 @@ fn report_figure(r: &RunReport, path: &Path) -> anyhow::Result<()> {
         y_label: "MiB".into(),
         categories: rows.iter().map(|r| r.1.to_string()).collect(),
         series: vec![
-            ("measured".into(), rows.iter().map(|r| mib(r.2)).collect()),
+            ("booked".into(), rows.iter().map(|r| mib(r.2)).collect()),
             ("planned".into(), rows.iter().map(|r| mib(r.3)).collect()),
         ],
     };
@@ -166,14 +182,14 @@ fn print_report(r: &RunReport) {
         );
     }
 
-    println!("\nmemory per rank (peak bytes; measured on rank 0 vs planned)");
+    println!("\nmemory per rank (peak bytes on rank 0: booked by the engine vs planned)");
     let (m, p) = (&r.memory.measured[0], &r.memory.planned[0]);
     let mut rows: Vec<(&str, u64, u64)> = memory_rows(r)
         .into_iter()
         .map(|(name, _, meas, plan)| (name, meas, plan))
         .collect();
     rows.push(("model states", m.model_states_bytes, p.model_states_bytes));
-    println!("  {:<24} {:>12} {:>12}", "category", "measured", "planned");
+    println!("  {:<24} {:>12} {:>12}", "category", "booked", "planned");
     for (name, meas, plan) in rows {
         // `<`: under the plan's bound (e.g. overlapped reductions that never coincide).
         let mark = match meas.cmp(&plan) {
@@ -196,7 +212,7 @@ fn print_report(r: &RunReport) {
         );
     }
     println!(
-        "  model states equal the plan on every rank: {}",
+        "  booked model states equal the plan on every rank: {}",
         if r.memory_matches_plan { "yes" } else { "NO" }
     );
     if let Some(dev) = r.device_peak_per_rank.first() {
@@ -207,10 +223,10 @@ fn print_report(r: &RunReport) {
         );
     }
 
-    println!("\nbytes sent per rank over the whole run (rank 0; measured vs planned)");
+    println!("\nbytes sent per rank over the whole run (rank 0; counted vs planned)");
     println!(
         "  {:<15} {:>8} {:>12} {:>12} {:>12} {:>12}",
-        "collective", "calls", "intra meas", "intra plan", "inter meas", "inter plan"
+        "collective", "calls", "intra count", "intra plan", "inter count", "inter plan"
     );
     let (meas, plan) = (&r.comm.measured[0], &r.comm.planned[0]);
     for op in Collective::ALL {
@@ -232,7 +248,7 @@ fn print_report(r: &RunReport) {
         );
     }
     println!(
-        "  measured traffic equals the plan on every rank: {}",
+        "  counted traffic equals the plan on every rank: {}",
         if r.comm_matches_plan { "yes" } else { "NO" }
     );
     if r.first_step > 0 {

@@ -310,8 +310,11 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
         .env("RUSTDOCFLAGS", "-D warnings");
         run_step("docs", doc)?;
     }
-    let work = std::env::temp_dir().join(format!("zero-rs-xtask-test-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
+    // Removed when it drops, whichever way this returns.
+    let work_dir = tempfile::Builder::new()
+        .prefix("zero-rs-xtask-test-")
+        .tempdir()?;
+    let work = work_dir.path().to_path_buf();
     let skip_log = work.join("not-run.log");
     let _ = std::fs::remove_file(&skip_log);
     let mut test = cargo();
@@ -359,7 +362,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&work);
+    drop(work_dir);
     if skips.is_empty() {
         eprintln!("==> all checks passed; every test ran");
     } else {

@@ -200,7 +200,7 @@ fn default_optimizer(kind: OptimizerKind) -> Optimizer {
     }
 }
 
-/// What one rank measured next to what its plan predicted.
+/// What one rank counted and booked next to what its plan predicted.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RankReport {
     /// The rank.
@@ -209,14 +209,16 @@ pub struct RankReport {
     pub steps: u64,
     /// Steps skipped because fp16 gradients overflowed.
     pub skipped_steps: u64,
-    /// Bytes moved by training steps since the engine was built, per collective and link class.
+    /// Bytes moved by training steps since the engine was built, per collective and link class,
+    /// counted where the communicator hands them to its transport.
     pub traffic: TrafficTable,
     /// What the plan predicts for those steps (a skipped step issues no post-step gathers).
     pub planned_traffic: TrafficTable,
     /// Bytes moved by [`ZeroEngine::eval`] and [`ZeroEngine::consolidated_model`] (not in the
     /// plan, which counts training steps).
     pub other_traffic: TrafficTable,
-    /// Peak bytes by category.
+    /// Peak bytes by category, booked by the engine's accounting of its buffers (the device's
+    /// pools, [`Self::device_peak_bytes`], and an allocator or the process's RSS measure).
     pub memory: MeasuredMemory,
     /// The plan's bytes by category.
     pub planned_memory: MemoryModel,
@@ -233,12 +235,12 @@ pub struct RankReport {
 }
 
 impl RankReport {
-    /// Whether the measured training traffic equals the plan's.
+    /// Whether the counted training traffic equals the plan's.
     pub fn traffic_matches_plan(&self) -> bool {
         self.traffic == self.planned_traffic
     }
 
-    /// Whether the measured model-state bytes (parameters, gradients, optimizer states, master
+    /// Whether the booked model-state bytes (parameters, gradients, optimizer states, master
     /// weights) equal the plan's.
     pub fn model_states_match_plan(&self) -> bool {
         self.memory.model_states() == MeasuredMemory::planned_model_states(&self.planned_memory)
@@ -246,7 +248,7 @@ impl RankReport {
 }
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
-    /// Traffic and memory, measured and planned.
+    /// Traffic counted, memory booked (and measured by the device where it can), and the plan's.
     pub fn report(&self) -> RankReport {
         let plan = self.plan();
         // Planned for the steps this engine ran (after a load, since the checkpoint's step).

@@ -56,7 +56,7 @@
 //!         let out = engine.step(lr, &my_batches(step, rank))?;      // A micro-batches of this rank
 //!         println!("rank {rank} step {step}: loss {}", out.loss);
 //!     }
-//!     assert!(engine.report().traffic_matches_plan());              // measured vs planned
+//!     assert!(engine.report().traffic_matches_plan());              // counted vs planned
 //!     engine.consolidated_model()                                   // collective: the full model
 //! })?;
 //! assert_eq!(models.len(), 2);

@@ -87,6 +87,8 @@ pub mod host;
 pub mod mpi;
 pub mod nccl;
 pub mod quantized;
+#[cfg(any(feature = "mpi", feature = "nccl"))]
+mod tally;
 mod uninhabited;
 mod validate;
 #[cfg(feature = "wgpu")]

@@ -5,7 +5,7 @@
 //! Every backend (host loopback, wgpu loopback, NCCL) validates through [`validate`], so a call
 //! rejected by one is rejected by the others with the same [`Error`] and message.
 
-use zero_core::{Collective, CollectiveTraffic, LinkBytes, Topology};
+use zero_core::{Collective, CollectiveTraffic, Topology};
 
 use crate::element::{DType, ReduceOp};
 use crate::error::{Error, Op, Result};
@@ -247,72 +247,9 @@ pub(crate) fn tally(
     t
 }
 
-/// The logical traffic of one call, measured from what this rank passed (`d`) in a group whose
-/// global ranks are `members`, this rank being group rank `me`: per peer, the elements of this
-/// rank's data that end up there (sent) and of its data that end up here (received), classified by
-/// the link between the two global ranks. See [`zero_core::traffic`] for the convention.
-///
-/// NCCL does not report what its rings and trees put on the wire, so this is what the NCCL
-/// backend records. It is computed per peer from the call's arguments, independently of
-/// [`zero_core::GroupView`]'s closed forms, and the tests check that the two agree.
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-pub(crate) fn measure(
-    topology: &Topology,
-    members: &[usize],
-    me: usize,
-    d: &Desc,
-    elem_bytes: usize,
-) -> CollectiveTraffic {
-    let n = members.len();
-    let eb = elem_bytes as u64;
-    let mut sent = LinkBytes::default();
-    let mut received = LinkBytes::default();
-    for (j, &peer) in members.iter().enumerate() {
-        if j == me {
-            continue;
-        }
-        let (s, r): (usize, usize) = match d.op {
-            Op::Collective(Collective::AllGather) => {
-                let c = if d.in_place {
-                    d.recv_len / n
-                } else {
-                    d.send_len
-                };
-                (c, c)
-            }
-            Op::Collective(Collective::ReduceScatter) => (d.recv_len, d.recv_len),
-            Op::Collective(Collective::AllReduce) => {
-                // Reduce-scatter half: our part of chunk j goes to j, j's part of ours comes here.
-                // All-gather half: our reduced chunk goes to j, j's reduced chunk comes here.
-                let (_, cj) = ar_chunk(d.send_len, n, j);
-                let (_, cm) = ar_chunk(d.send_len, n, me);
-                (cj + cm, cm + cj)
-            }
-            Op::Collective(Collective::Broadcast) => {
-                let root = d.root.unwrap_or(0);
-                (
-                    if me == root { d.send_len } else { 0 },
-                    if j == root { d.send_len } else { 0 },
-                )
-            }
-            Op::Collective(Collective::AllToAll) => (d.send_len / n, d.send_len / n),
-            Op::Collective(Collective::Barrier) | Op::Split => (0, 0),
-        };
-        let class = topology.link_class(members[me], peer);
-        sent.add_class(class, s as u64 * eb);
-        received.add_class(class, r as u64 * eb);
-    }
-    CollectiveTraffic {
-        calls: 1,
-        sent,
-        received,
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use zero_core::GroupView;
 
     /// A descriptor of `op` over `dtype` with the given lengths.
     pub(crate) fn desc(op: impl Into<Op>, dtype: DType, send: usize, recv: usize) -> Desc {
@@ -422,54 +359,6 @@ pub(crate) mod tests {
                 assert_eq!(detail, "rank 6 called all_gather, rank 4 called all_reduce")
             }
             e => panic!("{e}"),
-        }
-    }
-
-    /// The per-peer measurement equals zero-core's closed forms in every layout and sub-group.
-    #[test]
-    fn measurement_equals_group_view_formulas() {
-        let layouts = [(1, 1), (2, 1), (3, 3), (4, 2), (6, 3), (8, 2), (8, 4)];
-        for (w, l) in layouts {
-            let topo = Topology::new(w, l).unwrap();
-            let world: Vec<usize> = (0..w).collect();
-            let odd: Vec<usize> = (0..w).rev().step_by(2).collect();
-            for members in [&world, &odd] {
-                let n = members.len();
-                for me in 0..n {
-                    let view = GroupView {
-                        topology: &topo,
-                        members,
-                        me,
-                    };
-                    let m = |d: Desc, eb| measure(&topo, members, me, &d, eb);
-                    for c in [0usize, 1, 5, 33] {
-                        let ag = desc(Collective::AllGather, DType::F32, c, n * c);
-                        assert_eq!(m(ag, 4), view.all_gather(c as u64, 4));
-                        let ip = Desc {
-                            in_place: true,
-                            send_len: c,
-                            ..ag
-                        };
-                        assert_eq!(m(ip, 4), view.all_gather(c as u64, 4));
-                        let rs = desc(Collective::ReduceScatter, DType::BF16, n * c, c);
-                        assert_eq!(m(rs, 2), view.reduce_scatter(c as u64, 2));
-                        let a2a = desc(Collective::AllToAll, DType::U8, n * c, n * c);
-                        assert_eq!(m(a2a, 1), view.all_to_all((n * c) as u64, 1));
-                    }
-                    for len in [0usize, 1, 7, 19, 64] {
-                        let ar = desc(Collective::AllReduce, DType::F32, len, len);
-                        assert_eq!(m(ar, 4), view.all_reduce(len as u64, 4));
-                        for root in 0..n {
-                            let bc = Desc {
-                                root: Some(root),
-                                ..desc(Collective::Broadcast, DType::F16, len, len)
-                            };
-                            assert_eq!(m(bc, 2), view.broadcast(len as u64, 2, root));
-                        }
-                    }
-                    assert_eq!(m(Desc::new(Collective::Barrier), 0), view.barrier());
-                }
-            }
         }
     }
 }

@@ -18,7 +18,8 @@ mod common;
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
 #[cfg(feature = "gpu-tests")]
 use std::sync::MutexGuard;
@@ -154,13 +155,46 @@ fn id_of(seed: u8) -> UniqueId {
     UniqueId(b)
 }
 
-/// A port nobody listens on (bound, then released).
-fn free_port() -> u16 {
-    TcpListener::bind(LOOPBACK)
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// A loopback port held by a socket that is bound but not listening: a connection to it is
+/// refused, as to a port nobody uses, yet no other process can take it while the socket lives
+/// (binding to port 0 and releasing the port would leave that window open).
+struct HeldPort(OwnedFd);
+
+impl HeldPort {
+    fn new() -> HeldPort {
+        // SAFETY: plain socket calls on a descriptor this value owns from creation on.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let fd = OwnedFd::from_raw_fd(fd);
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_addr.s_addr = u32::from(Ipv4Addr::LOCALHOST).to_be();
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let rc = libc::bind(fd.as_raw_fd(), (&raw const sa).cast(), len);
+            assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+            HeldPort(fd)
+        }
+    }
+
+    fn addr(&self) -> SocketAddr {
+        // SAFETY: getsockname writes at most `len` bytes into `sa`, which this frame owns.
+        unsafe {
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let rc = libc::getsockname(self.0.as_raw_fd(), (&raw mut sa).cast(), &mut len);
+            assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+            SocketAddr::from((Ipv4Addr::LOCALHOST, u16::from_be(sa.sin_port)))
+        }
+    }
+
+    /// Starts listening on the held port.
+    fn listen(self) -> TcpListener {
+        // SAFETY: listen on the descriptor this value owns.
+        let rc = unsafe { libc::listen(self.0.as_raw_fd(), 128) };
+        assert_eq!(rc, 0, "listen: {}", std::io::Error::last_os_error());
+        TcpListener::from(self.0)
+    }
 }
 
 #[test]
@@ -195,7 +229,9 @@ fn rendezvous_hands_rank_0_s_id_to_every_rank_for_worlds_1_to_4() {
 #[test]
 fn exchange_over_launch_variables_agrees_on_one_id() {
     let world = 3;
-    let port = free_port().to_string();
+    // Rank 0 listens on a port of its own choosing before the others learn its number.
+    let server = RendezvousServer::bind(LOOPBACK, world).unwrap();
+    let port = server.local_addr().unwrap().port().to_string();
     let envs: Vec<LaunchEnv> = (0..world)
         .map(|r| {
             let rank = r.to_string();
@@ -209,18 +245,22 @@ fn exchange_over_launch_variables_agrees_on_one_id() {
             .unwrap()
         })
         .collect();
+    let mut servers = vec![Some(server)];
+    servers.resize_with(world, || None);
     let made = Mutex::new(0);
     let ids: Vec<UniqueId> = thread::scope(|s| {
         let hs: Vec<_> = envs
             .iter()
-            .map(|env| {
+            .zip(servers)
+            .map(|(env, server)| {
                 let made = &made;
                 s.spawn(move || {
-                    bootstrap::exchange_unique_id(env, SAFE, || {
+                    let bytes = bootstrap::exchange_via(env, server, SAFE, || {
                         *made.lock().unwrap() += 1;
-                        Ok(id_of(42))
+                        Ok(id_of(42).0.to_vec())
                     })
-                    .unwrap()
+                    .unwrap();
+                    UniqueId::from_bytes(&bytes).unwrap()
                 })
             })
             .collect();
@@ -231,16 +271,41 @@ fn exchange_over_launch_variables_agrees_on_one_id() {
 }
 
 #[test]
+fn only_rank_0_of_the_same_world_may_bring_a_server() {
+    let env = |rank: &str| {
+        LaunchEnv::from_lookup(lookup(&[
+            ("RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap()
+    };
+    for (rank, world) in [("1", 2), ("0", 3)] {
+        let server = RendezvousServer::bind(LOOPBACK, world).unwrap();
+        let err = bootstrap::exchange_via(&env(rank), Some(server), SAFE, || Ok(vec![1]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("rank {rank} of 2")) && err.contains("only rank 0"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn ranks_that_start_first_retry_until_rank_0_listens() {
     let world = 3;
-    let port = free_port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // Connections are refused until rank 0 listens on the held port.
+    let held = HeldPort::new();
+    let addr = held.addr();
     thread::scope(|s| {
         let peers: Vec<_> = (1..world)
             .map(|rank| s.spawn(move || bootstrap::fetch(&[addr], rank, world, SAFE)))
             .collect();
         thread::sleep(Duration::from_millis(300));
-        let server = RendezvousServer::bind(addr, world).unwrap();
+        let server = RendezvousServer::from_listener(held.listen(), world).unwrap();
         server.serve(b"late but fine", SAFE).unwrap();
         for p in peers {
             assert_eq!(p.join().unwrap().unwrap(), b"late but fine");
@@ -250,7 +315,8 @@ fn ranks_that_start_first_retry_until_rank_0_listens() {
 
 #[test]
 fn a_rank_times_out_when_rank_0_never_comes() {
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let held = HeldPort::new();
+    let addr = held.addr();
     let start = Instant::now();
     let err = bootstrap::fetch(&[addr], 2, 4, Duration::from_millis(400))
         .unwrap_err()
@@ -261,6 +327,7 @@ fn a_rank_times_out_when_rank_0_never_comes() {
         "{err}"
     );
     assert!(took < ENDS, "took {took:?}");
+    drop(held);
 }
 
 #[test]

@@ -360,10 +360,11 @@ mod tests {
         ck
     }
 
-    /// The export never writes into the checkpoint it reads, nor onto a directory, and a
-    /// refused one leaves no temporary file; `gc --keep 0` is refused naming LATEST's tag.
+    /// The export never writes into the checkpoint it reads (even into a directory yet to be
+    /// made there), nor onto a directory or a FIFO, nor over a `NAME.tmp` already there, and a
+    /// refused one leaves nothing behind; `gc --keep 0` is refused naming LATEST's tag.
     #[test]
-    fn an_export_into_the_checkpoint_or_onto_a_directory_is_refused_and_leaves_nothing() {
+    fn an_export_into_the_checkpoint_or_onto_a_non_file_is_refused_and_leaves_nothing() {
         let tmp = tempfile::Builder::new()
             .prefix("zero-rs-ckpt-cli-")
             .tempdir()
@@ -389,6 +390,25 @@ mod tests {
         let e = ckpt(&["export", ck_s, "--out", dir.to_str().unwrap()]).unwrap_err();
         assert!(format!("{e:#}").contains("not a regular file"), "{e:#}");
         assert!(!root.join("a-dir.tmp").exists());
+        // A FIFO would be replaced by the rename: refused too.
+        let fifo = root.join("a-fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", fifo.display());
+        let e = ckpt(&["export", ck_s, "--out", fifo.to_str().unwrap()]).unwrap_err();
+        assert!(format!("{e:#}").contains("not a regular file"), "{e:#}");
+        // Inside the checkpoint even where the directory is yet to be made: nothing is made.
+        let deep = ck.join("not-yet").join("model.safetensors");
+        let e = ckpt(&["export", ck_s, "--out", deep.to_str().unwrap()]).unwrap_err();
+        assert!(format!("{e:#}").contains("inside the checkpoint"), "{e:#}");
+        assert!(!ck.join("not-yet").exists());
+        // Someone's `NAME.tmp` is in the way: refused, and left as it was.
+        let planted = root.join("other.safetensors.tmp");
+        std::fs::write(&planted, b"someone's").unwrap();
+        let other = root.join("other.safetensors");
+        let e = ckpt(&["export", ck_s, "--out", other.to_str().unwrap()]).unwrap_err();
+        assert!(format!("{e:#}").contains("is in the way"), "{e:#}");
+        assert_eq!(std::fs::read(&planted).unwrap(), b"someone's");
+        assert!(!other.exists());
         let after: Vec<_> = std::fs::read_dir(&ck)
             .unwrap()
             .map(|e| e.unwrap().path())

@@ -177,6 +177,25 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
     for d in ["takeover", "done"] {
         assert!(!root.join(d).exists(), "{d}: no run directory on a refusal");
     }
+    // Nothing goes inside a checkpoint: neither a --save-dir in a committed tag nor a run
+    // directory (--out) in the root, even where the directory is yet to be made.
+    let in_tag = ck.join("step-00000002").join("sub");
+    let in_tag_s: &'static str = Box::leak(in_tag.to_str().unwrap().to_owned().into_boxed_str());
+    let into = ["--steps", "2", "--save-every", "1", "--save-dir", in_tag_s];
+    let e = run(args(&root.join("into-tag"), &with(&into))).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("lies inside, the checkpoint"),
+        "{e:#}"
+    );
+    let e = run(args(&ck.join("a-run"), &with(&["--steps", "2"]))).unwrap_err();
+    assert!(format!("{e:#}").contains("--out"), "{e:#}");
+    assert!(
+        format!("{e:#}").contains("lies inside, the checkpoint"),
+        "{e:#}"
+    );
+    for d in [root.join("into-tag"), in_tag, ck.join("a-run")] {
+        assert!(!d.exists(), "{}: made on a refusal", d.display());
+    }
     // An odd world size needs no --ranks-per-node (one rank per node by default).
     run(args(
         &root.join("odd"),
@@ -269,7 +288,7 @@ fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
         "entropy floor",
         "throughput per step",
         "tokens/s (slowest rank)",
-        "measured",
+        "booked",
         "planned",
         "gradients",
     ] {

@@ -42,13 +42,16 @@ pub struct RunReport {
     /// Global tokens per second of each step, from the slowest rank's wall time of that step
     /// (the step ends when every rank's does).
     pub step_tokens_per_sec: Vec<f64>,
-    /// Bytes moved, measured and planned, per rank, over all steps.
+    /// Bytes moved per rank over all steps: counted where the communicator hands them to its
+    /// transport (`measured`), and planned.
     pub comm: Compared<TrafficTable, TrafficTable>,
-    /// Peak bytes per rank by category, measured and planned.
+    /// Peak bytes per rank by category: booked by the engine's own accounting of its buffers
+    /// (`measured`; the process's RSS and the device's pools are the outside measurements), and
+    /// planned.
     pub memory: Compared<MeasuredMemory, MemoryModel>,
-    /// Whether measured traffic equals the plan on every rank.
+    /// Whether the counted traffic equals the plan on every rank.
     pub comm_matches_plan: bool,
-    /// Whether measured model-state bytes equal the plan on every rank.
+    /// Whether the booked model-state bytes equal the plan on every rank.
     pub memory_matches_plan: bool,
     /// The optimizer step the run started from: 0, or the resumed checkpoint's step. `loss`
     /// holds the steps from there on.

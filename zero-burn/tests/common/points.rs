@@ -151,15 +151,28 @@ pub(crate) fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Largest |a − b| relative to the largest |b|, over every element.
+/// Below this, a tensor's largest |b| counts as this (a zero-initialised bias is judged by
+/// absolute gaps of `tol · FLOOR`, not divided by zero).
+const FLOOR: f32 = 1e-3;
+
+/// The largest gap of any tensor, relative to that tensor's own scale: max over tensors `t` of
+/// `max |a_t − b_t| / max(max |b_t|, FLOOR)`. A small tensor (a bias, a layer norm's shift) is
+/// held to its own size, not to the model's largest weight; a NaN is an infinite gap.
 pub(crate) fn rel_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    let scale = b.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs()));
-    let gap = a
-        .iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    gap / scale
+    assert_eq!(a.len(), b.len(), "tensor counts differ");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            assert_eq!(x.len(), y.len(), "tensor lengths differ");
+            let scale = y.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(FLOOR);
+            // A NaN on either side is an infinite gap (`f32::max` would drop it).
+            let gap = x.iter().zip(y).fold(0.0f32, |m, (p, q)| {
+                let d = (p - q).abs();
+                m.max(if d.is_nan() { f32::INFINITY } else { d })
+            });
+            gap / scale
+        })
+        .fold(0.0f32, f32::max)
 }
 
 /// Checks a zero-rs run against plain burn's: the largest relative gap of the losses and of the

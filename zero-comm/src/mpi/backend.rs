@@ -15,12 +15,12 @@ use mpi::topology::{Color, SimpleCommunicator};
 use zero_core::{Collective, Topology, TrafficTable};
 
 use super::MpiOptions;
-use super::tally::Tally;
 use crate::communicator::{Communicator, ReduceOrder};
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Op, Result};
 use crate::host::HostBuffer;
 use crate::host::kernels;
+use crate::tally::Tally;
 use crate::validate::{Desc, ar_chunk, validate};
 use crate::wire::DESC_BYTES;
 

@@ -80,8 +80,6 @@
 mod backend;
 #[cfg(not(feature = "mpi"))]
 mod stub;
-#[cfg(feature = "mpi")]
-mod tally;
 
 #[cfg(feature = "mpi")]
 use backend as imp;

@@ -311,9 +311,6 @@ impl RendezvousServer {
     /// Listens on `addr` (port 0 picks a free port; see [`local_addr`](Self::local_addr)) for the
     /// `world_size - 1` other ranks of a world.
     pub fn bind(addr: impl ToSocketAddrs, world_size: usize) -> Result<RendezvousServer> {
-        if world_size == 0 {
-            return Err(boot_err("a rendezvous needs a world of at least one rank"));
-        }
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map_err(|e| boot_err(format!("cannot resolve the rendezvous address: {e}")))?
@@ -324,6 +321,15 @@ impl RendezvousServer {
                  {ENV_MASTER_ADDR} not an address of this host?)"
             ))
         })?;
+        RendezvousServer::from_listener(listener, world_size)
+    }
+
+    /// Serves on a listener the caller bound, for example to port 0 before handing the port it
+    /// got to the other ranks: no other process can take the port in between.
+    pub fn from_listener(listener: TcpListener, world_size: usize) -> Result<RendezvousServer> {
+        if world_size == 0 {
+            return Err(boot_err("a rendezvous needs a world of at least one rank"));
+        }
         listener
             .set_nonblocking(true)
             .map_err(|e| boot_err(format!("cannot make the listener non-blocking: {e}")))?;
@@ -552,13 +558,37 @@ pub fn exchange(
     timeout: Duration,
     make: impl FnOnce() -> Result<Vec<u8>>,
 ) -> Result<Vec<u8>> {
+    exchange_via(env, None, timeout, make)
+}
+
+/// [`exchange`], where rank 0 may bring its server already listening (`server`; see
+/// [`RendezvousServer::from_listener`]) instead of binding `MASTER_ADDR:MASTER_PORT`. Other ranks
+/// and a world of one pass `None`.
+pub fn exchange_via(
+    env: &LaunchEnv,
+    server: Option<RendezvousServer>,
+    timeout: Duration,
+    make: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Vec<u8>> {
+    if let Some(s) = &server
+        && (env.rank != 0 || s.world_size != env.world_size)
+    {
+        return Err(boot_err(format!(
+            "rank {} of {} was handed a rendezvous server for a world of {}: only rank 0 serves, \
+             for its own world",
+            env.rank, env.world_size, s.world_size
+        )));
+    }
     if env.world_size == 1 {
         return make();
     }
     let addrs = env.master_addrs()?;
     if env.rank == 0 {
         // Bind before making the payload, so early peers find the port open sooner.
-        let server = RendezvousServer::bind(&addrs[..], env.world_size)?;
+        let server = match server {
+            Some(s) => s,
+            None => RendezvousServer::bind(&addrs[..], env.world_size)?,
+        };
         let payload = make()?;
         server.serve(&payload, timeout)?;
         Ok(payload)

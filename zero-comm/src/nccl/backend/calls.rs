@@ -139,12 +139,19 @@ impl NcclComm {
 
     /// After an op was enqueued: records its traffic, then (outside groups) its completion event,
     /// waiting for it in [`WaitMode::Eager`].
-    pub(super) fn finish<E: Element>(&mut self, d: &Desc) -> Result<()> {
+    /// Records the call's bytes, counted from the counts handed to NCCL (see [`Tally`]), and
+    /// waits for it as the wait mode says.
+    pub(super) fn finish(&mut self, d: &Desc, tally: Tally) -> Result<()> {
         if let Some(c) = d.op.collective() {
-            let t = measure(&self.topology, &self.members, self.rank, d, size_of::<E>());
-            self.traffic.record(c, t);
+            self.traffic
+                .record(c, tally.traffic(&self.topology, &self.members));
         }
         self.issued(d.op)
+    }
+
+    /// Nothing counted yet, for one call of this communicator.
+    pub(super) fn tally(&self) -> Tally {
+        Tally::new(self.members.len(), self.rank)
     }
 
     pub(super) fn issued(&self, op: Op) -> Result<()> {
@@ -218,6 +225,7 @@ impl NcclComm {
             self.check_buffer(op, s)?;
         }
         self.check_buffer(op, recv)?;
+        let mut tally = self.tally();
         if chunk > 0 {
             let offset = (self.rank * chunk * size_of::<E>()) as u64;
             let guard_s = send.map(|s| s.bytes.device_ptr(&self.stream));
@@ -238,7 +246,9 @@ impl NcclComm {
                     )
                 }
             })?;
+            let eb = size_of::<E>();
+            tally.all_gather(chunk * eb, n * chunk * eb);
         }
-        self.finish::<E>(&d)
+        self.finish(&d, tally)
     }
 }

@@ -128,6 +128,7 @@ impl Communicator for NcclComm {
         self.check_buffer(o, send)?;
         self.check_buffer(o, recv)?;
         let c = recv.len;
+        let mut tally = self.tally();
         if c > 0 {
             let (sp, _gs) = send.bytes.device_ptr(&self.stream);
             let (rp, _gr) = recv.bytes.device_ptr_mut(&self.stream);
@@ -146,11 +147,12 @@ impl Communicator for NcclComm {
                     )
                 }
             })?;
+            tally.reduce_scatter(c * size_of::<E>());
             if op == ReduceOp::Mean {
                 self.divide(o, rp, c, E::DTYPE)?;
             }
         }
-        self.finish::<E>(&d)
+        self.finish(&d, tally)
     }
 
     fn all_reduce<E: Element>(&mut self, buf: &mut NcclBuffer<E>, op: ReduceOp) -> Result<()> {
@@ -165,6 +167,7 @@ impl Communicator for NcclComm {
         };
         self.begin(&d)?;
         self.check_buffer(o, buf)?;
+        let mut tally = self.tally();
         if len > 0 {
             let (p, _g) = buf.bytes.device_ptr_mut(&self.stream);
             self.call(o, "ncclAllReduce", |h, s| {
@@ -181,11 +184,12 @@ impl Communicator for NcclComm {
                     )
                 }
             })?;
+            tally.all_reduce(len, size_of::<E>());
             if op == ReduceOp::Mean {
                 self.divide(o, p, len, E::DTYPE)?;
             }
         }
-        self.finish::<E>(&d)
+        self.finish(&d, tally)
     }
 
     fn broadcast<E: Element>(&mut self, buf: &mut NcclBuffer<E>, root: usize) -> Result<()> {
@@ -200,6 +204,7 @@ impl Communicator for NcclComm {
         };
         self.begin(&d)?;
         self.check_buffer(o, buf)?;
+        let mut tally = self.tally();
         if len > 0 {
             // `root < n ≤ i32::MAX` after validation and init.
             let r = root as c_int;
@@ -218,8 +223,9 @@ impl Communicator for NcclComm {
                     )
                 }
             })?;
+            tally.broadcast(root, len * size_of::<E>());
         }
-        self.finish::<E>(&d)
+        self.finish(&d, tally)
     }
 
     fn all_to_all<E: Element>(
@@ -239,6 +245,7 @@ impl Communicator for NcclComm {
         self.check_buffer(o, recv)?;
         let n = self.members.len();
         let c = send.len / n;
+        let mut tally = self.tally();
         if c > 0 {
             let eb = size_of::<E>();
             let cb = (c * eb) as u64;
@@ -278,6 +285,7 @@ impl Communicator for NcclComm {
                     // SAFETY: as above.
                     let r =
                         unsafe { sys::ncclRecv((rp + off) as *mut c_void, c, dt, peer, h, stream) };
+                    tally.add(j, cb, cb);
                     for (name, code) in [("ncclSend", s), ("ncclRecv", r)] {
                         // Inside a group a call only queues; `ncclGroupEnd` reports progress.
                         let queued = matches!(
@@ -304,7 +312,7 @@ impl Communicator for NcclComm {
                 .map_err(|f| self.fail(o, f))?;
             }
         }
-        self.finish::<E>(&d)
+        self.finish(&d, tally)
     }
 
     fn barrier(&mut self) -> Result<()> {
@@ -335,7 +343,8 @@ impl Communicator for NcclComm {
                 }
             })?;
         }
-        self.finish::<u8>(&d)?;
+        // Its byte is a signal, not payload: the plan books a barrier's call and no bytes.
+        self.finish(&d, self.tally())?;
         // A barrier returns only once every rank arrived, whatever the wait mode.
         self.drain(true)
     }

@@ -30,7 +30,8 @@ use super::options::{NcclOptions, WaitMode};
 use crate::communicator::Communicator;
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::{Error, Op, Result};
-use crate::validate::{Desc, measure, validate};
+use crate::tally::Tally;
+use crate::validate::{Desc, validate};
 use crate::wire::DESC_BYTES;
 use ffi::{Backoff, Fail, RawComm};
 
