@@ -9,15 +9,17 @@ use zero_comm::quantized::{QuantGroups, QuantScratch};
 use zero_core::{Placement, Plan, UnitKind};
 use zero_quant::{Int4Block, Int8Block};
 
+use super::grad_acc::GradAcc;
 use super::layout::RankLayout;
 use super::opt_state::OptState;
-use super::slab::{self, Shard, Slab};
-use super::{Clock, EngineOptions, GradAccum, Meter, ZeroEngine};
+use super::sharded::Sharded;
+use super::slab;
+use super::{Clock, EngineOptions, Meter, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
 use crate::params;
 use crate::precision::{Half, LossScaler};
-use crate::reduction::{Reduction, TreeAccumulator};
+use crate::reduction::Reduction;
 use crate::segmented::Segmented;
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
@@ -40,11 +42,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             });
         }
         let half = Half::of(plan.config().precision);
-        let accum = match (half, plan.config().grad_accum_dtype) {
-            (None, _) => GradAccum::F32,
-            (Some(_), Some(zero_core::Precision::Fp32)) => GradAccum::HalfIntoF32,
-            (Some(_), _) => GradAccum::Half,
-        };
         if half.is_some() && options.reduction == Reduction::CanonicalTree {
             return Err(Error::Invalid {
                 field: "reduction",
@@ -152,33 +149,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             options,
             params,
             layout,
-            shard: Shard::default(),
             half,
-            shard16: Vec::new(),
-            acc16: if accum == GradAccum::Half {
-                vec![0; acc_len]
-            } else {
-                Vec::new()
-            },
-            accum,
-            acc: match accum {
-                GradAccum::Half => Slab::Host(Vec::new()),
-                GradAccum::HalfIntoF32 => Slab::Host(vec![0.0; acc_len]),
-                // Only ever added into, written and read whole on this path: with the optimizer's
-                // state, which reads it (on the model's device, or in host memory under optimizer
-                // offload).
-                GradAccum::F32 if options.reduction == Reduction::RankOrdered => {
-                    let on = slab::state_device(plan.config().optimizer_placement, &device);
-                    Slab::zeros(acc_len, on.as_ref())
-                }
-                GradAccum::F32 => Slab::Host(vec![0.0; acc_len]),
-            },
-            tree: match options.reduction {
-                Reduction::RankOrdered => TreeAccumulator::default(),
-                Reduction::CanonicalTree => {
-                    TreeAccumulator::new(plan.config().gradient_accumulation_steps, acc_len)
-                }
-            },
+            sharded: Sharded::empty(half, units.len()),
+            acc: GradAcc::new(&plan, half, options.reduction, acc_len, &device),
             opt: OptState::new(
                 options.optimizer,
                 slab::state_device(plan.config().optimizer_placement, &device),
@@ -186,8 +159,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 (plan.config().precision == zero_core::Precision::Fp16)
                     .then(|| LossScaler::new(plan.config().loss_scaler)),
             ),
-            secondary: (0..units.len()).map(|_| None).collect(),
-            secondary16: vec![None; units.len()],
             gathered: vec![false; units.len()],
             fetching: vec![false; units.len()],
             meter: Meter::new(units.len()),
@@ -212,33 +183,19 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         if stage == 3 {
             // The shard of every unit, from the initial full values; then release gather units.
-            if half.is_some() {
-                t.shard16 = vec![0; plan.shard_len() as usize];
-            }
             let mut chunks = Vec::new();
             for (u, unit) in units.iter().enumerate() {
                 let full = t.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
-                let off = unit.shard_offset as usize;
-                let mine = &full[rank * c..(rank + 1) * c];
-                match half {
-                    None => chunks.push(mine.to_vec()),
-                    Some(h) => {
-                        for (d, &x) in t.shard16[off..off + c].iter_mut().zip(mine) {
-                            *d = h.round(x);
-                        }
-                    }
-                }
+                chunks.push(full[rank * c..(rank + 1) * c].to_vec());
                 if unit.kind == UnitKind::Gather {
                     t.release(u);
                 }
             }
-            if half.is_none() {
-                // The parameters' shard lives on the model's device whatever the optimizer's
-                // placement (the plan books it there).
-                let on = slab::state_device(Placement::Device, &device);
-                t.shard = Shard::new(chunks, on);
-            }
+            // The parameters' fp32 shard lives on the model's device whatever the optimizer's
+            // placement (the plan books it there).
+            let on = slab::state_device(Placement::Device, &device);
+            t.sharded.fill(&plan, chunks, on);
         }
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
         // share their tensors (so the clones cost nothing until here, and stage 3 never holds a

@@ -6,6 +6,7 @@ use std::ops::Range;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
+use super::sharded::Source;
 use super::{Part, ZeroEngine};
 use crate::error::Result;
 use crate::optim::Optimizer;
@@ -84,7 +85,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// frozen). One at a time, so a save holds one copy.
     pub(crate) fn ckpt_unit_state(&self, u: usize, s: usize) -> Result<Vec<f32>> {
         let plan = &self.plan;
-        let unit = &plan.units()[u];
         let c = plan.chunk_len(u) as usize;
         let real = plan.real_in_chunk(u, self.rank) as usize;
         let stage = plan.stage();
@@ -99,13 +99,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             2 => state(Part::V),
             _ => match (self.layout.opt_offset[u], self.half) {
                 (Some(_), Some(_)) => state(Part::Master),
-                _ if stage == 3 => {
-                    let so = unit.shard_offset as usize;
-                    match self.half {
-                        None => self.shard.head(u, real),
-                        Some(h) => h.widen_all(&self.shard16[so..so + real]),
-                    }
-                }
+                _ if stage == 3 => match self.sharded.source(plan, u, false)? {
+                    Source::F32(slab) => slab.read(0..real),
+                    Source::Half(h, chunk) => h.widen_all(&chunk[..real]),
+                },
                 _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
             },
         })
@@ -185,7 +182,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         for (u, unit) in plan.units().iter().enumerate() {
             let (wr, or) = self.ckpt_needs(u);
             let in_model = stage < 3 || unit.kind == UnitKind::Persistent;
-            let so = unit.shard_offset as usize;
             let c = plan.chunk_len(u) as usize;
             let chunk = self.rank as u64 * c as u64..(self.rank as u64 + 1) * c as u64;
             // The optimizer's moments of the range in place (an optimizer without a moment
@@ -200,17 +196,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 // A stage-3 gather unit: the rank's chunk is the shard (the fp32 master).
                 match self.half {
                     None => self
-                        .shard
-                        .unit_mut(u)
+                        .sharded
+                        .f32_mut(u)?
                         .fill(|w| fill(u, 0, chunk.clone(), w))?,
-                    Some(h) => {
+                    Some(_) => {
                         let mut w = vec![0.0; c];
                         fill(u, 0, chunk.clone(), &mut w)?;
                         // A frozen unit keeps no master: nothing is written.
                         self.opt.write(u, Part::Master, 0, &w);
-                        for (d, &x) in self.shard16[so..so + c].iter_mut().zip(&w) {
-                            *d = h.round(x);
-                        }
+                        self.sharded.write(&plan, u, 0, &w);
                     }
                 }
                 continue;
@@ -224,10 +218,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     .fill(u, Part::Master, |_| Ok::<_, crate::Error>(()))?;
             }
             if stage == 3 {
-                match self.half {
-                    None => self.shard.unit_mut(u).fill(|_| Ok::<_, crate::Error>(()))?,
-                    Some(_) => self.shard16[so..so + c].fill(0),
-                }
+                self.sharded.zero(&plan, u);
             }
             for e in plan.unit_entries(u) {
                 let range = e.offset..e.offset + e.numel;
@@ -248,15 +239,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     && let Some((a, b, at)) = overlap(&chunk)
                 {
                     let at = (at - chunk.start) as usize;
-                    let to = so + at;
-                    match self.half {
-                        None => self.shard.unit_mut(u).write(at, &w[a..b]),
-                        Some(h) => {
-                            for (d, &x) in self.shard16[to..to + (b - a)].iter_mut().zip(&w[a..b]) {
-                                *d = h.round(x);
-                            }
-                        }
-                    }
+                    self.sharded.write(&plan, u, at, &w[a..b]);
                 }
                 if let Some(h) = self.half {
                     w.iter_mut().for_each(|x| *x = h.quantize(*x));
@@ -281,8 +264,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if let (Some(s), Some(state)) = (self.opt.scaler.as_mut(), scalars.scaler) {
             s.set_state(state);
         }
-        self.secondary.iter_mut().for_each(|s| *s = None);
-        self.secondary16.iter_mut().for_each(|s| *s = None);
+        self.sharded.clear_secondaries();
         Ok(())
     }
 }

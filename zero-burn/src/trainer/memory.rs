@@ -8,7 +8,6 @@ use zero_comm::Communicator;
 use zero_core::{MemoryModel, TrafficTable};
 
 use super::ZeroEngine;
-use super::slab::Slab;
 use crate::params;
 use crate::segmented::Segmented;
 
@@ -148,26 +147,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         let p = &mut self.meter.peak;
         // The engine's own buffers count as allocated (capacities); burn's tensors by elements.
-        let cap16 = |v: &Vec<u16>| v.capacity() as u64 * 2;
-        p.parameters = p
-            .parameters
-            .max(resident * w + self.shard.bytes() + cap16(&self.shard16));
+        let (shard, secondary) = self.sharded.bytes();
+        p.parameters = p.parameters.max(resident * w + shard);
         // The canonical tree's pending subtrees are gradient accumulators too (not in the plan).
-        p.gradients = p
-            .gradients
-            .max(self.acc.bytes() + self.tree.len() as u64 * 4 + cap16(&self.acc16));
+        p.gradients = p.gradients.max(self.acc.bytes());
         p.optimizer_states = p.optimizer_states.max(self.opt.bytes(false));
         p.master_weights = p.master_weights.max(self.opt.bytes(true));
         if self.half.is_some() {
             p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
         }
-        let sec: u64 = self
-            .secondary
-            .iter()
-            .flatten()
-            .map(Slab::bytes)
-            .sum::<u64>()
-            + self.secondary16.iter().flatten().map(cap16).sum::<u64>();
-        p.hpz_secondary = p.hpz_secondary.max(sec);
+        p.hpz_secondary = p.hpz_secondary.max(secondary);
     }
 }

@@ -6,7 +6,8 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::GroupKind;
 
 use super::layout::ReduceBy;
-use super::{GradAccum, HOST_ACC, Pending, Ticket, ZeroEngine};
+use super::sharded::Source;
+use super::{Pending, Ticket, ZeroEngine};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::reduction::Reduction;
@@ -258,23 +259,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let data = if defer {
             // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
             // written over the slot's start.
-            match self.half {
-                Some(h) if self.accum == GradAccum::Half => {
-                    h.add_f32_into(&mut self.acc16[off..off + len], &g)
-                }
-                _ => self.acc.add(off, &g),
-            }
+            self.acc.add_local(off, &g);
             if !last_micro {
                 return Ok(());
             }
-            match self.half {
-                None => Elems::F32(self.acc.read(off..off + len)),
-                Some(h) if self.accum == GradAccum::HalfIntoF32 => {
-                    let acc = self.acc.host().expect(HOST_ACC);
-                    Elems::U16(h.round_all(&acc[off..off + len]))
-                }
-                Some(_) => Elems::U16(self.acc16[off..off + len].to_vec()),
-            }
+            self.acc.wire(off..off + len)
         } else {
             match self.half {
                 None => Elems::F32(g),
@@ -315,28 +304,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         };
         match ticket {
             Ticket::Gather { u, backward } => self.install(u, backward, words)?,
-            Ticket::Reduce { off, overwrite, .. } => match (words, self.half) {
-                (Elems::F32(r), _) if overwrite => self.acc.write(off, &r),
-                (Elems::F32(r), _) => self.accumulate(off, r),
-                (Elems::U16(r), Some(h)) if self.accum == GradAccum::HalfIntoF32 => {
-                    let acc = &mut self.acc.host_mut().expect(HOST_ACC)[off..off + r.len()];
-                    for (a, &b) in acc.iter_mut().zip(&r) {
-                        *a = if overwrite {
-                            h.widen(b)
-                        } else {
-                            *a + h.widen(b)
-                        };
-                    }
-                }
-                (Elems::U16(r), _) if overwrite => {
-                    self.acc16[off..off + r.len()].copy_from_slice(&r)
-                }
-                (Elems::U16(r), Some(h)) => h.add_into(&mut self.acc16[off..off + r.len()], &r),
-                (Elems::U16(_), None) => unreachable!("fp32 trainers submit f32 gradients"),
-                (Elems::Device(_), _) => {
-                    unreachable!("reductions download the rank's chunk")
-                }
-            },
+            Ticket::Reduce { off, overwrite, .. } => {
+                self.acc.apply(off, words, overwrite, self.clock.micro)?
+            }
         }
         Ok(())
     }
@@ -347,17 +317,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             self.complete_one(exec)?;
         }
         Ok(())
-    }
-
-    /// Adds this micro-step's reduced values for `acc[off..off + reduced.len()]`.
-    pub(super) fn accumulate(&mut self, off: usize, reduced: Vec<f32>) {
-        match self.options.reduction {
-            Reduction::RankOrdered => self.acc.add(off, &reduced),
-            Reduction::CanonicalTree => {
-                let acc = self.acc.host_mut().expect(HOST_ACC);
-                self.tree.push(acc, self.clock.micro, off, reduced)
-            }
-        }
     }
 
     /// Submits the all-gather of stage-3 unit `u` unless it is installed or already on its way:
@@ -373,47 +332,26 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             return Ok(());
         }
         let plan = self.plan.clone();
-        let unit = &plan.units()[u];
-        let cl = plan.chunk_len(u) as usize;
-        let so = unit.shard_offset as usize;
         // The backward's group is the schedule's: the hpZ group, from the secondary shard.
         let hpz = backward && self.layout.backward_gather[u] == Some(GroupKind::Hpz);
-        let no_secondary = || {
-            Error::Internal(format!(
-                "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
-            ))
-        };
         // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
         // from there.
         let device = self.device_tensors.is_some()
             && (self.device_quant || !plan.config().quantized_weights);
-        let job = match (self.half, hpz) {
-            (None, _) => {
-                let slab = if hpz {
-                    self.secondary[u].as_ref().ok_or_else(no_secondary)?
-                } else {
-                    self.shard.unit(u)
-                };
-                if device {
-                    let piece = self.device_piece(slab)?;
-                    Job::GatherDevice {
-                        piece,
-                        hpz,
-                        qwz: true,
-                    }
-                } else {
-                    let piece = Elems::F32(slab.read(0..slab.len()));
-                    Job::Gather { piece, hpz }
-                }
-            }
-            (Some(_), true) => {
-                let piece = Elems::U16(self.secondary16[u].clone().ok_or_else(no_secondary)?);
-                Job::Gather { piece, hpz }
-            }
-            (Some(_), false) => {
-                let piece = Elems::U16(self.shard16[so..so + cl].to_vec());
-                Job::Gather { piece, hpz }
-            }
+        let job = match self.sharded.source(&plan, u, hpz)? {
+            Source::F32(slab) if device => Job::GatherDevice {
+                piece: self.device_piece(slab)?,
+                hpz,
+                qwz: true,
+            },
+            Source::F32(slab) => Job::Gather {
+                piece: Elems::F32(slab.read(0..slab.len())),
+                hpz,
+            },
+            Source::Half(_, piece) => Job::Gather {
+                piece: Elems::U16(piece.to_vec()),
+                hpz,
+            },
         };
         exec.submit(job, Ticket::Gather { u, backward })?;
         self.fetching[u] = true;

@@ -42,19 +42,22 @@ use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::params::{self, ParamInfo};
 use crate::precision::{Half, LossScaler, StepInfo};
-use crate::reduction::{Reduction, TreeAccumulator};
+use crate::reduction::Reduction;
 use crate::segmented::Segmented;
+use grad_acc::GradAcc;
 use layout::RankLayout;
 use opt_state::{OptState, Part};
-use slab::{Shard, Slab};
+use sharded::Sharded;
 
 mod build;
 mod ckpt;
+mod grad_acc;
 mod grads;
 mod layout;
 mod memory;
 mod micro;
 mod opt_state;
+mod sharded;
 mod slab;
 mod step;
 mod train_mode;
@@ -113,10 +116,6 @@ enum Ticket {
     },
 }
 
-/// Where the accumulator is read or written element by element (the canonical tree, 16-bit
-/// gradients widened into it), it lives in host memory.
-const HOST_ACC: &str = "the accumulator is in host memory on this path";
-
 /// The communicators are away only inside [`ZeroEngine::micro_step`], which always takes them
 /// back, so every other method finds them home.
 const HOME: &str = "the communicators are home between micro-steps";
@@ -144,30 +143,15 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     params: Vec<ParamInfo>,
     /// Where the rank's state lives (immutable after build).
     layout: RankLayout,
-    /// Stage 3 in fp32: the rank's shard of every unit (the fp32 master), on the model's device.
-    shard: Shard,
     /// bf16/fp16: the 16-bit working type.
     half: Option<Half>,
-    /// Stage 3 in bf16/fp16: the rank's 16-bit working shard of every unit (what is gathered).
-    shard16: Vec<u16>,
-    /// bf16/fp16: the 16-bit gradient accumulator (`acc` is empty).
-    acc16: Vec<u16>,
-    /// Where the reduced gradients accumulate: `acc` (f32) or `acc16`.
-    accum: GradAccum,
-    /// Gradient accumulator: stage 0 full units (and stage 1 with accumulate_before_reduce),
-    /// otherwise this rank's chunks of trainable units. With the optimizer's state where it is
-    /// only added into, written and read whole (fp32, rank-ordered), else in host memory
-    /// ([`HOST_ACC`]).
-    acc: Slab,
-    /// [`Reduction::CanonicalTree`]: the pending subtrees of the micro-step sum beyond `acc`.
-    tree: TreeAccumulator,
+    /// Stage 3: the rank's shard of every unit and the hpZ secondary slices, in the working
+    /// precision.
+    sharded: Sharded,
+    /// The reduced gradients, in the plan's precision and where the plan puts them.
+    acc: GradAcc,
     /// The optimizer's state (master weights, moments), the loss scaler and the step count.
     opt: OptState,
-    /// hpZ secondary slices per unit (valid between a unit's forward and the optimizer step),
-    /// where `shard` lives.
-    secondary: Vec<Option<Slab>>,
-    /// bf16/fp16: the same, 16-bit.
-    secondary16: Vec<Option<Vec<u16>>>,
     /// Stage 3: units installed in the model.
     gathered: Vec<bool>,
     /// Stage 3: units whose all-gather is submitted but not yet installed.
@@ -292,8 +276,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     .map(|(loss, _, out)| (loss, out))
             });
             // Nothing of an eval's gathers outlives it: no hpZ secondary (kept for a backward).
-            e.secondary.iter_mut().for_each(|s| *s = None);
-            e.secondary16.iter_mut().for_each(|s| *s = None);
+            e.sharded.clear_secondaries();
             r
         })
     }
@@ -433,17 +416,6 @@ struct Clock {
     /// Why the state is partly restored (a load failed after it began restoring): steps and
     /// saves are refused until a load succeeds.
     partly_restored: Option<String>,
-}
-
-/// Where a rank's reduced gradients accumulate between micro-steps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GradAccum {
-    /// fp32 training: in `acc`.
-    F32,
-    /// bf16/fp16: in 16 bits, in `acc16`.
-    Half,
-    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients widened into `acc`.
-    HalfIntoF32,
 }
 
 /// A learning rate the optimizer step accepts: finite and not negative.

@@ -100,22 +100,6 @@ impl Slab {
         }
     }
 
-    /// The host buffer; `None` for a device slab.
-    pub(super) fn host(&self) -> Option<&[f32]> {
-        match self {
-            Slab::Host(v) => Some(v),
-            Slab::Device(_) => None,
-        }
-    }
-
-    /// The host buffer, mutable; `None` for a device slab.
-    pub(super) fn host_mut(&mut self) -> Option<&mut [f32]> {
-        match self {
-            Slab::Host(v) => Some(v),
-            Slab::Device(_) => None,
-        }
-    }
-
     /// Elements `range` of a device slab, as a tensor there; `None` for a host slab.
     pub(super) fn device_slice(&self, range: Range<usize>) -> Option<Tensor<1>> {
         match self {
@@ -183,17 +167,6 @@ impl Shard {
     /// A slab of `values` where the shard lives (the hpZ secondary shard's place).
     pub(super) fn slab(&self, values: Vec<f32>) -> Slab {
         Slab::new(values, self.device.as_ref())
-    }
-
-    /// Unit `u`'s chunk, in host memory.
-    pub(super) fn chunk(&self, u: usize) -> Vec<f32> {
-        let s = &self.units[u];
-        s.read(0..s.len())
-    }
-
-    /// The first `len` elements of unit `u`'s chunk, in host memory.
-    pub(super) fn head(&self, u: usize, len: usize) -> Vec<f32> {
-        self.units[u].read(0..len)
     }
 
     /// Unit `u`'s slab.

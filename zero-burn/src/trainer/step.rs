@@ -1,8 +1,10 @@
 //! The optimizer step, one function for fp32, bf16 and fp16:
 //!
-//! 1. **Finish the gradients.** [`Reduction::CanonicalTree`]: the root of the tree over all N·A
-//!    micro-batches, then the one division. bf16/fp16: the 16-bit accumulator is read widened and
-//!    unscaled (fp16; the scale is a power of two, so unscaling is exact barring subnormals).
+//! 1. **Finish the gradients** ([`GradAcc`](super::grad_acc::GradAcc)).
+//!    [`Reduction::CanonicalTree`](crate::Reduction::CanonicalTree): the root of the tree over
+//!    all N·A micro-batches, then the one division. bf16/fp16: the 16-bit accumulator is read
+//!    widened and unscaled (fp16; the scale is a power of two, so unscaling is exact barring
+//!    subnormals).
 //! 2. **The global norm** ([`global_sum_sq`], when clipping, and always in fp16 where it is the
 //!    overflow flag): non-finite in fp16 skips the step on every rank together; non-finite
 //!    otherwise is [`Error::Diverged`] on every rank together.
@@ -13,21 +15,18 @@
 //!    (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered at
 //!    their next use).
 
-use std::borrow::Cow;
-
 use burn::tensor::Tensor;
 
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
-use super::opt_state::Grads;
+use super::sharded::Source;
 use super::slab::Slab;
-use super::{GradAccum, HOME, HOST_ACC, ZeroEngine};
+use super::{HOME, ZeroEngine};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
 use crate::params;
 use crate::precision::{Half, LossScaler, StepInfo};
-use crate::reduction::Reduction;
 use crate::segmented::Segmented;
 
 /// What an updated unit needs before the model sees it.
@@ -59,40 +58,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // A power of two (1 in fp32 and bf16): unscaling is exact barring subnormals.
         let inv = (1.0 / loss_scale) as f32;
         if half.is_some() && std::mem::take(&mut self.opt.inject_overflow) {
-            if let Some(g) = self.acc16.first_mut() {
-                *g = half.map_or(0, |h| h.round(f32::INFINITY));
-            }
-            if self.acc.len() > 0 {
-                self.acc.write(0, &[f32::INFINITY]);
-            }
+            self.acc.poison();
         }
-        if self.options.reduction == Reduction::CanonicalTree {
-            // The root of the tree over all N·A micro-batches, then the one division (fp32 only:
-            // the builder refuses the tree in bf16/fp16).
-            let a = c.gradient_accumulation_steps;
-            let acc = self.acc.host_mut().expect(HOST_ACC);
-            self.tree.finish(acc, a);
-            let total = (plan.world_size() as u64 * u64::from(a)) as f32;
-            for g in acc {
-                *g /= total;
-            }
-        }
+        // The canonical tree's root over all N·A micro-batches, then the one division.
+        self.acc
+            .finish(plan.world_size(), c.gradient_accumulation_steps);
         // A device accumulator is read into host memory (whole, once) only when clipping, for the
         // norm and the clipped slices; otherwise the update takes its slices as they are (fp32
         // without clipping: nothing changes them).
-        let acc_host: Option<Cow<[f32]>> = match self.acc.host() {
-            Some(acc) => Some(Cow::Borrowed(acc)),
-            None if c.gradient_clipping > 0.0 || fp16 => {
-                Some(Cow::Owned(self.acc.read(0..self.acc.len())))
-            }
-            None => None,
-        };
-        let grads = GradView {
-            acc: acc_host.as_deref().unwrap_or(&[]),
-            acc16: &self.acc16,
-            half: half.filter(|_| self.accum == GradAccum::Half),
-            inv,
-        };
+        let grads = self.acc.view(c.gradient_clipping > 0.0 || fp16, inv);
         let mut coef = 1.0f32;
         let mut overflow = false;
         let mut grad_norm = None;
@@ -166,14 +140,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 plan.chunk_len(u) as usize
             };
             // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
-            let g = match &acc_host {
-                Some(_) => Grads::Host(grads.slice(off, len, coef)),
-                None => Grads::Device(Box::new(
-                    self.acc
-                        .device_slice(off..off + len)
-                        .expect("a device accumulator"),
-                )),
-            };
+            let g = grads.slice(off, len, coef);
             let publish = match (half, stage) {
                 (None, 0..=2) => {
                     // The weights are read where the optimizer's state lives: on its device from
@@ -206,7 +173,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     }
                 }
                 (None, _) => {
-                    self.opt.step_weights(u, lr, g, self.shard.unit_mut(u));
+                    self.opt.step_weights(u, lr, g, self.sharded.f32_mut(u)?);
                     Publish::InPlace
                 }
                 (Some(h), _) => {
@@ -217,8 +184,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         0 => Publish::Write(h.widen_all(&w16)),
                         1 | 2 => Publish::Gather16(h, w16),
                         _ => {
-                            let so = unit.shard_offset as usize;
-                            self.shard16[so..so + len].copy_from_slice(&w16);
+                            self.sharded.half_mut(&plan, u)?.copy_from_slice(&w16);
                             Publish::InPlace
                         }
                     }
@@ -230,21 +196,18 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // Persistent units stay gathered: all-gather them after the step.
             for (u, unit) in plan.units().iter().enumerate() {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
-                    let cl = plan.chunk_len(u) as usize;
-                    let so = unit.shard_offset as usize;
-                    let publish = match half {
-                        None if self.device_tensors.is_some() => {
-                            Publish::Gather(self.device_piece(self.shard.unit(u))?)
+                    let publish = match self.sharded.source(&plan, u, false)? {
+                        Source::F32(slab) if self.device_tensors.is_some() => {
+                            Publish::Gather(self.device_piece(slab)?)
                         }
-                        None => Publish::Gather(Elems::F32(self.shard.chunk(u))),
-                        Some(h) => Publish::Gather16(h, self.shard16[so..so + cl].to_vec()),
+                        Source::F32(slab) => Publish::Gather(Elems::F32(slab.read(0..slab.len()))),
+                        Source::Half(h, piece) => Publish::Gather16(h, piece.to_vec()),
                     };
                     updates.push((u, publish));
                 }
             }
             // hpZ secondary shards never outlive a weight update.
-            self.secondary.iter_mut().for_each(|s| *s = None);
-            self.secondary16.iter_mut().for_each(|s| *s = None);
+            self.sharded.clear_secondaries();
         }
         // Every unit written back in one pass over the model.
         let mut values = params::NewValues::new();
@@ -286,45 +249,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Closes an optimizer step (taken or skipped): samples memory, clears the accumulators.
     fn end_step(&mut self) {
         self.sample_memory();
-        self.acc16.iter_mut().for_each(|g| *g = 0);
         self.acc.zero();
         self.clock.micro = 0;
-    }
-}
-
-/// The accumulated gradients as the optimizer sees them: fp32 elements, or 16-bit ones widened
-/// (`half`), times `inv` (the inverse loss scale; 1 outside fp16, where the product is exact).
-#[derive(Clone, Copy)]
-struct GradView<'a> {
-    acc: &'a [f32],
-    acc16: &'a [u16],
-    half: Option<Half>,
-    inv: f32,
-}
-
-impl<'a> GradView<'a> {
-    /// Element `i`, unscaled.
-    fn at(&self, i: usize) -> f32 {
-        match self.half {
-            Some(h) => h.widen(self.acc16[i]) * self.inv,
-            None => self.acc[i] * self.inv,
-        }
-    }
-
-    /// `len` elements from `off`, unscaled and clipped by `coef`: borrowed where nothing changes
-    /// them (fp32 without clipping or loss scale), else computed.
-    fn slice(&self, off: usize, len: usize, coef: f32) -> Cow<'a, [f32]> {
-        if self.half.is_none() && self.inv == 1.0 && coef == 1.0 {
-            return Cow::Borrowed(&self.acc[off..off + len]);
-        }
-        Cow::Owned(
-            (off..off + len)
-                .map(|i| {
-                    let g = self.at(i);
-                    if coef != 1.0 { g * coef } else { g }
-                })
-                .collect(),
-        )
     }
 }
 

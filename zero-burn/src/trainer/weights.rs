@@ -6,6 +6,7 @@ use burn::module::ParamId;
 use burn::tensor::{Device, Tensor};
 use zero_comm::Communicator;
 
+use super::sharded::Source;
 use super::slab::Slab;
 use super::{HOME, ZeroEngine};
 use crate::comms::{Elems, Job, Out};
@@ -21,20 +22,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let plan = self.plan.clone();
         let mut out = vec![Vec::new(); self.params.len()];
         if plan.stage() == 3 {
-            for (u, unit) in plan.units().iter().enumerate() {
-                let cl = plan.chunk_len(u) as usize;
-                let so = unit.shard_offset as usize;
-                let full = match self.half {
-                    None => self
-                        .comms
-                        .as_mut()
-                        .expect(HOME)
-                        .world
-                        .all_gather_host(&self.shard.chunk(u))?,
-                    Some(h) => h.widen_all(&h.all_gather(
-                        &mut self.comms.as_mut().expect(HOME).world,
-                        &self.shard16[so..so + cl],
-                    )?),
+            for u in 0..plan.units().len() {
+                let world = &mut self.comms.as_mut().expect(HOME).world;
+                let full = match self.sharded.source(&plan, u, false)? {
+                    Source::F32(slab) => world.all_gather_host(&slab.read(0..slab.len()))?,
+                    Source::Half(h, piece) => h.widen_all(&h.all_gather(world, piece)?),
                 };
                 for e in plan.unit_entries(u) {
                     out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
@@ -189,21 +181,23 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Elems::U16(v) => v.capacity() as u64 * 2,
             Elems::Device(_) => len as u64 * 4,
         };
-        match (full, self.half) {
-            (Elems::Device(buf), _) => self.install_device(u, &buf, slice)?,
-            (Elems::F32(full), _) => {
+        match full {
+            Elems::Device(buf) => self.install_device(u, &buf, slice)?,
+            Elems::F32(full) => {
                 if let Some(r) = slice {
-                    self.secondary[u] = Some(self.shard.slab(full[r].to_vec()));
+                    self.sharded.keep_f32(u, full[r].to_vec())?;
                 }
                 self.write_unit(u, &full);
             }
-            (Elems::U16(full), Some(h)) => {
+            Elems::U16(full) => {
+                let h = self.half.ok_or_else(|| {
+                    Error::Internal(format!("unit {u}: 16-bit weights gathered in fp32"))
+                })?;
                 if let Some(r) = slice {
-                    self.secondary16[u] = Some(full[r].to_vec());
+                    self.sharded.keep_half(u, full[r].to_vec())?;
                 }
                 self.write_unit(u, &h.widen_all(&full));
             }
-            (Elems::U16(_), None) => unreachable!("fp32 trainers gather f32 weights"),
         }
         self.fetching[u] = false;
         self.gathered[u] = true;
@@ -225,7 +219,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let hook = self.hook()?;
         if let Some(r) = slice {
             let sec = hook.tensor_at(buf, r.start, r.len())?;
-            self.secondary[u] = Some(Slab::Device(Box::new(sec)));
+            self.sharded.keep_tensor(u, sec)?;
         }
         self.install_tensors(u, buf)
     }

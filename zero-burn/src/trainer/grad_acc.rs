@@ -1,0 +1,356 @@
+//! The rank's gradient accumulator: where reduced gradients add up between optimizer steps, in
+//! the precision the plan asks for and where it asks for it. One type owns it, so a state the
+//! plan cannot reach (16-bit gradients in an fp32 buffer, a canonical tree on a device) is not a
+//! state the code can be in.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use burn::tensor::Device;
+use zero_core::Plan;
+
+use super::opt_state::Grads;
+use super::slab::{self, Slab};
+use crate::comms::Elems;
+use crate::error::{Error, Result};
+use crate::precision::Half;
+use crate::reduction::{Reduction, TreeAccumulator};
+
+/// Reduced gradients of this rank: stage 0's full units (and stage 1's with
+/// `accumulate_before_reduce`), otherwise its chunks of the trainable units, at the layout's
+/// offsets.
+#[derive(Debug)]
+pub(super) enum GradAcc {
+    /// fp32, summed in rank order: where the optimizer's state lives (only ever added into,
+    /// written and read whole, so a device holds it as well as host memory).
+    F32(Slab),
+    /// fp32 over [`Reduction::CanonicalTree`]: level 0 of the tree in host memory, the pending
+    /// subtrees in `tree`.
+    Tree {
+        acc: Vec<f32>,
+        tree: TreeAccumulator,
+    },
+    /// bf16/fp16: 16-bit bit patterns, added in f32 and rounded.
+    Half { half: Half, acc: Vec<u16> },
+    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients widened into f32.
+    HalfIntoF32 { half: Half, acc: Vec<f32> },
+}
+
+impl GradAcc {
+    /// `len` zeros for `plan` with `half` (the 16-bit type, if any) and `reduction`, the fp32
+    /// rank-ordered one on the optimizer state's device (the model's `device`, unless offloaded).
+    pub(super) fn new(
+        plan: &Plan,
+        half: Option<Half>,
+        reduction: Reduction,
+        len: usize,
+        device: &Device,
+    ) -> GradAcc {
+        let c = plan.config();
+        match (half, c.grad_accum_dtype) {
+            (Some(half), Some(zero_core::Precision::Fp32)) => GradAcc::HalfIntoF32 {
+                half,
+                acc: vec![0.0; len],
+            },
+            (Some(half), _) => GradAcc::Half {
+                half,
+                acc: vec![0; len],
+            },
+            (None, _) if reduction == Reduction::CanonicalTree => GradAcc::Tree {
+                acc: vec![0.0; len],
+                tree: TreeAccumulator::new(c.gradient_accumulation_steps, len),
+            },
+            (None, _) => {
+                let on = slab::state_device(c.optimizer_placement, device);
+                GradAcc::F32(Slab::zeros(len, on.as_ref()))
+            }
+        }
+    }
+
+    /// Bytes held: buffers as allocated (a device tensor by its elements), the canonical tree's
+    /// pending subtrees included (gradient accumulators too, not in the plan).
+    pub(super) fn bytes(&self) -> u64 {
+        match self {
+            GradAcc::F32(s) => s.bytes(),
+            GradAcc::Tree { acc, tree } => (acc.capacity() + tree.len()) as u64 * 4,
+            GradAcc::Half { acc, .. } => acc.capacity() as u64 * 2,
+            GradAcc::HalfIntoF32 { acc, .. } => acc.capacity() as u64 * 4,
+        }
+    }
+
+    /// Adds this rank's own fp32 gradients `g` at `off`, unreduced (`accumulate_before_reduce`:
+    /// the sum is reduced once, after the last micro-step).
+    pub(super) fn add_local(&mut self, off: usize, g: &[f32]) {
+        match self {
+            GradAcc::F32(s) => s.add(off, g),
+            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => {
+                add(&mut acc[off..off + g.len()], g)
+            }
+            GradAcc::Half { half, acc } => half.add_f32_into(&mut acc[off..off + g.len()], g),
+        }
+    }
+
+    /// Elements `off..off + len` as the wire carries them: f32, or rounded to 16 bits.
+    pub(super) fn wire<B>(&self, range: Range<usize>) -> Elems<B> {
+        match self {
+            GradAcc::F32(s) => Elems::F32(s.read(range)),
+            GradAcc::Tree { acc, .. } => Elems::F32(acc[range].to_vec()),
+            GradAcc::Half { acc, .. } => Elems::U16(acc[range].to_vec()),
+            GradAcc::HalfIntoF32 { half, acc } => Elems::U16(half.round_all(&acc[range])),
+        }
+    }
+
+    /// Applies reduced gradients for the elements from `off`: written over them (`overwrite`:
+    /// `accumulate_before_reduce`'s one reduction), or added (the canonical tree: pushed as leaf
+    /// `micro`). 16-bit words add in f32 and round, or widen into an fp32 accumulator.
+    pub(super) fn apply<B>(
+        &mut self,
+        off: usize,
+        words: Elems<B>,
+        overwrite: bool,
+        micro: u32,
+    ) -> Result<()> {
+        match (self, words) {
+            (GradAcc::F32(s), Elems::F32(r)) if overwrite => s.write(off, &r),
+            (GradAcc::F32(s), Elems::F32(r)) => s.add(off, &r),
+            (GradAcc::Tree { acc, .. }, Elems::F32(r)) if overwrite => {
+                acc[off..off + r.len()].copy_from_slice(&r)
+            }
+            (GradAcc::Tree { acc, tree }, Elems::F32(r)) => tree.push(acc, micro, off, r),
+            (GradAcc::Half { acc, .. }, Elems::U16(r)) if overwrite => {
+                acc[off..off + r.len()].copy_from_slice(&r)
+            }
+            (GradAcc::Half { half, acc }, Elems::U16(r)) => {
+                half.add_into(&mut acc[off..off + r.len()], &r)
+            }
+            (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(r)) => {
+                for (a, &b) in acc[off..off + r.len()].iter_mut().zip(&r) {
+                    *a = if overwrite {
+                        half.widen(b)
+                    } else {
+                        *a + half.widen(b)
+                    };
+                }
+            }
+            (acc, words) => {
+                let got = match words {
+                    Elems::F32(_) => "f32 elements",
+                    Elems::U16(_) => "16-bit elements",
+                    Elems::Device(_) => "elements in the communicator's memory",
+                };
+                return Err(Error::Internal(format!(
+                    "a reduction returned {got} for the {} gradient accumulator",
+                    acc.kind()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            GradAcc::F32(_) => "fp32",
+            GradAcc::Tree { .. } => "canonical-tree fp32",
+            GradAcc::Half { .. } => "16-bit",
+            GradAcc::HalfIntoF32 { .. } => "fp32 (of 16-bit gradients)",
+        }
+    }
+
+    /// Makes the first element infinite, as an fp16 overflow would (a test hook).
+    pub(super) fn poison(&mut self) {
+        match self {
+            GradAcc::F32(s) if s.len() > 0 => s.write(0, &[f32::INFINITY]),
+            GradAcc::F32(_) => {}
+            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => {
+                if let Some(g) = acc.first_mut() {
+                    *g = f32::INFINITY;
+                }
+            }
+            GradAcc::Half { half, acc } => {
+                if let Some(g) = acc.first_mut() {
+                    *g = half.round(f32::INFINITY);
+                }
+            }
+        }
+    }
+
+    /// After the last micro-step of a step over `world` ranks and `a` micro-steps: the canonical
+    /// tree's root, divided once by `world · a` (the reductions summed). Nothing to do otherwise
+    /// (they took the mean).
+    pub(super) fn finish(&mut self, world: usize, a: u32) {
+        if let GradAcc::Tree { acc, tree } = self {
+            tree.finish(acc, a);
+            let total = (world as u64 * u64::from(a)) as f32;
+            for g in acc {
+                *g /= total;
+            }
+        }
+    }
+
+    /// The gradients as the optimizer reads them, unscaled by `inv`: in host memory, read from a
+    /// device (whole, once) only when `host` is asked for (clipping's norm, fp16's overflow
+    /// check), else left where they are.
+    pub(super) fn view(&self, host: bool, inv: f32) -> GradView<'_> {
+        let data = match self {
+            GradAcc::F32(Slab::Host(v)) => Data::F32(Cow::Borrowed(v)),
+            GradAcc::F32(s) if host => Data::F32(Cow::Owned(s.read(0..s.len()))),
+            GradAcc::F32(s) => Data::Device(s),
+            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => {
+                Data::F32(Cow::Borrowed(acc))
+            }
+            GradAcc::Half { half, acc } => Data::Half(*half, acc),
+        };
+        GradView { data, inv }
+    }
+
+    /// Zeros every element, for the next step.
+    pub(super) fn zero(&mut self) {
+        match self {
+            GradAcc::F32(s) => s.zero(),
+            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => acc.fill(0.0),
+            GradAcc::Half { acc, .. } => acc.fill(0),
+        }
+    }
+}
+
+fn add(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s;
+    }
+}
+
+/// Where [`GradView`]'s elements are.
+enum Data<'a> {
+    F32(Cow<'a, [f32]>),
+    Half(Half, &'a [u16]),
+    /// On the optimizer state's device, not read into host memory.
+    Device(&'a Slab),
+}
+
+/// The accumulated gradients as the optimizer sees them: fp32 elements, or 16-bit ones widened,
+/// times `inv` (the inverse loss scale; 1 outside fp16, where the product is exact).
+pub(super) struct GradView<'a> {
+    data: Data<'a>,
+    inv: f32,
+}
+
+impl GradView<'_> {
+    /// Element `i`, unscaled. A view left on the device has no host elements: NaN, which a
+    /// gradient norm reports as diverged (ask [`GradAcc::view`] for host memory to read them).
+    pub(super) fn at(&self, i: usize) -> f32 {
+        match &self.data {
+            Data::F32(v) => v[i] * self.inv,
+            Data::Half(h, v) => h.widen(v[i]) * self.inv,
+            Data::Device(_) => f32::NAN,
+        }
+    }
+
+    /// `len` elements from `off`, unscaled and clipped by `coef`: borrowed where nothing changes
+    /// them (fp32 without clipping or loss scale), else computed; a tensor on the device where
+    /// the accumulator lives there (never scaled or clipped: see [`GradAcc::view`]).
+    pub(super) fn slice(&self, off: usize, len: usize, coef: f32) -> Grads<'_> {
+        match &self.data {
+            Data::Device(s) => Grads::Device(Box::new(
+                s.device_slice(off..off + len)
+                    .expect("a device view holds a device slab"),
+            )),
+            Data::F32(v) if self.inv == 1.0 && coef == 1.0 => {
+                Grads::Host(Cow::Borrowed(&v[off..off + len]))
+            }
+            _ => Grads::Host(Cow::Owned(
+                (off..off + len)
+                    .map(|i| {
+                        let g = self.at(i);
+                        if coef != 1.0 { g * coef } else { g }
+                    })
+                    .collect(),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zero_core::Precision;
+
+    type Words = Elems<()>;
+
+    /// Two micro-steps' reduced values, `a` then `b`, from element 1 of a 4-element accumulator,
+    /// each as the accumulator's own arithmetic says: exact f32 sums of the widened 16-bit words
+    /// (`grad_accum_dtype = fp32`), a rounding after each 16-bit addition, plain f32 additions;
+    /// an overwrite replaces; the wrong kind of words is an error naming both.
+    #[test]
+    fn reduced_gradients_add_in_the_accumulator_s_own_arithmetic() {
+        let h = Half::of(Precision::Bf16).expect("bf16 is 16-bit");
+        let (a, b) = ([1.0f32, 0.5, -3.0], [0.25f32, 1e-3, 7.0]);
+        let (wa, wb) = (h.round_all(&a), h.round_all(&b));
+        let add = |acc: &mut GradAcc, words: fn(&[f32], &[u16]) -> Words| {
+            acc.apply(1, words(&a, &wa), false, 0).unwrap();
+            acc.apply(1, words(&b, &wb), false, 1).unwrap();
+        };
+        let sixteen: fn(&[f32], &[u16]) -> Words = |_, w| Elems::U16(w.to_vec());
+        let thirty_two: fn(&[f32], &[u16]) -> Words = |v, _| Elems::F32(v.to_vec());
+
+        let mut wide = GradAcc::HalfIntoF32 {
+            half: h,
+            acc: vec![0.0; 4],
+        };
+        add(&mut wide, sixteen);
+        let sums: Vec<f32> = (0..3).map(|i| h.widen(wa[i]) + h.widen(wb[i])).collect();
+        let GradAcc::HalfIntoF32 { acc, .. } = &wide else {
+            unreachable!()
+        };
+        assert_eq!(acc[1..], sums[..]);
+        assert_eq!(acc[0], 0.0, "outside the range nothing moves");
+        let Elems::U16(wire) = wide.wire::<()>(1..4) else {
+            panic!("16-bit training sends 16-bit words")
+        };
+        assert_eq!(wire, h.round_all(&sums));
+        wide.apply(1, Words::U16(wb.clone()), true, 0).unwrap();
+        let GradAcc::HalfIntoF32 { acc, .. } = &wide else {
+            unreachable!()
+        };
+        assert_eq!(acc[1..], h.widen_all(&wb)[..], "an overwrite replaces");
+
+        let mut narrow = GradAcc::Half {
+            half: h,
+            acc: vec![0; 4],
+        };
+        add(&mut narrow, sixteen);
+        let GradAcc::Half { acc, .. } = &narrow else {
+            unreachable!()
+        };
+        let rounded: Vec<u16> = (0..3).map(|i| h.round(sums[i])).collect();
+        assert_eq!(acc[1..], rounded[..]);
+
+        let mut f32s = GradAcc::F32(Slab::Host(vec![0.0; 4]));
+        add(&mut f32s, thirty_two);
+        let Elems::F32(got) = f32s.wire::<()>(0..4) else {
+            panic!("fp32 training sends f32")
+        };
+        assert_eq!(got, [0.0, a[0] + b[0], a[1] + b[1], a[2] + b[2]]);
+
+        // The canonical tree: two leaves summed once, divided by world · A = 2 · 2 at the end.
+        let mut tree = GradAcc::Tree {
+            acc: vec![0.0; 4],
+            tree: TreeAccumulator::new(2, 4),
+        };
+        add(&mut tree, thirty_two);
+        tree.finish(2, 2);
+        let GradAcc::Tree { acc, .. } = &tree else {
+            unreachable!()
+        };
+        let means: Vec<f32> = (0..3).map(|i| (a[i] + b[i]) / 4.0).collect();
+        assert_eq!(acc[1..], means[..]);
+
+        let err = f32s
+            .apply(0, Elems::<()>::U16(wa.clone()), false, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("16-bit elements") && err.contains("fp32"),
+            "{err}"
+        );
+    }
+}

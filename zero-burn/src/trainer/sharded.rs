@@ -1,0 +1,201 @@
+//! Stage 3's weights between uses, in the working precision, owned by one type: the rank's shard
+//! of every unit and the hpZ secondary slices. A 16-bit shard beside fp32 secondaries, or the
+//! reverse, is not a state it can be in. Empty below stage 3.
+
+use burn::tensor::{Device, Tensor};
+use zero_core::Plan;
+
+use super::slab::{Shard, Slab};
+use crate::error::{Error, Result};
+use crate::precision::Half;
+
+/// The rank's stage-3 shards.
+#[derive(Debug)]
+pub(super) enum Sharded {
+    /// fp32: the shard is the fp32 master (the optimizer steps it in place), one slab per unit on
+    /// the model's device; the secondary slices live beside it.
+    F32 {
+        shard: Shard,
+        /// hpZ: unit `u`'s secondary slice, valid between its forward and the optimizer step.
+        secondary: Vec<Option<Slab>>,
+    },
+    /// bf16/fp16: the 16-bit working copies in host memory, every unit's chunk at its
+    /// `shard_offset` (the optimizer keeps the fp32 master).
+    Half {
+        half: Half,
+        shard: Vec<u16>,
+        secondary: Vec<Option<Vec<u16>>>,
+    },
+}
+
+/// What a gather of one unit sends: an fp32 slab (wherever it lives), or 16-bit words.
+pub(super) enum Source<'a> {
+    F32(&'a Slab),
+    Half(Half, &'a [u16]),
+}
+
+impl Sharded {
+    /// Empty shards of `units` units in the working precision (`half`, if any).
+    pub(super) fn empty(half: Option<Half>, units: usize) -> Sharded {
+        match half {
+            None => Sharded::F32 {
+                shard: Shard::default(),
+                secondary: (0..units).map(|_| None).collect(),
+            },
+            Some(half) => Sharded::Half {
+                half,
+                shard: Vec::new(),
+                secondary: vec![None; units],
+            },
+        }
+    }
+
+    /// The shards of `chunks` (the rank's fp32 chunk of every unit, in order): on `device` (`None`:
+    /// host memory) in fp32, rounded to the working precision in host memory in bf16/fp16.
+    pub(super) fn fill(&mut self, plan: &Plan, chunks: Vec<Vec<f32>>, device: Option<Device>) {
+        match self {
+            Sharded::F32 { shard, .. } => *shard = Shard::new(chunks, device),
+            Sharded::Half { half, shard, .. } => {
+                *shard = vec![0; plan.shard_len() as usize];
+                for (unit, c) in plan.units().iter().zip(&chunks) {
+                    let at = unit.shard_offset as usize;
+                    for (d, &x) in shard[at..at + c.len()].iter_mut().zip(c) {
+                        *d = half.round(x);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Unit `u`'s piece for a gather: its shard chunk, or with `hpz` its secondary slice (an
+    /// error when the forward left none).
+    pub(super) fn source(&self, plan: &Plan, u: usize, hpz: bool) -> Result<Source<'_>> {
+        let none = || {
+            Error::Internal(format!(
+                "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
+            ))
+        };
+        Ok(match self {
+            Sharded::F32 { secondary, .. } if hpz => {
+                Source::F32(secondary[u].as_ref().ok_or_else(none)?)
+            }
+            Sharded::F32 { shard, .. } => Source::F32(shard.unit(u)),
+            Sharded::Half {
+                half, secondary, ..
+            } if hpz => Source::Half(*half, secondary[u].as_deref().ok_or_else(none)?),
+            Sharded::Half { half, shard, .. } => Source::Half(*half, &shard[range(plan, u)]),
+        })
+    }
+
+    /// Unit `u`'s fp32 shard, to step in place.
+    pub(super) fn f32_mut(&mut self, u: usize) -> Result<&mut Slab> {
+        match self {
+            Sharded::F32 { shard, .. } => Ok(shard.unit_mut(u)),
+            Sharded::Half { .. } => Err(mismatch("an fp32 shard", "16-bit")),
+        }
+    }
+
+    /// Unit `u`'s 16-bit chunk, to overwrite with the step's rounding.
+    pub(super) fn half_mut(&mut self, plan: &Plan, u: usize) -> Result<&mut [u16]> {
+        match self {
+            Sharded::Half { shard, .. } => Ok(&mut shard[range(plan, u)]),
+            Sharded::F32 { .. } => Err(mismatch("a 16-bit shard", "fp32")),
+        }
+    }
+
+    /// Writes fp32 `values` into unit `u`'s chunk from element `at` (rounded in bf16/fp16).
+    pub(super) fn write(&mut self, plan: &Plan, u: usize, at: usize, values: &[f32]) {
+        match self {
+            Sharded::F32 { shard, .. } => shard.unit_mut(u).write(at, values),
+            Sharded::Half { half, shard, .. } => {
+                let to = range(plan, u).start + at;
+                for (d, &x) in shard[to..to + values.len()].iter_mut().zip(values) {
+                    *d = half.round(x);
+                }
+            }
+        }
+    }
+
+    /// Zeros unit `u`'s chunk.
+    pub(super) fn zero(&mut self, plan: &Plan, u: usize) {
+        match self {
+            Sharded::F32 { shard, .. } => shard.unit_mut(u).zero(),
+            Sharded::Half { shard, .. } => shard[range(plan, u)].fill(0),
+        }
+    }
+
+    /// Keeps `values` (gathered fp32, in host memory) as unit `u`'s hpZ secondary slice, where
+    /// the shard lives.
+    pub(super) fn keep_f32(&mut self, u: usize, values: Vec<f32>) -> Result<()> {
+        match self {
+            Sharded::F32 { shard, secondary } => {
+                secondary[u] = Some(shard.slab(values));
+                Ok(())
+            }
+            Sharded::Half { .. } => Err(mismatch("fp32 weights", "16-bit")),
+        }
+    }
+
+    /// Keeps `t` (a tensor on the model's device) as unit `u`'s hpZ secondary slice.
+    pub(super) fn keep_tensor(&mut self, u: usize, t: Tensor<1>) -> Result<()> {
+        match self {
+            Sharded::F32 { secondary, .. } => {
+                secondary[u] = Some(Slab::Device(Box::new(t)));
+                Ok(())
+            }
+            Sharded::Half { .. } => Err(mismatch("fp32 weights", "16-bit")),
+        }
+    }
+
+    /// Keeps `values` (gathered 16-bit words) as unit `u`'s hpZ secondary slice.
+    pub(super) fn keep_half(&mut self, u: usize, values: Vec<u16>) -> Result<()> {
+        match self {
+            Sharded::Half { secondary, .. } => {
+                secondary[u] = Some(values);
+                Ok(())
+            }
+            Sharded::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
+        }
+    }
+
+    /// Drops every hpZ secondary slice (they never outlive a weight update).
+    pub(super) fn clear_secondaries(&mut self) {
+        match self {
+            Sharded::F32 { secondary, .. } => secondary.iter_mut().for_each(|s| *s = None),
+            Sharded::Half { secondary, .. } => secondary.iter_mut().for_each(|s| *s = None),
+        }
+    }
+
+    /// Bytes held: (the shard, the secondary slices), host buffers as allocated, tensors by
+    /// their elements.
+    pub(super) fn bytes(&self) -> (u64, u64) {
+        match self {
+            Sharded::F32 { shard, secondary } => (
+                shard.bytes(),
+                secondary.iter().flatten().map(Slab::bytes).sum(),
+            ),
+            Sharded::Half {
+                shard, secondary, ..
+            } => (
+                shard.capacity() as u64 * 2,
+                secondary
+                    .iter()
+                    .flatten()
+                    .map(|s| s.capacity() as u64 * 2)
+                    .sum(),
+            ),
+        }
+    }
+}
+
+/// Unit `u`'s chunk in a flat shard.
+fn range(plan: &Plan, u: usize) -> std::ops::Range<usize> {
+    let at = plan.units()[u].shard_offset as usize;
+    at..at + plan.chunk_len(u) as usize
+}
+
+fn mismatch(wanted: &str, got: &str) -> Error {
+    Error::Internal(format!(
+        "{wanted} was asked of stage 3's shards, which are {got}"
+    ))
+}
