@@ -125,6 +125,7 @@
 //! [`Communicator::upload_into`].
 
 mod device;
+mod fault;
 
 use std::fmt;
 
@@ -135,6 +136,7 @@ use zero_quant::{BlockCodec, WireLayout};
 use crate::communicator::Communicator;
 use crate::element::Element;
 use crate::error::{Error, Op, Result};
+use fault::{Fault, length, poison};
 
 /// An element type both zero-comm and zero-quant handle: `f32`, [`half::bf16`], [`half::f16`].
 pub trait QuantElement: Element + zero_quant::Element {}
@@ -330,116 +332,50 @@ impl ErrorFeedback {
     }
 }
 
-/// Marker of a poisoned wire: a negative quiet NaN (sign, all-ones exponent, top mantissa bit),
-/// which is never a valid scale (those are finite and non-negative) nor an identity value (encode
-/// rejects non-finite input). The low 22 bits carry the failing rank.
-const POISON: u32 = 0xffc0_0000;
-const ORIGIN_MASK: u32 = 0x003f_ffff;
-
-/// Where the poison marker of a wire of this layout goes: the first scale, or for the identity
-/// codec (no scales) the first value. `None` for an empty tensor (whose encode cannot fail).
-fn marker_at(layout: &WireLayout) -> Option<usize> {
-    if layout.num_blocks > 0 {
-        Some(layout.scales_offset)
-    } else if layout.codes_len >= 4 {
-        Some(0)
-    } else {
-        None
-    }
-}
-
-pub(crate) fn poison(piece: &mut [u8], layout: &WireLayout, origin: usize) {
-    piece.fill(0);
-    if let Some(at) = marker_at(layout) {
-        let bits = POISON | (origin as u32 & ORIGIN_MASK);
-        piece[at..at + 4].copy_from_slice(&bits.to_le_bytes());
-    }
-}
-
-fn poisoned(piece: &[u8], layout: &WireLayout) -> Option<usize> {
-    let at = marker_at(layout)?;
-    let bytes: [u8; 4] = piece.get(at..at + 4)?.try_into().ok()?;
-    let bits = u32::from_le_bytes(bytes);
-    (bits & !ORIGIN_MASK == POISON).then_some((bits & ORIGIN_MASK) as usize)
-}
-
-/// The data failure seen so far by one rank in one call.
-pub(crate) struct Fault {
-    op: Op,
-    me: usize,
-    local: Option<zero_quant::Error>,
-    peer: Option<usize>,
-}
-
-impl Fault {
-    pub(crate) fn new(op: Op, me: usize) -> Self {
-        Fault {
-            op,
-            me,
-            local: None,
-            peer: None,
+/// One equal-split all-to-all of `send`'s pieces of `layout` over `comm`, into `recv` (resized
+/// to `send.len()`): every piece poisoned first when `fault` has a failure to pass on, every
+/// received piece checked for poison after. `peak_wire` keeps the largest wire held.
+fn exchange<C: Communicator>(
+    comm: &mut C,
+    layout: &WireLayout,
+    (send, recv): (&mut [u8], &mut Vec<u8>),
+    fault: &mut Fault,
+    peak_wire: &mut usize,
+) -> Result<()> {
+    let e = layout.total_len.max(1);
+    if let Some(o) = fault.origin() {
+        for piece in send.chunks_exact_mut(e) {
+            poison(piece, layout, o);
         }
     }
-
-    pub(crate) fn local(&mut self, e: zero_quant::Error) {
-        self.local.get_or_insert(e);
-    }
-
-    fn peer(&mut self, origin: usize) {
-        self.peer = Some(self.peer.map_or(origin, |p| p.min(origin)));
-    }
-
-    /// The rank to name in poison this rank sends on.
-    pub(crate) fn origin(&self) -> Option<usize> {
-        if self.local.is_some() {
-            Some(self.me)
-        } else {
-            self.peer
-        }
-    }
-
-    pub(crate) fn check(&mut self, piece: &[u8], layout: &WireLayout) {
-        if let Some(o) = poisoned(piece, layout) {
-            self.peer(o);
-        }
-    }
-
-    pub(crate) fn finish(self) -> Result<()> {
-        match (self.local, self.peer) {
-            (None, None) => Ok(()),
-            (Some(e), _) => Err(Error::Quant {
-                op: self.op,
-                rank: self.me,
-                failed_rank: self.me,
-                source: Some(e),
-            }),
-            (None, Some(o)) => Err(Error::Quant {
-                op: self.op,
-                rank: self.me,
-                failed_rank: o,
-                source: None,
-            }),
-        }
-    }
-}
-
-pub(crate) fn length(op: Op, rank: usize, expected: usize, got: usize) -> Error {
-    Error::LengthMismatch {
-        op,
-        rank,
-        expected,
-        got,
-    }
-}
-
-/// One equal-split all-to-all of `send` over `comm`, into `recv` (resized to `send.len()`).
-fn exchange<C: Communicator>(comm: &mut C, send: &[u8], recv: &mut Vec<u8>) -> Result<()> {
     let s = comm.upload(send)?;
     let mut r = comm.alloc::<u8>(send.len())?;
     comm.all_to_all(&s, &mut r)?;
     drop(s);
     recv.resize(send.len(), 0);
-    comm.download(&r, recv)
+    comm.download(&r, recv)?;
+    *peak_wire = (*peak_wire).max(send.len() + recv.len());
+    for piece in recv.chunks_exact(e) {
+        fault.check(piece, layout);
+    }
+    Ok(())
+}
+
+/// Decodes `pieces` into `acc` summed in `f32` in their order: the first decoded, the others
+/// added with [`BlockCodec::decode_accumulate`].
+fn decode_sum<'a, K: BlockCodec>(
+    codec: &K,
+    pieces: impl IntoIterator<Item = &'a [u8]>,
+    acc: &mut [f32],
+) -> zero_quant::Result<()> {
+    for (k, piece) in pieces.into_iter().enumerate() {
+        if k == 0 {
+            codec.decode(piece, acc)?;
+        } else {
+            codec.decode_accumulate(piece, acc)?;
+        }
+    }
+    Ok(())
 }
 
 /// qwZ: all-gathers every rank's `chunk` through `codec` (the plan uses [`zero_quant::Int8Block`];
@@ -651,31 +587,13 @@ where
                 }
             }
         }
-        if let Some(o) = fault.origin() {
-            for piece in send.chunks_exact_mut(e.max(1)) {
-                poison(piece, &layout, o);
-            }
-        }
-        exchange(intra, send, recv)?;
-        *peak_wire = (*peak_wire).max(send.len() + recv.len());
-        for piece in recv.chunks_exact(e.max(1)) {
-            fault.check(piece, &layout);
-        }
+        exchange(intra, &layout, (send, recv), &mut fault, peak_wire)?;
         if fault.origin().is_none() {
-            'reduce: for mp in 0..m {
-                let a = &mut acc[mp * c..(mp + 1) * c];
-                for j in 0..l {
-                    let slot = (j * m + mp) * e;
-                    let piece = &recv[slot..slot + e];
-                    let r = if j == 0 {
-                        codec.decode(piece, a)
-                    } else {
-                        codec.decode_accumulate(piece, a)
-                    };
-                    if let Err(err) = r {
-                        fault.local(err);
-                        break 'reduce;
-                    }
+            for mp in 0..m {
+                let pieces = (0..l).map(|j| &recv[(j * m + mp) * e..(j * m + mp + 1) * e]);
+                if let Err(err) = decode_sum(codec, pieces, &mut acc[mp * c..(mp + 1) * c]) {
+                    fault.local(err);
+                    break;
                 }
             }
         }
@@ -705,29 +623,11 @@ where
                 }
             }
         }
-        if let Some(o) = fault.origin() {
-            for piece in send.chunks_exact_mut(e.max(1)) {
-                poison(piece, &layout, o);
-            }
-        }
-        exchange(cross, send, recv)?;
-        *peak_wire = (*peak_wire).max(send.len() + recv.len());
-        for piece in recv.chunks_exact(e.max(1)) {
-            fault.check(piece, &layout);
-        }
+        exchange(cross, &layout, (send, recv), &mut fault, peak_wire)?;
         if fault.origin().is_none() {
-            let a = &mut acc[..c];
-            for k in 0..m {
-                let piece = &recv[k * e..(k + 1) * e];
-                let r = if k == 0 {
-                    codec.decode(piece, a)
-                } else {
-                    codec.decode_accumulate(piece, a)
-                };
-                if let Err(err) = r {
-                    fault.local(err);
-                    break;
-                }
+            let pieces = (0..m).map(|k| &recv[k * e..(k + 1) * e]);
+            if let Err(err) = decode_sum(codec, pieces, &mut acc[..c]) {
+                fault.local(err);
             }
         }
     }
