@@ -1,5 +1,12 @@
 //! Determinism guard: a short run of the embedded default job (`cargo xtask train`'s) has a fixed
 //! loss trajectory, and its measured bytes equal the plan.
+//!
+//! The snapshot holds the losses rounded to 4 decimals, not their bits: gemm chooses its kernels
+//! at run time by the CPU (AVX-512 or AVX2), which moves the last bits of a sum, so a bit snapshot
+//! would hold on one kind of CPU only. 4 decimals still catch a change of arithmetic (turning on
+//! flex's SIMD kernels moved the 4th decimal at steps 5 and 6). Bits are checked here too: the
+//! same job run twice in one process gives the same losses bit for bit, and the equivalence tests
+//! compare stages, world sizes and plain burn bit for bit.
 
 use zero_burn::demo::job::{JobConfig, run_job};
 

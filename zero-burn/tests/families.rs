@@ -3,9 +3,12 @@
 //! adapter [`Whole`]. Each runs at stages 0–3 with hpZ on and off: bit-identical across all of
 //! them, traffic and model-state bytes equal to the plan. Family (a) is also checked against plain
 //! burn (burn's own SGD and AdamW on the same global batch, one process, no zero-rs code), and so
-//! is the gradient norm that clipping reports.
+//! is the gradient norm that clipping reports. A parameter that no gradient reaches in a step is
+//! checked against plain burn in `families/unused.rs`.
 
 mod common;
+#[path = "families/unused.rs"]
+mod unused;
 
 use std::time::Duration;
 

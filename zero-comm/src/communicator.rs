@@ -209,6 +209,20 @@ pub trait Communicator: Send {
         self.download(&b, data)
     }
 
+    /// [`all_reduce_host`](Communicator::all_reduce_host) of an owned vector, returned reduced. A
+    /// communicator whose buffers are host memory reduces the vector itself, with no copy in or
+    /// out.
+    fn all_reduce_vec<E: Element>(&mut self, mut data: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {
+        self.all_reduce_host(&mut data, op)?;
+        Ok(data)
+    }
+
+    /// [`reduce_scatter_host`](Communicator::reduce_scatter_host) of an owned vector. A
+    /// communicator whose buffers are host memory sends the vector itself, with no copy in.
+    fn reduce_scatter_vec<E: Element>(&mut self, send: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {
+        self.reduce_scatter_host(&send, op)
+    }
+
     /// [`broadcast`](Communicator::broadcast) of a host slice, in place.
     fn broadcast_host<E: Element>(&mut self, data: &mut [E], root: usize) -> Result<()> {
         let mut b = self.upload(data)?;

@@ -326,3 +326,36 @@ fn sweep_table_llama_7b_on_the_presets() {
     }
     insta::assert_snapshot!(text);
 }
+
+/// The ZeRO++ paper's 18B shape (40 layers × 6144, sequence 512) on 24 DGX-2 nodes in fp16,
+/// ZeRO-3 against ZeRO++ over the NIC's line rate, at 1024 and 2048 tokens per GPU, with full
+/// overlap and none: the table BENCHMARKS.md quotes, which `cargo xtask simulate --gpt 40x6144
+/// --seq-len 512 --stage 3 --precision fp16 --cluster dgx2-v100 --nodes 24 --sweep
+/// nic-gbps=100,200,400,800` prints.
+#[test]
+fn sweep_table_gpt_18b_over_nic_bandwidth() {
+    let (m, shape) = compute::gpt(40, 6144, 512).unwrap();
+    let c = Cluster::preset("dgx2-v100").unwrap();
+    let base = ZeroConfig {
+        stage: 3,
+        precision: Precision::Fp16,
+        ..Default::default()
+    };
+    let variants: Vec<Variant> = ["zero-3", "zero++"]
+        .iter()
+        .map(|v| Variant::named(v, &base, c.gpus_per_node).unwrap())
+        .collect();
+    let axis = SweepAxis::NicGbpsPerNode(vec![100.0, 200.0, 400.0, 800.0]);
+    let mut text = String::new();
+    for tokens in [1024u64, 2048] {
+        for overlap in [Overlap::Full, Overlap::None] {
+            let o = SimOptions {
+                overlap: Some(overlap),
+                ..opts(tokens, Some(shape))
+            };
+            let t = sweep(&m, &c, 24, &axis, &variants, &o).unwrap();
+            text.push_str(&format!("{tokens} tokens/GPU, overlap {overlap:?}\n{t}\n"));
+        }
+    }
+    insta::assert_snapshot!(text);
+}

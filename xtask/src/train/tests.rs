@@ -49,6 +49,8 @@ fn invalid_flags_fail_before_a_run_directory_exists() {
         // Without the `cuda` feature: the build to use; with it, on this machine: no driver.
         (&["--backend", "cuda"], "cuda"),
         (&["--launcher", "slurm"], "--launcher"),
+        // Outside `cargo xtask launch` (no torchrun variables): before any device is touched.
+        (&["--launcher", "nccl"], "torchrun's variables"),
         (&["--data", "/nonexistent/zero-rs-data"], "--data"),
         (&["--config", "/nonexistent/zero-rs.toml"], "config"),
         (&["--resume", "/nonexistent/zero-rs-ckpt"], "resume"),

@@ -3,12 +3,13 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::attention::{
-    MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
+    MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
 };
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{
     Embedding, EmbeddingConfig, Gelu, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
+use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::demo::data::TokenBatch;
@@ -83,18 +84,36 @@ pub struct Block {
 }
 
 impl Block {
+    /// The block on `[b, t, d]`. Every linear layer runs on the `[b·t, d]` rows: one matmul per
+    /// layer, and one for each weight's gradient, where burn would keep a batched matmul per
+    /// sequence (its rows fill the tiles) and sum the weight's gradient over them.
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [b, t, _] = x.dims();
-        let mask = generate_autoregressive_mask(b, t, &x.device());
-        let h = self
-            .attn
-            .forward(MhaInput::self_attn(self.ln1.forward(x.clone())).mask_attn(mask));
-        let x = x + h.context;
+        let [b, t, d] = x.dims();
+        let x = x.reshape([b * t, d]);
+        let x = x.clone() + self.attend(self.ln1.forward(x), b, t);
         let m = self.proj.forward(
             self.act
                 .forward(self.fc.forward(self.ln2.forward(x.clone()))),
         );
-        x + m
+        (x + m).reshape([b, t, d])
+    }
+
+    /// Causal self-attention on `[b·t, d]` rows, with burn's `MultiHeadAttention`'s weights and
+    /// arithmetic (scores scaled by `1/√d_k`, masked to its `min_float`, softmax; no dropout).
+    fn attend(&self, rows: Tensor<2>, b: usize, t: usize) -> Tensor<2> {
+        let a = &self.attn;
+        let (h, dk) = (a.n_heads, a.d_k);
+        let heads = |l: &Linear| {
+            l.forward(rows.clone())
+                .reshape([b, t, h, dk])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (heads(&a.query), heads(&a.key), heads(&a.value));
+        let scores = q.matmul(k.transpose()).div_scalar((dk as f32).sqrt());
+        let mask = generate_autoregressive_mask(b, t, &rows.device()).reshape([b, 1, t, t]);
+        let weights = softmax(scores.mask_fill(mask, a.min_float), 3);
+        let context = weights.matmul(v).swap_dims(1, 2).reshape([b * t, h * dk]);
+        a.output.forward(context)
     }
 }
 
@@ -136,13 +155,13 @@ impl Segmented for Gpt {
         if i <= self.blocks.len() {
             return SegmentOut::Next(self.blocks[i - 1].forward(x));
         }
-        let logits = self.head.forward(self.ln_f.forward(x));
-        let [b, t, v] = logits.dims();
+        let [b, t, d] = x.dims();
+        let logits = self.head.forward(self.ln_f.forward(x).reshape([b * t, d]));
         let targets =
             Tensor::<1, Int>::from_data(TensorData::new(batch.targets.clone(), [b * t]), &device);
         let loss = CrossEntropyLossConfig::new()
             .init(&device)
-            .forward(logits.reshape([b * t, v]), targets);
+            .forward(logits, targets);
         SegmentOut::Loss(loss)
     }
 }

@@ -115,13 +115,18 @@ impl<C: Corpus> Corpus for DiesAtStep<C> {
     }
 }
 
-/// A store that SIGKILLs its own process on the first write of the save of step 4: a rank dying
-/// in the middle of a collective save.
+/// A store that SIGKILLs its own process at the first append to a file of the save of step 4,
+/// after that file's first bytes are written: a rank dying in the middle of its stream, inside a
+/// collective save. Every other call, reads by range and appends included, is `DirStorage`'s own
+/// (not the trait's rewrite-whole defaults), so the dead save leaves what a real one would.
 #[derive(Debug)]
 struct DiesMidSave(zero_burn::checkpoint::DirStorage);
 
 impl zero_burn::checkpoint::Storage for DiesMidSave {
     fn write(&self, path: &str, bytes: &[u8]) -> zero_burn::Result<()> {
+        self.0.write(path, bytes)
+    }
+    fn append(&self, path: &str, bytes: &[u8]) -> zero_burn::Result<()> {
         if path.contains("00000004") {
             let pid = std::process::id().to_string();
             let _ = std::process::Command::new("kill")
@@ -129,7 +134,10 @@ impl zero_burn::checkpoint::Storage for DiesMidSave {
                 .status();
             std::thread::sleep(Duration::from_secs(30));
         }
-        self.0.write(path, bytes)
+        self.0.append(path, bytes)
+    }
+    fn read_range(&self, path: &str, offset: u64, len: u64) -> zero_burn::Result<Option<Vec<u8>>> {
+        self.0.read_range(path, offset, len)
     }
     fn sync_file(&self, path: &str) -> zero_burn::Result<()> {
         self.0.sync_file(path)

@@ -336,9 +336,9 @@ impl Loopback for HostComm {
 }
 
 /// The buffer methods of a communicator whose buffers are [`HostBuffer`]s (the host loopback, MPI),
-/// and its host-slice collectives without the trait's copy out: the output buffer is host memory
+/// and its host-slice collectives without the trait's copies: the output buffer is host memory
 /// already, so it is returned as it is (one allocation and one pass over the output fewer per
-/// call than `download_vec`).
+/// call than `download_vec`), and an owned vector is the buffer itself (no copy in).
 macro_rules! host_buffer_methods {
     () => {
         fn alloc<E: Element>(&self, len: usize) -> Result<HostBuffer<E>> {
@@ -371,6 +371,19 @@ macro_rules! host_buffer_methods {
         fn reduce_scatter_host<E: Element>(&mut self, send: &[E], op: ReduceOp) -> Result<Vec<E>> {
             let s = self.upload(send)?;
             let mut r = self.alloc(send.len() / self.world_size())?;
+            self.reduce_scatter(&s, &mut r, op)?;
+            Ok(r.into_vec())
+        }
+
+        fn all_reduce_vec<E: Element>(&mut self, data: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {
+            let mut b = HostBuffer::from_vec(data);
+            self.all_reduce(&mut b, op)?;
+            Ok(b.into_vec())
+        }
+
+        fn reduce_scatter_vec<E: Element>(&mut self, send: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {
+            let s = HostBuffer::from_vec(send);
+            let mut r = self.alloc(s.len() / self.world_size())?;
             self.reduce_scatter(&s, &mut r, op)?;
             Ok(r.into_vec())
         }

@@ -337,6 +337,9 @@ pub(crate) fn reduce_scatter_body<C: Communicator, E: Val>(
         comm.reduce_scatter(&send, &mut recv, op).unwrap();
         let what = label::<C, E>(comm, &format!("reduce_scatter {op} c={c}"));
         assert_bits(&comm.download_vec(&recv).unwrap(), &want, &what);
+        // The owned-vector form (host buffers: the vector itself is sent).
+        let got = comm.reduce_scatter_vec(inputs[me].clone(), op).unwrap();
+        assert_bits(&got, &want, &format!("{what}, reduce_scatter_vec"));
     }
 }
 
@@ -362,6 +365,9 @@ pub(crate) fn all_reduce_body<C: Communicator, E: Val>(comm: &mut C, lens: &[usi
         comm.all_reduce(&mut buf, op).unwrap();
         let what = label::<C, E>(comm, &format!("all_reduce {op} len={len}"));
         assert_bits(&comm.download_vec(&buf).unwrap(), &want, &what);
+        // The owned-vector form (host buffers: reduced in place, no copy).
+        let got = comm.all_reduce_vec(inputs[me].clone(), op).unwrap();
+        assert_bits(&got, &want, &format!("{what}, all_reduce_vec"));
     }
 }
 
