@@ -112,14 +112,14 @@ impl Half {
         Ok(match self {
             Half::Bf16 => {
                 let v: Vec<bf16> = send.iter().map(|&b| bf16::from_bits(b)).collect();
-                comm.reduce_scatter_host(&v, op)?
+                comm.reduce_scatter_vec(v, op)?
                     .into_iter()
                     .map(bf16::to_bits)
                     .collect()
             }
             Half::F16 => {
                 let v: Vec<f16> = send.iter().map(|&b| f16::from_bits(b)).collect();
-                comm.reduce_scatter_host(&v, op)?
+                comm.reduce_scatter_vec(v, op)?
                     .into_iter()
                     .map(f16::to_bits)
                     .collect()
@@ -136,16 +136,14 @@ impl Half {
     ) -> Result<()> {
         match self {
             Half::Bf16 => {
-                let mut v: Vec<bf16> = data.iter().map(|&b| bf16::from_bits(b)).collect();
-                comm.all_reduce_host(&mut v, op)?;
-                for (d, x) in data.iter_mut().zip(v) {
+                let v: Vec<bf16> = data.iter().map(|&b| bf16::from_bits(b)).collect();
+                for (d, x) in data.iter_mut().zip(comm.all_reduce_vec(v, op)?) {
                     *d = x.to_bits();
                 }
             }
             Half::F16 => {
-                let mut v: Vec<f16> = data.iter().map(|&b| f16::from_bits(b)).collect();
-                comm.all_reduce_host(&mut v, op)?;
-                for (d, x) in data.iter_mut().zip(v) {
+                let v: Vec<f16> = data.iter().map(|&b| f16::from_bits(b)).collect();
+                for (d, x) in data.iter_mut().zip(comm.all_reduce_vec(v, op)?) {
                     *d = x.to_bits();
                 }
             }

@@ -4,6 +4,7 @@
 //! micro-batch that leaves the parameter out adds `0 · Σ p` to its loss (a zero gradient and a
 //! zero loss term), so burn's optimizer steps it instead of skipping it.
 
+use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::GradientsParams;
@@ -17,7 +18,6 @@ use crate::common::points::{
     B, CLASSES, FEATURES, PointBatch, PointBatcher, adamw_pair, assert_near_burn, cross_entropy,
     points, values,
 };
-use burn::data::dataloader::batcher::Batcher;
 
 /// A body and two heads; `aux` joins the logits only for micro-batches whose first label is 0.
 #[derive(Module, Debug)]
