@@ -1,8 +1,8 @@
 //! README's command-line claims, run as a user runs them: the `xtask` binary itself.
 //!
 //! - `train --launcher mpi` starts its own `mpirun` of 2 processes and gives the bits of 2
-//!   in-process ranks (`--launcher threads`): losses in `report.json`, and traffic equal to the
-//!   plan.
+//!   in-process ranks (`--launcher threads`): losses in `report.json`, traffic equal to the
+//!   plan, and each rank process's own peak RSS (`VmHWM`) in the report.
 //! - `launch` stops every process it started within 2 s of a SIGTERM or a Ctrl-C (SIGINT).
 
 use std::path::Path;
@@ -49,8 +49,9 @@ fn record_skip(test: &str, reason: &str) {
     }
 }
 
-/// `report.json`'s losses as bits, and whether traffic and memory equal the plan.
-fn report(dir: &Path) -> (Vec<u32>, bool, bool) {
+/// `report.json`'s losses as bits, whether traffic and memory equal the plan, each rank
+/// process's peak RSS (empty for threads) and the plan's model-state bytes per rank.
+fn report(dir: &Path) -> (Vec<u32>, bool, bool, Vec<u64>, u64) {
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
     let loss = v["loss"]
@@ -63,6 +64,11 @@ fn report(dir: &Path) -> (Vec<u32>, bool, bool) {
         loss,
         v["comm_matches_plan"].as_bool().unwrap(),
         v["memory_matches_plan"].as_bool().unwrap(),
+        v["peak_rss_per_rank"]
+            .as_array()
+            .map(|a| a.iter().map(|b| b.as_u64().unwrap()).collect())
+            .unwrap_or_default(),
+        v["memory"]["planned"][0]["total_bytes"].as_u64().unwrap(),
     )
 }
 
@@ -127,6 +133,19 @@ fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
         runs[1].1 && runs[1].2,
         "MPI's traffic and memory equal the plan"
     );
+    assert!(
+        runs[0].3.is_empty(),
+        "threads share one process: no RSS per rank"
+    );
+    let (rss, state) = (&runs[1].3, runs[1].4);
+    assert_eq!(rss.len(), 2, "one peak RSS per rank process: {rss:?}");
+    for (rank, &b) in rss.iter().enumerate() {
+        // A process holds at least its model state, and the tiny job far less than 4 GiB.
+        assert!(
+            b >= state && b < 4 << 30,
+            "rank {rank}'s peak RSS {b} B (its model state is {state} B)"
+        );
+    }
 }
 
 /// `launch` stops its processes on SIGTERM and on Ctrl-C (SIGINT): 2 ranks that would sleep for

@@ -28,6 +28,12 @@ fn invalid_flags_fail_before_a_run_directory_exists() {
         (&["--timeout", "0"], "timeout"),
         (&["--stage", "4"], "stage"),
         (&["--steps", "0"], "steps"),
+        // Any count up to u64::MAX is a valid run (stopped by the user): the refusal is the
+        // next check's (steps are checked before the micro-batch).
+        (
+            &["--steps", "18446744073709551615", "--micro-batch", "0"],
+            "micro_batch",
+        ),
         (&["--micro-batch", "0"], "micro_batch"),
         (
             &["--world-size", "3", "--ranks-per-node", "2"],
@@ -81,8 +87,9 @@ fn losses(dir: &Path) -> (u64, Vec<u32>) {
 }
 
 /// `--save-every` saves every N steps and after the last; `--resume` continues bit-identically
-/// up to `--steps` in all and saves into the same directory; another plan is refused without
-/// `--reshard` and resharded with it; `ckpt gc` keeps the newest.
+/// up to `--steps` in all and saves into the same directory, beside a crashed save's staging;
+/// another plan is refused without `--reshard` and resharded with it; `ckpt gc` keeps the
+/// newest and removes the staging.
 #[test]
 fn save_resume_reshard_and_gc_from_the_command_line() {
     let tmp = tempfile::Builder::new()
@@ -108,6 +115,11 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
     tags.sort();
     assert_eq!(tags, ["step-00000002", "step-00000004"]);
     let ck_s: &'static str = Box::leak(ck.to_str().unwrap().to_owned().into_boxed_str());
+    // What a rank killed inside the save of step 6 leaves (`zero-burn/tests/mpi/kill.rs` kills
+    // one so): a staging directory with a torn rank file. The resume saves step 6 beside it.
+    let crashed = ck.join(".staging-step-00000006-crashed");
+    std::fs::create_dir(&crashed).unwrap();
+    std::fs::write(crashed.join("rank-00001-of-00002.zrs"), b"torn").unwrap();
     let second = root.join("second");
     run(args(&second, &with(&["--steps", "6", "--resume", ck_s]))).unwrap();
     let (start, tail) = losses(&second);
@@ -226,6 +238,7 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
         .filter(|n| n.starts_with("step-"))
         .collect();
     assert_eq!(left, ["step-00000007"]);
+    assert!(!crashed.exists(), "gc removes the crashed save's staging");
     assert!(run(args(&root.join("bad"), &with(&["--reshard"]))).is_err());
     // Fine-tuning from an export of the checkpoint; not together with --resume.
     let st = root.join("model.safetensors");

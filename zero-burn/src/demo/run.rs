@@ -327,8 +327,7 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         }
         None => 0,
     };
-    // Reserved up to a million steps; a longer run grows them as it goes.
-    let todo = run.steps.saturating_sub(first_step).min(1 << 20) as usize;
+    let todo = reserved_steps(run.steps, first_step);
     let mut losses = Vec::with_capacity(todo);
     let mut micro_losses = Vec::with_capacity(todo);
     let mut step_info = Vec::with_capacity(todo);
@@ -496,4 +495,27 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
             }
             run_rank(builder, corpus, options, run.clone(), on_step)
         })
+}
+
+/// The steps whose records a run from `first` to `steps` reserves up front: at most 2^20 (a
+/// longer run, up to `--steps u64::MAX`, grows them as it goes), none past its end.
+fn reserved_steps(steps: u64, first: u64) -> usize {
+    steps.saturating_sub(first).min(1 << 20) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reserved_steps;
+
+    #[test]
+    fn a_run_reserves_at_most_a_million_steps_of_records() {
+        assert_eq!(reserved_steps(u64::MAX, 0), 1 << 20);
+        assert_eq!(reserved_steps(u64::MAX, u64::MAX - 3), 3);
+        assert_eq!(reserved_steps(6, 4), 2);
+        assert_eq!(
+            reserved_steps(4, 6),
+            0,
+            "a resume past the end reserves nothing"
+        );
+    }
 }
