@@ -59,29 +59,86 @@ pub fn extra_levels(a: u32) -> usize {
     (1..=a).map(u32::count_ones).max().unwrap_or(1) as usize - 1
 }
 
+/// A flat fp32 buffer that [`TreeAccumulator`] keeps its levels and leaves in: host memory
+/// (`Vec<f32>`), or the engine's buffers on a device. Each addition is one IEEE addition per
+/// element, wherever it runs.
+pub trait TreeBuffer: Sized {
+    /// Elements.
+    fn len(&self) -> usize;
+    /// Whether it holds no element.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// `values` as a buffer where `self` lives.
+    fn beside(&self, values: Vec<f32>) -> Self;
+    /// `leaf[i] = leaf[i] + self[off + i]` for every element of `leaf`.
+    fn add_into(&self, off: usize, leaf: &mut Self);
+    /// `self[off + i] = leaf[i]` for every element of `leaf`.
+    fn put(&mut self, off: usize, leaf: Self);
+    /// `self[i] = self[i] + other[i]` for every element.
+    fn add_all(&mut self, other: &Self);
+}
+
+impl TreeBuffer for Vec<f32> {
+    fn len(&self) -> usize {
+        <[f32]>::len(self)
+    }
+
+    fn beside(&self, values: Vec<f32>) -> Self {
+        values
+    }
+
+    fn add_into(&self, off: usize, leaf: &mut Self) {
+        for (c, &l) in leaf.iter_mut().zip(&self[off..]) {
+            *c += l;
+        }
+    }
+
+    fn put(&mut self, off: usize, leaf: Self) {
+        self[off..off + leaf.len()].copy_from_slice(&leaf);
+    }
+
+    fn add_all(&mut self, other: &Self) {
+        for (l, &r) in self.iter_mut().zip(other) {
+            *l += r;
+        }
+    }
+}
+
 /// Streams leaves `0, 1, …, A-1` (one per micro-step) through the canonical pairwise tree,
 /// element-wise over a flat buffer, like a binary counter: before leaf `a` the pending subtrees
 /// are the set bits of `a` (largest first), leaf `a` merges with the `trailing_ones(a)` smallest
 /// of them (left operand first), and [`finish`](Self::finish) folds what is left from the right,
 /// which is exactly the tree's right spine.
 ///
-/// Level 0 is the caller's accumulator; the extra levels live here.
+/// Level 0 is the caller's accumulator; the extra levels live here, in buffers of the same kind
+/// (host memory by default).
 #[derive(Clone, Debug, Default)]
-pub struct TreeAccumulator {
-    levels: Vec<Vec<f32>>,
+pub struct TreeAccumulator<B = Vec<f32>> {
+    levels: Vec<B>,
 }
 
 impl TreeAccumulator {
-    /// Levels for `a` leaves over a buffer of `len` floats.
+    /// Levels for `a` leaves over a buffer of `len` floats, in host memory.
     pub fn new(a: u32, len: usize) -> Self {
+        Self::with(a, || vec![0.0; len])
+    }
+}
+
+impl<B: TreeBuffer> TreeAccumulator<B> {
+    /// Levels for `a` leaves, each a buffer `zeros` makes (the accumulator's length, where it
+    /// lives).
+    pub fn with(a: u32, zeros: impl FnMut() -> B) -> Self {
         TreeAccumulator {
-            levels: vec![vec![0.0; len]; extra_levels(a)],
+            levels: std::iter::repeat_with(zeros)
+                .take(extra_levels(a))
+                .collect(),
         }
     }
 
     /// Floats held beyond the caller's accumulator.
     pub fn len(&self) -> usize {
-        self.levels.iter().map(Vec::len).sum()
+        self.levels.iter().map(B::len).sum()
     }
 
     /// Whether no extra level is needed.
@@ -89,36 +146,34 @@ impl TreeAccumulator {
         self.levels.is_empty()
     }
 
-    fn level<'a>(&'a mut self, acc: &'a mut [f32], k: usize) -> &'a mut [f32] {
-        if k == 0 { acc } else { &mut self.levels[k - 1] }
+    fn level<'a>(&'a self, acc: &'a B, k: usize) -> &'a B {
+        if k == 0 { acc } else { &self.levels[k - 1] }
     }
 
     /// Adds leaf number `a` (0-based; its values `leaf`, for `acc[off..off + leaf.len()]`). Every
     /// range of the buffer must receive leaves `0, 1, …` in order, each exactly once.
-    pub fn push(&mut self, acc: &mut [f32], a: u32, off: usize, mut leaf: Vec<f32>) {
+    pub fn push(&mut self, acc: &mut B, a: u32, off: usize, leaf: Vec<f32>) {
         let depth = a.count_ones() as usize;
         let merges = a.trailing_ones() as usize;
-        let range = off..off + leaf.len();
+        let mut leaf = acc.beside(leaf);
         for k in 0..merges {
-            let left = &self.level(acc, depth - 1 - k)[range.clone()];
-            for (c, &l) in leaf.iter_mut().zip(left) {
-                // left + right; IEEE addition commutes, so this is that sum's bits.
-                *c += l;
-            }
+            // left + right; IEEE addition commutes, so this is that sum's bits.
+            self.level(acc, depth - 1 - k).add_into(off, &mut leaf);
         }
-        self.level(acc, depth - merges)[range].copy_from_slice(&leaf);
+        match depth - merges {
+            0 => acc.put(off, leaf),
+            k => self.levels[k - 1].put(off, leaf),
+        }
     }
 
     /// After `a` leaves: folds the pending subtrees into `acc` (the tree's root).
-    pub fn finish(&mut self, acc: &mut [f32], a: u32) {
+    pub fn finish(&mut self, acc: &mut B, a: u32) {
         let depth = a.count_ones() as usize;
         for k in (1..depth).rev() {
             let (lo, hi) = self.levels.split_at_mut(k - 1);
             let right = &hi[0];
-            let left: &mut [f32] = if k == 1 { acc } else { &mut lo[k - 2] };
-            for (l, &r) in left.iter_mut().zip(right) {
-                *l += r;
-            }
+            let left = if k == 1 { &mut *acc } else { &mut lo[k - 2] };
+            left.add_all(right);
         }
     }
 }

@@ -12,7 +12,7 @@
 //!   it on the device, once the ranks' work is done, they hold the state the plan books more
 //!   than with it in host memory, within 64 KiB. At stage 3 in fp32 the pools
 //!   hold the resident device bytes the plan books (shard, accumulator, moments; the shard only
-//!   under offload), within 64 KiB.
+//!   under offload), within 64 KiB, and the canonical tree's pending level beside them.
 
 mod common;
 
@@ -169,6 +169,7 @@ fn ranks_with_different_placements_are_refused() {
 mod wgpu {
     use super::*;
     use common::shared;
+    use zero_burn::Reduction;
     use zero_burn::demo::data::MarkovLanguage;
     use zero_burn::demo::gpt::{Gpt, GptConfig};
     use zero_burn::demo::run::train_wgpu;
@@ -350,6 +351,7 @@ mod wgpu {
         shared: &zero_burn::WgpuShared,
         gpt: GptConfig,
         cfg: &ZeroConfig,
+        reduction: Reduction,
     ) -> (u64, Vec<zero_burn::MeasuredMemory>, Arc<zero_core::Plan>) {
         use zero_burn::demo::run::{corpus_step, engine_builder};
         let device = shared.device();
@@ -367,8 +369,10 @@ mod wgpu {
         let corpus = MarkovLanguage::new(gpt.vocab, 3).unwrap();
         let mut options = common::options();
         options.seq = gpt.context;
+        options.reduction = reduction;
         let engines = zero_burn::Launch::new(*plan.topology())
             .timeout(Duration::from_secs(60))
+            .reduction(reduction)
             .run_with(&model, |comm, mine| {
                 let mut engine = engine_builder(&plan, comm, mine, options).build()?;
                 for _ in 0..3 {
@@ -383,6 +387,8 @@ mod wgpu {
         let measured = engines.iter().map(|e| e.measured_memory()).collect();
         (in_use().saturating_sub(before), measured, plan)
     }
+
+    const RANK_ORDERED: Reduction = Reduction::RankOrdered;
 
     /// About 0.5M parameters: a state of megabytes, far above the pools' granularity.
     fn wider() -> GptConfig {
@@ -407,8 +413,10 @@ mod wgpu {
             return;
         };
         let cfg = |p| config(1, Precision::Bf16, p);
-        let (d, dm, _) = settled_device_bytes(&shared, wider(), &cfg(Placement::Device));
-        let (h, hm, _) = settled_device_bytes(&shared, wider(), &cfg(Placement::Host));
+        let (d, dm, _) =
+            settled_device_bytes(&shared, wider(), &cfg(Placement::Device), RANK_ORDERED);
+        let (h, hm, _) =
+            settled_device_bytes(&shared, wider(), &cfg(Placement::Host), RANK_ORDERED);
         let state = |m: &[zero_burn::MeasuredMemory]| -> u64 {
             m.iter()
                 .map(|m| m.optimizer_states + m.master_weights)
@@ -442,7 +450,7 @@ mod wgpu {
         };
         for placement in [Placement::Device, Placement::Host] {
             let cfg = config(3, Precision::Fp32, placement);
-            let (in_use, _, plan) = settled_device_bytes(&shared, wider(), &cfg);
+            let (in_use, _, plan) = settled_device_bytes(&shared, wider(), &cfg, RANK_ORDERED);
             let m = plan.memory();
             let resident = m.device_bytes - m.gathered_working_set - m.communication_buffers;
             let booked = 2 * resident;
@@ -456,6 +464,77 @@ mod wgpu {
                 2 * m.host_bytes
             );
             assert!(m.parameters > 512 << 10, "a shard of megabytes");
+            assert!(
+                (in_use as i64 - booked as i64).abs() <= 64 << 10,
+                "{placement:?}: the pools hold {in_use} B, not the booked {booked} B"
+            );
+        }
+    }
+
+    /// The canonical tree's fp32 accumulator, its pending subtree and its final division follow
+    /// the optimizer's state onto the device. Over the host loopback (the one communicator that
+    /// sums in the tree's order), 3 micro-steps (one pending level) at stages 0 and 3 give host
+    /// placement's bits on lavapipe, within [`BOUND`] elsewhere. At stage 3 the device's pools
+    /// then hold the booked resident device bytes plus the pending level (an accumulator's
+    /// length per rank) with the default placement, and no accumulator under offload, within
+    /// 64 KiB.
+    #[test]
+    fn the_canonical_tree_accumulates_where_the_optimizer_state_lives() {
+        let _one = one_at_a_time();
+        let name = "the_canonical_tree_accumulates_where_the_optimizer_state_lives";
+        let Some(shared) = shared(name) else {
+            return;
+        };
+        let tree = Reduction::CanonicalTree;
+        let cfg = |stage, placement| ZeroConfig {
+            gradient_accumulation_steps: 3,
+            ..config(stage, Precision::Fp32, placement)
+        };
+        for stage in [0u8, 3] {
+            let train = |placement| {
+                let model = gpt().init(&shared.autodiff_device(), 7);
+                let topo = Topology::new(2, 2).unwrap();
+                let plan = Arc::new(plan_for(&model, topo, &cfg(stage, placement)).unwrap());
+                let corpus = MarkovLanguage::new(gpt().vocab, 3).unwrap();
+                let mut options = common::options();
+                options.seq = gpt().context;
+                options.reduction = tree;
+                train_host(plan, model, &corpus, options, run(3, None), &|_, _| {}).unwrap()
+            };
+            let (dev, host) = (train(Placement::Device), train(Placement::Host));
+            let (worst, same) = gap(&dev, &host);
+            println!(
+                "canonical tree, stage {stage} on {}: worst relative gap {worst:.2e}, \
+                 bit-identical: {same}",
+                shared.adapter_name()
+            );
+            assert!(
+                worst <= BOUND,
+                "stage {stage}: gap {worst:.2e} > {BOUND:.0e}"
+            );
+            if shared.adapter_name().contains("llvmpipe") {
+                assert!(same, "stage {stage}: bit-identical on lavapipe");
+            }
+            assert!(
+                dev[0].losses[2] < dev[0].losses[0],
+                "stage {stage}: it learns"
+            );
+        }
+        for placement in [Placement::Device, Placement::Host] {
+            let (in_use, _, plan) =
+                settled_device_bytes(&shared, wider(), &cfg(3, placement), tree);
+            let m = plan.memory();
+            let resident = m.device_bytes - m.gathered_working_set - m.communication_buffers;
+            let level = match placement {
+                Placement::Device => m.gradients,
+                Placement::Host => 0,
+            };
+            let booked = 2 * (resident + level);
+            println!(
+                "canonical tree {placement:?}: device pools in use after 3 stage-3 steps \
+                 {in_use} B; both ranks' resident device bytes and pending level {booked} B"
+            );
+            assert!(m.gradients > 256 << 10, "an accumulator of megabytes");
             assert!(
                 (in_use as i64 - booked as i64).abs() <= 64 << 10,
                 "{placement:?}: the pools hold {in_use} B, not the booked {booked} B"

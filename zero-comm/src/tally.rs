@@ -9,8 +9,6 @@
 
 use zero_core::{CollectiveTraffic, LinkBytes, Topology};
 
-use crate::validate::ar_chunk;
-
 /// One collective's bytes to and from each peer (this rank's own slot stays 0).
 pub(crate) struct Tally {
     me: usize,
@@ -53,17 +51,20 @@ impl Tally {
     }
 
     /// A reduce-scatter into `chunk` bytes: chunk `j` of the input to peer `j`, and each peer's
-    /// part of this rank's chunk back.
+    /// part of this rank's chunk back. (NCCL's; MPI's varcount calls count their own.)
+    #[cfg(any(feature = "nccl", test))]
     pub(crate) fn reduce_scatter(&mut self, chunk: usize) {
         let n = self.sent.len();
         self.all_to_all(n * chunk, n * chunk);
     }
 
     /// An all-reduce of `len` elements of `elem` bytes, as a reduce-scatter of the chunks of
-    /// [`ar_chunk`] and an all-gather of the reduced chunks: this rank's part of chunk `j` to peer
+    /// [`ar_chunk`](crate::validate::ar_chunk) and an all-gather of the reduced chunks: this rank's part of chunk `j` to peer
     /// `j` and its reduced chunk to every peer, and the same back.
+    #[cfg(any(feature = "nccl", test))]
     pub(crate) fn all_reduce(&mut self, len: usize, elem: usize) {
         let n = self.sent.len();
+        use crate::validate::ar_chunk;
         let (_, mine) = ar_chunk(len, n, self.me);
         for j in 0..n {
             let (_, theirs) = ar_chunk(len, n, j);

@@ -1,7 +1,6 @@
 //! The rank's gradient accumulator: where reduced gradients add up between optimizer steps, in
 //! the precision the plan asks for and where it asks for it. One type owns it, so a state the
-//! plan cannot reach (16-bit gradients in an fp32 buffer, a canonical tree on a device) is not a
-//! state the code can be in.
+//! plan cannot reach (16-bit gradients in an fp32 buffer) is not a state the code can be in.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -24,11 +23,11 @@ pub(super) enum GradAcc {
     /// fp32, summed in rank order: where the optimizer's state lives (only ever added into,
     /// written and read whole, so a device holds it as well as host memory).
     F32(Slab),
-    /// fp32 over [`Reduction::CanonicalTree`]: level 0 of the tree in host memory, the pending
-    /// subtrees in `tree`.
+    /// fp32 over [`Reduction::CanonicalTree`]: level 0 of the tree, the pending subtrees in
+    /// `tree`, all where the optimizer's state lives.
     Tree {
-        acc: Vec<f32>,
-        tree: TreeAccumulator,
+        acc: Slab,
+        tree: TreeAccumulator<Slab>,
     },
     /// bf16/fp16: 16-bit bit patterns, added in f32 and rounded.
     Half { half: Half, acc: Vec<u16> },
@@ -38,7 +37,7 @@ pub(super) enum GradAcc {
 
 impl GradAcc {
     /// `len` zeros for `plan` with `half` (the 16-bit type, if any) and `reduction`, the fp32
-    /// rank-ordered one on the optimizer state's device (the model's `device`, unless offloaded).
+    /// ones on the optimizer state's device (the model's `device`, unless offloaded).
     pub(super) fn new(
         plan: &Plan,
         half: Option<Half>,
@@ -47,6 +46,7 @@ impl GradAcc {
         device: &Device,
     ) -> GradAcc {
         let c = plan.config();
+        let on = slab::state_device(c.optimizer_placement, device);
         match (half, c.grad_accum_dtype) {
             (Some(half), Some(zero_core::Precision::Fp32)) => GradAcc::HalfIntoF32 {
                 half,
@@ -57,13 +57,12 @@ impl GradAcc {
                 acc: vec![0; len],
             },
             (None, _) if reduction == Reduction::CanonicalTree => GradAcc::Tree {
-                acc: vec![0.0; len],
-                tree: TreeAccumulator::new(c.gradient_accumulation_steps, len),
+                acc: Slab::zeros(len, on.as_ref()),
+                tree: TreeAccumulator::with(c.gradient_accumulation_steps, || {
+                    Slab::zeros(len, on.as_ref())
+                }),
             },
-            (None, _) => {
-                let on = slab::state_device(c.optimizer_placement, device);
-                GradAcc::F32(Slab::zeros(len, on.as_ref()))
-            }
+            (None, _) => GradAcc::F32(Slab::zeros(len, on.as_ref())),
         }
     }
 
@@ -72,7 +71,7 @@ impl GradAcc {
     pub(super) fn bytes(&self) -> u64 {
         match self {
             GradAcc::F32(s) => s.bytes(),
-            GradAcc::Tree { acc, tree } => (acc.capacity() + tree.len()) as u64 * 4,
+            GradAcc::Tree { acc, tree } => acc.bytes() + tree.len() as u64 * 4,
             GradAcc::Half { acc, .. } => acc.capacity() as u64 * 2,
             GradAcc::HalfIntoF32 { acc, .. } => acc.capacity() as u64 * 4,
         }
@@ -82,10 +81,8 @@ impl GradAcc {
     /// the sum is reduced once, after the last micro-step).
     pub(super) fn add_local(&mut self, off: usize, g: &[f32]) {
         match self {
-            GradAcc::F32(s) => s.add(off, g),
-            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => {
-                add(&mut acc[off..off + g.len()], g)
-            }
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => s.add(off, g),
+            GradAcc::HalfIntoF32 { acc, .. } => add(&mut acc[off..off + g.len()], g),
             GradAcc::Half { half, acc } => half.add_f32_into(&mut acc[off..off + g.len()], g),
         }
     }
@@ -93,8 +90,7 @@ impl GradAcc {
     /// Elements `off..off + len` as the wire carries them: f32, or rounded to 16 bits.
     pub(super) fn wire<B>(&self, range: Range<usize>) -> Elems<B> {
         match self {
-            GradAcc::F32(s) => Elems::F32(s.read(range)),
-            GradAcc::Tree { acc, .. } => Elems::F32(acc[range].to_vec()),
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Elems::F32(s.read(range)),
             GradAcc::Half { acc, .. } => Elems::U16(acc[range].to_vec()),
             GradAcc::HalfIntoF32 { half, acc } => Elems::U16(half.round_all(&acc[range])),
         }
@@ -113,9 +109,7 @@ impl GradAcc {
         match (self, words) {
             (GradAcc::F32(s), Elems::F32(r)) if overwrite => s.write(off, &r),
             (GradAcc::F32(s), Elems::F32(r)) => s.add(off, &r),
-            (GradAcc::Tree { acc, .. }, Elems::F32(r)) if overwrite => {
-                acc[off..off + r.len()].copy_from_slice(&r)
-            }
+            (GradAcc::Tree { acc, .. }, Elems::F32(r)) if overwrite => acc.write(off, &r),
             (GradAcc::Tree { acc, tree }, Elems::F32(r)) => tree.push(acc, micro, off, r),
             (GradAcc::Half { acc, .. }, Elems::U16(r)) if overwrite => {
                 acc[off..off + r.len()].copy_from_slice(&r)
@@ -159,9 +153,11 @@ impl GradAcc {
     /// Makes the first element infinite, as an fp16 overflow would (a test hook).
     pub(super) fn poison(&mut self) {
         match self {
-            GradAcc::F32(s) if s.len() > 0 => s.write(0, &[f32::INFINITY]),
-            GradAcc::F32(_) => {}
-            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => {
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } if s.len() > 0 => {
+                s.write(0, &[f32::INFINITY])
+            }
+            GradAcc::F32(_) | GradAcc::Tree { .. } => {}
+            GradAcc::HalfIntoF32 { acc, .. } => {
                 if let Some(g) = acc.first_mut() {
                     *g = f32::INFINITY;
                 }
@@ -180,10 +176,7 @@ impl GradAcc {
     pub(super) fn finish(&mut self, world: usize, a: u32) {
         if let GradAcc::Tree { acc, tree } = self {
             tree.finish(acc, a);
-            let total = (world as u64 * u64::from(a)) as f32;
-            for g in acc {
-                *g /= total;
-            }
+            acc.div((world as u64 * u64::from(a)) as f32);
         }
     }
 
@@ -192,12 +185,15 @@ impl GradAcc {
     /// check), else left where they are.
     pub(super) fn view(&self, host: bool, inv: f32) -> GradView<'_> {
         let data = match self {
-            GradAcc::F32(Slab::Host(v)) => Data::F32(Cow::Borrowed(v)),
-            GradAcc::F32(s) if host => Data::F32(Cow::Owned(s.read(0..s.len()))),
-            GradAcc::F32(s) => Data::Device(s),
-            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => {
-                Data::F32(Cow::Borrowed(acc))
+            GradAcc::F32(Slab::Host(v))
+            | GradAcc::Tree {
+                acc: Slab::Host(v), ..
+            } => Data::F32(Cow::Borrowed(v)),
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } if host => {
+                Data::F32(Cow::Owned(s.read(0..s.len())))
             }
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Data::Device(s),
+            GradAcc::HalfIntoF32 { acc, .. } => Data::F32(Cow::Borrowed(acc)),
             GradAcc::Half { half, acc } => Data::Half(*half, acc),
         };
         GradView { data, inv }
@@ -206,8 +202,8 @@ impl GradAcc {
     /// Zeros every element, for the next step.
     pub(super) fn zero(&mut self) {
         match self {
-            GradAcc::F32(s) => s.zero(),
-            GradAcc::Tree { acc, .. } | GradAcc::HalfIntoF32 { acc, .. } => acc.fill(0.0),
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => s.zero(),
+            GradAcc::HalfIntoF32 { acc, .. } => acc.fill(0.0),
             GradAcc::Half { acc, .. } => acc.fill(0),
         }
     }
@@ -333,12 +329,16 @@ mod tests {
 
         // The canonical tree: two leaves summed once, divided by world · A = 2 · 2 at the end.
         let mut tree = GradAcc::Tree {
-            acc: vec![0.0; 4],
-            tree: TreeAccumulator::new(2, 4),
+            acc: Slab::Host(vec![0.0; 4]),
+            tree: TreeAccumulator::with(2, || Slab::Host(vec![0.0; 4])),
         };
         add(&mut tree, thirty_two);
         tree.finish(2, 2);
-        let GradAcc::Tree { acc, .. } = &tree else {
+        let GradAcc::Tree {
+            acc: Slab::Host(acc),
+            ..
+        } = &tree
+        else {
             unreachable!()
         };
         let means: Vec<f32> = (0..3).map(|i| (a[i] + b[i]) / 4.0).collect();

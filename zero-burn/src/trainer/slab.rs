@@ -7,6 +7,8 @@ use std::ops::Range;
 use burn::tensor::{Device, Tensor, TensorData};
 use zero_core::Placement;
 
+use crate::reduction::TreeBuffer;
+
 /// A flat fp32 buffer: in host memory, or a tensor on a device.
 #[derive(Debug)]
 pub(super) enum Slab {
@@ -92,6 +94,14 @@ impl Slab {
         }
     }
 
+    /// Divides every element by `d`, one IEEE division each, wherever it lives.
+    pub(super) fn div(&mut self, d: f32) {
+        match self {
+            Slab::Host(v) => v.iter_mut().for_each(|g| *g /= d),
+            Slab::Device(t) => **t = (**t).clone().div_scalar(d),
+        }
+    }
+
     /// Sets every element to zero (a device slab gets a zeroed tensor).
     pub(super) fn zero(&mut self) {
         match self {
@@ -138,6 +148,58 @@ impl Slab {
                 *self = host;
                 None
             }
+        }
+    }
+}
+
+/// The canonical tree's levels where the fp32 accumulator lives: host slabs add as
+/// `Vec<f32>` does, device slabs with burn's element-wise additions there (one IEEE addition per
+/// element, the same operands in the same order).
+impl TreeBuffer for Slab {
+    fn len(&self) -> usize {
+        Slab::len(self)
+    }
+
+    fn beside(&self, values: Vec<f32>) -> Self {
+        match self {
+            Slab::Host(_) => Slab::Host(values),
+            Slab::Device(t) => Slab::Device(Box::new(upload(&values, &t.device()))),
+        }
+    }
+
+    fn add_into(&self, off: usize, leaf: &mut Self) {
+        let range = off..off + leaf.len();
+        match (self, leaf) {
+            (Slab::Host(v), Slab::Host(l)) => v.add_into(off, l),
+            (Slab::Device(t), leaf @ Slab::Device(_)) => {
+                let l = leaf.take_tensor().expect("a device slab");
+                *leaf = Slab::Device(Box::new(l + t.clone().slice(range)));
+            }
+            // Never in one tree (its buffers live in one place); correct all the same.
+            (this, leaf) => leaf.add(0, &this.read(range)),
+        }
+    }
+
+    fn put(&mut self, off: usize, leaf: Self) {
+        match (self, leaf) {
+            (Slab::Host(v), Slab::Host(l)) => v.put(off, l),
+            (this @ Slab::Device(_), Slab::Device(l)) => {
+                let whole = this.take_tensor().expect("a device slab");
+                let range = off..off + l.dims()[0];
+                *this = Slab::Device(Box::new(whole.slice_assign(range, *l)));
+            }
+            (this, leaf) => this.write(off, &leaf.read(0..leaf.len())),
+        }
+    }
+
+    fn add_all(&mut self, other: &Self) {
+        match (self, other) {
+            (Slab::Host(v), Slab::Host(r)) => v.add_all(r),
+            (this @ Slab::Device(_), Slab::Device(r)) => {
+                let l = this.take_tensor().expect("a device slab");
+                *this = Slab::Device(Box::new(l + (**r).clone()));
+            }
+            (this, other) => this.add(0, &other.read(0..other.len())),
         }
     }
 }
