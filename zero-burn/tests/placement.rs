@@ -256,7 +256,8 @@ mod wgpu {
 
     /// The default placement keeps the optimizer's state on the wgpu device; host placement in
     /// host memory. Stages 0–3 in fp32 and bf16 with accumulation (at stage 1 also deferred,
-    /// `accumulate_before_reduce`, whose fp32 accumulator follows the state) agree within
+    /// `accumulate_before_reduce`, whose fp32 accumulator follows the state; in bf16 also into
+    /// an fp32 accumulator, `grad_accum_dtype = fp32`, which follows it too) agree within
     /// [`BOUND`].
     #[test]
     fn the_state_on_the_wgpu_device_matches_host_placement() {
@@ -264,18 +265,25 @@ mod wgpu {
         let Some(shared) = shared("the_state_on_the_wgpu_device_matches_host_placement") else {
             return;
         };
-        // (stage, precision, accumulate_before_reduce)
-        for (stage, precision, abr) in [
-            (0u8, Precision::Fp32, false),
-            (1, Precision::Fp32, false),
-            (1, Precision::Fp32, true),
-            (2, Precision::Bf16, false),
-            (3, Precision::Fp32, false),
-            (3, Precision::Bf16, false),
+        let fp32 = Some(Precision::Fp32);
+        // (stage, precision, accumulate_before_reduce, grad_accum_dtype)
+        for (stage, precision, abr, acc) in [
+            (0u8, Precision::Fp32, false, None),
+            (1, Precision::Fp32, false, None),
+            (1, Precision::Fp32, true, None),
+            (1, Precision::Bf16, true, fp32),
+            (2, Precision::Bf16, false, None),
+            (2, Precision::Bf16, false, fp32),
+            (3, Precision::Fp32, false, None),
+            (3, Precision::Bf16, false, None),
+            (3, Precision::Bf16, false, fp32),
         ] {
-            let what = format!("stage {stage} {precision:?} accumulate_before_reduce={abr}");
+            let what = format!(
+                "stage {stage} {precision:?} accumulate_before_reduce={abr} grad_accum_dtype={acc:?}"
+            );
             let cfg = |placement| ZeroConfig {
                 accumulate_before_reduce: abr,
+                grad_accum_dtype: acc,
                 ..config(stage, precision, placement)
             };
             let dev = train(&shared, &cfg(Placement::Device), 3, None);
@@ -404,36 +412,49 @@ mod wgpu {
     /// The device's own memory pools count the optimizer's state where the engine says it is:
     /// with the default placement, once the ranks' work is done (3 steps at stage 1 in bf16),
     /// the bytes in use exceed host placement's by the moments and bf16 master both ranks hold,
-    /// as the plan books them, up to the pools' rounding (256 B per tensor) and 64 KiB of burn's
-    /// own buffers.
+    /// and with `grad_accum_dtype = fp32` by the fp32 gradient accumulator too, as the plan books
+    /// them, up to the pools' rounding (256 B per tensor) and 64 KiB of burn's own buffers.
     #[test]
     fn the_device_memory_pools_count_the_optimizer_state() {
         let _one = one_at_a_time();
         let Some(shared) = shared("the_device_memory_pools_count_the_optimizer_state") else {
             return;
         };
-        let cfg = |p| config(1, Precision::Bf16, p);
-        let (d, dm, _) =
-            settled_device_bytes(&shared, wider(), &cfg(Placement::Device), RANK_ORDERED);
-        let (h, hm, _) =
-            settled_device_bytes(&shared, wider(), &cfg(Placement::Host), RANK_ORDERED);
-        let state = |m: &[zero_burn::MeasuredMemory]| -> u64 {
-            m.iter()
-                .map(|m| m.optimizer_states + m.master_weights)
-                .sum()
-        };
-        let booked = state(&dm);
-        assert_eq!(booked, state(&hm), "the same state, wherever it is");
-        let extra = d as i64 - h as i64;
-        println!(
-            "device pools in use after 3 steps: state on the device {d} B, in host memory {h} B; \
-             difference {extra} B, booked state of both ranks {booked} B"
-        );
-        assert!(booked > 4 << 20, "a state of megabytes: {booked} B");
-        assert!(
-            (extra - booked as i64).abs() <= 64 << 10,
-            "the pools' difference {extra} B is not the booked state {booked} B"
-        );
+        for acc in [None, Some(Precision::Fp32)] {
+            let cfg = |p| ZeroConfig {
+                grad_accum_dtype: acc,
+                ..config(1, Precision::Bf16, p)
+            };
+            let (d, dm, _) =
+                settled_device_bytes(&shared, wider(), &cfg(Placement::Device), RANK_ORDERED);
+            let (h, hm, _) =
+                settled_device_bytes(&shared, wider(), &cfg(Placement::Host), RANK_ORDERED);
+            let state = |m: &[zero_burn::MeasuredMemory]| -> u64 {
+                m.iter()
+                    .map(|m| {
+                        let grads = if acc.is_some() { m.gradients } else { 0 };
+                        m.optimizer_states + m.master_weights + grads
+                    })
+                    .sum()
+            };
+            let booked = state(&dm);
+            assert_eq!(
+                booked,
+                state(&hm),
+                "{acc:?}: the same state, wherever it is"
+            );
+            let extra = d as i64 - h as i64;
+            println!(
+                "grad_accum_dtype {acc:?}: device pools in use after 3 steps: state on the \
+                 device {d} B, in host memory {h} B; difference {extra} B, booked state of both \
+                 ranks {booked} B"
+            );
+            assert!(booked > 4 << 20, "a state of megabytes: {booked} B");
+            assert!(
+                (extra - booked as i64).abs() <= 64 << 10,
+                "{acc:?}: the pools' difference {extra} B is not the booked state {booked} B"
+            );
+        }
     }
 
     /// At stage 3 in fp32 the device's pools hold, once the ranks' work is done (3 steps), what

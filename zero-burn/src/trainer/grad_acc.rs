@@ -31,8 +31,9 @@ pub(super) enum GradAcc {
     },
     /// bf16/fp16: 16-bit bit patterns, added in f32 and rounded.
     Half { half: Half, acc: Vec<u16> },
-    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients widened into f32.
-    HalfIntoF32 { half: Half, acc: Vec<f32> },
+    /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients widened into f32,
+    /// where the optimizer's state lives.
+    HalfIntoF32 { half: Half, acc: Slab },
 }
 
 impl GradAcc {
@@ -50,7 +51,7 @@ impl GradAcc {
         match (half, c.grad_accum_dtype) {
             (Some(half), Some(zero_core::Precision::Fp32)) => GradAcc::HalfIntoF32 {
                 half,
-                acc: vec![0.0; len],
+                acc: Slab::zeros(len, on.as_ref()),
             },
             (Some(half), _) => GradAcc::Half {
                 half,
@@ -73,7 +74,7 @@ impl GradAcc {
             GradAcc::F32(s) => s.bytes(),
             GradAcc::Tree { acc, tree } => acc.bytes() + tree.len() as u64 * 4,
             GradAcc::Half { acc, .. } => acc.capacity() as u64 * 2,
-            GradAcc::HalfIntoF32 { acc, .. } => acc.capacity() as u64 * 4,
+            GradAcc::HalfIntoF32 { acc, .. } => acc.bytes(),
         }
     }
 
@@ -81,8 +82,9 @@ impl GradAcc {
     /// the sum is reduced once, after the last micro-step).
     pub(super) fn add_local(&mut self, off: usize, g: &[f32]) {
         match self {
-            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => s.add(off, g),
-            GradAcc::HalfIntoF32 { acc, .. } => add(&mut acc[off..off + g.len()], g),
+            GradAcc::F32(s)
+            | GradAcc::Tree { acc: s, .. }
+            | GradAcc::HalfIntoF32 { acc: s, .. } => s.add(off, g),
             GradAcc::Half { half, acc } => half.add_f32_into(&mut acc[off..off + g.len()], g),
         }
     }
@@ -92,7 +94,7 @@ impl GradAcc {
         match self {
             GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Elems::F32(s.read(range)),
             GradAcc::Half { acc, .. } => Elems::U16(acc[range].to_vec()),
-            GradAcc::HalfIntoF32 { half, acc } => Elems::U16(half.round_all(&acc[range])),
+            GradAcc::HalfIntoF32 { half, acc } => Elems::U16(half.round_all(&acc.read(range))),
         }
     }
 
@@ -117,14 +119,11 @@ impl GradAcc {
             (GradAcc::Half { half, acc }, Elems::U16(r)) => {
                 half.add_into(&mut acc[off..off + r.len()], &r)
             }
+            (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(r)) if overwrite => {
+                acc.write(off, &half.widen_all(&r))
+            }
             (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(r)) => {
-                for (a, &b) in acc[off..off + r.len()].iter_mut().zip(&r) {
-                    *a = if overwrite {
-                        half.widen(b)
-                    } else {
-                        *a + half.widen(b)
-                    };
-                }
+                acc.add(off, &half.widen_all(&r))
             }
             (acc, words) => {
                 let got = match words {
@@ -153,15 +152,14 @@ impl GradAcc {
     /// Makes the first element infinite, as an fp16 overflow would (a test hook).
     pub(super) fn poison(&mut self) {
         match self {
-            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } if s.len() > 0 => {
+            GradAcc::F32(s)
+            | GradAcc::Tree { acc: s, .. }
+            | GradAcc::HalfIntoF32 { acc: s, .. }
+                if s.len() > 0 =>
+            {
                 s.write(0, &[f32::INFINITY])
             }
-            GradAcc::F32(_) | GradAcc::Tree { .. } => {}
-            GradAcc::HalfIntoF32 { acc, .. } => {
-                if let Some(g) = acc.first_mut() {
-                    *g = f32::INFINITY;
-                }
-            }
+            GradAcc::F32(_) | GradAcc::Tree { .. } | GradAcc::HalfIntoF32 { .. } => {}
             GradAcc::Half { half, acc } => {
                 if let Some(g) = acc.first_mut() {
                     *g = half.round(f32::INFINITY);
@@ -185,16 +183,14 @@ impl GradAcc {
     /// check), else left where they are.
     pub(super) fn view(&self, host: bool, inv: f32) -> GradView<'_> {
         let data = match self {
-            GradAcc::F32(Slab::Host(v))
-            | GradAcc::Tree {
-                acc: Slab::Host(v), ..
-            } => Data::F32(Cow::Borrowed(v)),
-            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } if host => {
-                Data::F32(Cow::Owned(s.read(0..s.len())))
-            }
-            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Data::Device(s),
-            GradAcc::HalfIntoF32 { acc, .. } => Data::F32(Cow::Borrowed(acc)),
             GradAcc::Half { half, acc } => Data::Half(*half, acc),
+            GradAcc::F32(s)
+            | GradAcc::Tree { acc: s, .. }
+            | GradAcc::HalfIntoF32 { acc: s, .. } => match s {
+                Slab::Host(v) => Data::F32(Cow::Borrowed(v)),
+                s if host => Data::F32(Cow::Owned(s.read(0..s.len()))),
+                s => Data::Device(s),
+            },
         };
         GradView { data, inv }
     }
@@ -202,16 +198,11 @@ impl GradAcc {
     /// Zeros every element, for the next step.
     pub(super) fn zero(&mut self) {
         match self {
-            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => s.zero(),
-            GradAcc::HalfIntoF32 { acc, .. } => acc.fill(0.0),
+            GradAcc::F32(s)
+            | GradAcc::Tree { acc: s, .. }
+            | GradAcc::HalfIntoF32 { acc: s, .. } => s.zero(),
             GradAcc::Half { acc, .. } => acc.fill(0),
         }
-    }
-}
-
-fn add(dst: &mut [f32], src: &[f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d += s;
     }
 }
 
@@ -290,11 +281,15 @@ mod tests {
 
         let mut wide = GradAcc::HalfIntoF32 {
             half: h,
-            acc: vec![0.0; 4],
+            acc: Slab::Host(vec![0.0; 4]),
         };
         add(&mut wide, sixteen);
         let sums: Vec<f32> = (0..3).map(|i| h.widen(wa[i]) + h.widen(wb[i])).collect();
-        let GradAcc::HalfIntoF32 { acc, .. } = &wide else {
+        let GradAcc::HalfIntoF32 {
+            acc: Slab::Host(acc),
+            ..
+        } = &wide
+        else {
             unreachable!()
         };
         assert_eq!(acc[1..], sums[..]);
@@ -304,7 +299,11 @@ mod tests {
         };
         assert_eq!(wire, h.round_all(&sums));
         wide.apply(1, Words::U16(wb.clone()), true, 0).unwrap();
-        let GradAcc::HalfIntoF32 { acc, .. } = &wide else {
+        let GradAcc::HalfIntoF32 {
+            acc: Slab::Host(acc),
+            ..
+        } = &wide
+        else {
             unreachable!()
         };
         assert_eq!(acc[1..], h.widen_all(&wb)[..], "an overwrite replaces");
