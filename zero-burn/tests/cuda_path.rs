@@ -6,7 +6,8 @@
 //!   these tests record that they did not run.
 //! - With feature `gpu-tests` (clippy builds it), `ZERO_GPU_TESTS=1` and a GPU: a matmul, a
 //!   reduction and a softmax on burn-cuda equal burn-flex's within 1e-5; ZeRO-3 over 2 in-process
-//!   ranks on the GPU (host loopback) gives stage 0's losses bit for bit, with the traffic the
+//!   ranks on the GPU (host loopback) gives stage 0's losses bit for bit (in fp32, and in bf16
+//!   and fp16, whose stage-3 shard the GPU rounds), with the traffic the
 //!   plan books, and flex's within 1e-3 (relative); and over NCCL at world size 1, the CUDA bridge
 //!   (`cuda::CudaTensors`) gives the host-staged path's bits. `cargo xtask gpu-check` runs them (a
 //!   program of its own); they have not run on a GPU yet.
@@ -135,6 +136,21 @@ fn gpu_zero3_on_cuda_equals_stage0_bit_for_bit() {
         zero.comm_matches_plan && three.comm_matches_plan,
         "traffic differs from the plan"
     );
+    // In bf16 and fp16 stage 3's shard lives on the GPU, rounded there from the device master;
+    // stage 0 rounds in host memory with `half`: the same bits.
+    for precision in [zero_core::Precision::Bf16, zero_core::Precision::Fp16] {
+        let run = |stage| {
+            let mut job = cuda_job(stage, 4);
+            job.zero.precision = precision;
+            run_job(&job, &|_, _| {}).expect("a 16-bit CUDA job")
+        };
+        let (zero, three) = (run(0), run(3));
+        assert_eq!(
+            bits(&zero.loss),
+            bits(&three.loss),
+            "{precision:?}: stage 3 (its shard rounded on the GPU) vs stage 0"
+        );
+    }
     // The same job on flex: the GPU's kernels round differently, within a stated bound.
     let flex = run_job(
         &JobConfig {

@@ -195,7 +195,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // The parameters' fp32 shard lives on the model's device whatever the optimizer's
             // placement (the plan books it there).
             let on = slab::state_device(Placement::Device, &device);
-            t.sharded.fill(&plan, chunks, on);
+            t.sharded.fill(chunks, on);
         }
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
         // share their tensors (so the clones cost nothing until here, and stage 3 never holds a

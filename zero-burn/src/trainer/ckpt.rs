@@ -99,7 +99,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             2 => state(Part::V),
             _ => match (self.layout.opt_offset[u], self.half) {
                 (Some(_), Some(_)) => state(Part::Master),
-                _ if stage == 3 => match self.sharded.source(plan, u, false)? {
+                _ if stage == 3 => match self.sharded.source(u, false)? {
                     Source::F32(slab) => slab.read(0..real),
                     Source::Half(h, chunk) => h.widen_all(&chunk[..real]),
                 },
@@ -204,7 +204,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         fill(u, 0, chunk.clone(), &mut w)?;
                         // A frozen unit keeps no master: nothing is written.
                         self.opt.write(u, Part::Master, 0, &w);
-                        self.sharded.write(&plan, u, 0, &w);
+                        self.sharded.write(u, 0, &w);
                     }
                 }
                 continue;
@@ -218,7 +218,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     .fill(u, Part::Master, |_| Ok::<_, crate::Error>(()))?;
             }
             if stage == 3 {
-                self.sharded.zero(&plan, u);
+                self.sharded.zero(u);
             }
             for e in plan.unit_entries(u) {
                 let range = e.offset..e.offset + e.numel;
@@ -239,7 +239,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     && let Some((a, b, at)) = overlap(&chunk)
                 {
                     let at = (at - chunk.start) as usize;
-                    self.sharded.write(&plan, u, at, &w[a..b]);
+                    self.sharded.write(u, at, &w[a..b]);
                 }
                 if let Some(h) = self.half {
                     w.iter_mut().for_each(|x| *x = h.quantize(*x));

@@ -338,7 +338,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // from there.
         let device = self.device_tensors.is_some()
             && (self.device_quant || !plan.config().quantized_weights);
-        let job = match self.sharded.source(&plan, u, hpz)? {
+        let job = match self.sharded.source(u, hpz)? {
             Source::F32(slab) if device => Job::GatherDevice {
                 piece: self.device_piece(slab)?,
                 hpz,
@@ -349,7 +349,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 hpz,
             },
             Source::Half(_, piece) => Job::Gather {
-                piece: Elems::U16(piece.to_vec()),
+                piece: Elems::U16(piece.into_owned()),
                 hpz,
             },
         };

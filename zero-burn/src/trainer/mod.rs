@@ -62,6 +62,7 @@ mod slab;
 mod step;
 mod train_mode;
 mod weights;
+mod words;
 
 pub(crate) use ckpt::Scalars;
 pub use memory::MeasuredMemory;

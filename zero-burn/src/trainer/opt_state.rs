@@ -254,34 +254,32 @@ impl OptState {
     }
 
     /// Steps trainable unit `u`'s fp32 master (bf16/fp16) with its gradients `grads` at
-    /// learning rate `lr`, and hands the new master, in host memory, to `then`.
+    /// learning rate `lr`, and hands the new master, where it lives, to `then`.
     pub(super) fn step_master<R>(
         &mut self,
         u: usize,
         lr: f32,
         grads: &[f32],
-        then: impl FnOnce(&[f32]) -> R,
+        then: impl FnOnce(&Slab) -> R,
     ) -> R {
         let (opt, n) = (self.optimizer, self.steps);
         let s = self.units[u]
             .as_mut()
             .expect("only trainable units are stepped");
         let mut master = s.master.take().expect("bf16/fp16 units keep a master");
-        let out = match (&self.device, &mut master) {
+        match (&self.device, &mut master) {
             (None, Slab::Host(w)) => {
                 let (m, v) = host_moments(s);
                 optim::step(&opt, lr, n, w, grads, m, v);
-                then(w)
             }
             (Some(device), slab) => {
                 let w = slab.take_tensor().expect("the master lives with the state");
                 let w = step_on_device(s, &opt, lr, n, w, upload(grads, device));
-                let out = then(&download(&w));
                 *slab = Slab::Device(Box::new(w));
-                out
             }
             (None, Slab::Device(_)) => unreachable!("the master lives with the state"),
-        };
+        }
+        let out = then(&master);
         s.master = Some(master);
         out
     }

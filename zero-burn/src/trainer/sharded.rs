@@ -1,11 +1,13 @@
 //! Stage 3's weights between uses, in the working precision, owned by one type: the rank's shard
-//! of every unit and the hpZ secondary slices. A 16-bit shard beside fp32 secondaries, or the
-//! reverse, is not a state it can be in. Empty below stage 3.
+//! of every unit and the hpZ secondary slices, on the model's device. A 16-bit shard beside fp32
+//! secondaries, or the reverse, is not a state it can be in. Empty below stage 3.
+
+use std::borrow::Cow;
 
 use burn::tensor::{Device, Tensor};
-use zero_core::Plan;
 
 use super::slab::{Shard, Slab};
+use super::words::{Words, words_device};
 use crate::error::{Error, Result};
 use crate::precision::Half;
 
@@ -19,19 +21,22 @@ pub(super) enum Sharded {
         /// hpZ: unit `u`'s secondary slice, valid between its forward and the optimizer step.
         secondary: Vec<Option<Slab>>,
     },
-    /// bf16/fp16: the 16-bit working copies in host memory, every unit's chunk at its
-    /// `shard_offset` (the optimizer keeps the fp32 master).
+    /// bf16/fp16: the 16-bit working copies, one buffer per unit, on the model's device where it
+    /// supports the type (see [`super::words`]); the optimizer keeps the fp32 master.
     Half {
         half: Half,
-        shard: Vec<u16>,
-        secondary: Vec<Option<Vec<u16>>>,
+        shard: Vec<Words>,
+        secondary: Vec<Option<Words>>,
+        /// Where they live (`None`: host memory).
+        device: Option<Device>,
     },
 }
 
-/// What a gather of one unit sends: an fp32 slab (wherever it lives), or 16-bit words.
+/// What a gather of one unit sends: an fp32 slab (wherever it lives), or 16-bit words (read
+/// into host memory from a device).
 pub(super) enum Source<'a> {
     F32(&'a Slab),
-    Half(Half, &'a [u16]),
+    Half(Half, Cow<'a, [u16]>),
 }
 
 impl Sharded {
@@ -45,31 +50,36 @@ impl Sharded {
             Some(half) => Sharded::Half {
                 half,
                 shard: Vec::new(),
-                secondary: vec![None; units],
+                secondary: (0..units).map(|_| None).collect(),
+                device: None,
             },
         }
     }
 
-    /// The shards of `chunks` (the rank's fp32 chunk of every unit, in order): on `device` (`None`:
-    /// host memory) in fp32, rounded to the working precision in host memory in bf16/fp16.
-    pub(super) fn fill(&mut self, plan: &Plan, chunks: Vec<Vec<f32>>, device: Option<Device>) {
+    /// The shards of `chunks` (the rank's fp32 chunk of every unit, in order) on `device`
+    /// (`None`: host memory), rounded to the working precision in bf16/fp16 (in host memory where
+    /// the device lacks the 16-bit type).
+    pub(super) fn fill(&mut self, chunks: Vec<Vec<f32>>, device: Option<Device>) {
         match self {
             Sharded::F32 { shard, .. } => *shard = Shard::new(chunks, device),
-            Sharded::Half { half, shard, .. } => {
-                *shard = vec![0; plan.shard_len() as usize];
-                for (unit, c) in plan.units().iter().zip(&chunks) {
-                    let at = unit.shard_offset as usize;
-                    for (d, &x) in shard[at..at + c.len()].iter_mut().zip(c) {
-                        *d = half.round(x);
-                    }
-                }
+            Sharded::Half {
+                half,
+                shard,
+                device: at,
+                ..
+            } => {
+                *at = words_device(*half, device);
+                *shard = chunks
+                    .iter()
+                    .map(|c| Words::round(*half, c, at.as_ref()))
+                    .collect();
             }
         }
     }
 
     /// Unit `u`'s piece for a gather: its shard chunk, or with `hpz` its secondary slice (an
     /// error when the forward left none).
-    pub(super) fn source(&self, plan: &Plan, u: usize, hpz: bool) -> Result<Source<'_>> {
+    pub(super) fn source(&self, u: usize, hpz: bool) -> Result<Source<'_>> {
         let none = || {
             Error::Internal(format!(
                 "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
@@ -82,8 +92,8 @@ impl Sharded {
             Sharded::F32 { shard, .. } => Source::F32(shard.unit(u)),
             Sharded::Half {
                 half, secondary, ..
-            } if hpz => Source::Half(*half, secondary[u].as_deref().ok_or_else(none)?),
-            Sharded::Half { half, shard, .. } => Source::Half(*half, &shard[range(plan, u)]),
+            } if hpz => Source::Half(*half, secondary[u].as_ref().ok_or_else(none)?.bits(*half)),
+            Sharded::Half { half, shard, .. } => Source::Half(*half, shard[u].bits(*half)),
         })
     }
 
@@ -95,32 +105,36 @@ impl Sharded {
         }
     }
 
-    /// Unit `u`'s 16-bit chunk, to overwrite with the step's rounding.
-    pub(super) fn half_mut(&mut self, plan: &Plan, u: usize) -> Result<&mut [u16]> {
+    /// Replaces unit `u`'s 16-bit chunk with the fp32 master `master` rounded (the step's new
+    /// working weights): on the device where both live there.
+    pub(super) fn round_master(&mut self, u: usize, master: &Slab) -> Result<()> {
         match self {
-            Sharded::Half { shard, .. } => Ok(&mut shard[range(plan, u)]),
+            Sharded::Half {
+                half,
+                shard,
+                device,
+                ..
+            } => {
+                shard[u] = Words::round_slab(*half, master, device.as_ref());
+                Ok(())
+            }
             Sharded::F32 { .. } => Err(mismatch("a 16-bit shard", "fp32")),
         }
     }
 
     /// Writes fp32 `values` into unit `u`'s chunk from element `at` (rounded in bf16/fp16).
-    pub(super) fn write(&mut self, plan: &Plan, u: usize, at: usize, values: &[f32]) {
+    pub(super) fn write(&mut self, u: usize, at: usize, values: &[f32]) {
         match self {
             Sharded::F32 { shard, .. } => shard.unit_mut(u).write(at, values),
-            Sharded::Half { half, shard, .. } => {
-                let to = range(plan, u).start + at;
-                for (d, &x) in shard[to..to + values.len()].iter_mut().zip(values) {
-                    *d = half.round(x);
-                }
-            }
+            Sharded::Half { half, shard, .. } => shard[u].write(*half, at, values),
         }
     }
 
     /// Zeros unit `u`'s chunk.
-    pub(super) fn zero(&mut self, plan: &Plan, u: usize) {
+    pub(super) fn zero(&mut self, u: usize) {
         match self {
             Sharded::F32 { shard, .. } => shard.unit_mut(u).zero(),
-            Sharded::Half { shard, .. } => shard[range(plan, u)].fill(0),
+            Sharded::Half { half, shard, .. } => shard[u].zero(*half),
         }
     }
 
@@ -147,11 +161,17 @@ impl Sharded {
         }
     }
 
-    /// Keeps `values` (gathered 16-bit words) as unit `u`'s hpZ secondary slice.
+    /// Keeps `values` (gathered 16-bit words) as unit `u`'s hpZ secondary slice, where the
+    /// shard lives.
     pub(super) fn keep_half(&mut self, u: usize, values: Vec<u16>) -> Result<()> {
         match self {
-            Sharded::Half { secondary, .. } => {
-                secondary[u] = Some(values);
+            Sharded::Half {
+                half,
+                secondary,
+                device,
+                ..
+            } => {
+                secondary[u] = Some(Words::from_bits(*half, values, device.as_ref()));
                 Ok(())
             }
             Sharded::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
@@ -177,21 +197,11 @@ impl Sharded {
             Sharded::Half {
                 shard, secondary, ..
             } => (
-                shard.capacity() as u64 * 2,
-                secondary
-                    .iter()
-                    .flatten()
-                    .map(|s| s.capacity() as u64 * 2)
-                    .sum(),
+                shard.iter().map(Words::bytes).sum(),
+                secondary.iter().flatten().map(Words::bytes).sum(),
             ),
         }
     }
-}
-
-/// Unit `u`'s chunk in a flat shard.
-fn range(plan: &Plan, u: usize) -> std::ops::Range<usize> {
-    let at = plan.units()[u].shard_offset as usize;
-    at..at + plan.chunk_len(u) as usize
 }
 
 fn mismatch(wanted: &str, got: &str) -> Error {

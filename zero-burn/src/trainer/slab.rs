@@ -2,6 +2,7 @@
 //! model's device. The optimizer's moments and masters ([`super::opt_state`]), stage 3's fp32
 //! shard ([`Shard`]) and the fp32 gradient accumulator are made of them.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor, TensorData};
@@ -56,6 +57,14 @@ impl Slab {
             Slab::Host(v) => v[range].to_vec(),
             Slab::Device(t) if range.start == 0 && range.end == t.dims()[0] => download(t),
             Slab::Device(t) => download(&t.clone().slice(range)),
+        }
+    }
+
+    /// Every element in host memory: borrowed there, read from a device.
+    pub(super) fn host(&self) -> Cow<'_, [f32]> {
+        match self {
+            Slab::Host(v) => Cow::Borrowed(v),
+            Slab::Device(t) => Cow::Owned(download(t)),
         }
     }
 

@@ -176,17 +176,20 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     self.opt.step_weights(u, lr, g, self.sharded.f32_mut(u)?);
                     Publish::InPlace
                 }
+                (Some(_), 3) => {
+                    // The shard takes the new master rounded, on the device where both live.
+                    let sharded = &mut self.sharded;
+                    self.opt
+                        .step_master(u, lr, &g.host(), |m| sharded.round_master(u, m))?;
+                    Publish::InPlace
+                }
                 (Some(h), _) => {
                     let w16 = self
                         .opt
-                        .step_master(u, lr, &g.host(), |master| h.round_all(master));
+                        .step_master(u, lr, &g.host(), |m| h.round_all(&m.host()));
                     match stage {
                         0 => Publish::Write(h.widen_all(&w16)),
-                        1 | 2 => Publish::Gather16(h, w16),
-                        _ => {
-                            self.sharded.half_mut(&plan, u)?.copy_from_slice(&w16);
-                            Publish::InPlace
-                        }
+                        _ => Publish::Gather16(h, w16),
                     }
                 }
             };
@@ -196,12 +199,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // Persistent units stay gathered: all-gather them after the step.
             for (u, unit) in plan.units().iter().enumerate() {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
-                    let publish = match self.sharded.source(&plan, u, false)? {
+                    let publish = match self.sharded.source(u, false)? {
                         Source::F32(slab) if self.device_tensors.is_some() => {
                             Publish::Gather(self.device_piece(slab)?)
                         }
                         Source::F32(slab) => Publish::Gather(Elems::F32(slab.read(0..slab.len()))),
-                        Source::Half(h, piece) => Publish::Gather16(h, piece.to_vec()),
+                        Source::Half(h, piece) => Publish::Gather16(h, piece.into_owned()),
                     };
                     updates.push((u, publish));
                 }

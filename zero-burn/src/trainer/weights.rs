@@ -24,9 +24,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if plan.stage() == 3 {
             for u in 0..plan.units().len() {
                 let world = &mut self.comms.as_mut().expect(HOME).world;
-                let full = match self.sharded.source(&plan, u, false)? {
+                let full = match self.sharded.source(u, false)? {
                     Source::F32(slab) => world.all_gather_host(&slab.read(0..slab.len()))?,
-                    Source::Half(h, piece) => h.widen_all(&h.all_gather(world, piece)?),
+                    Source::Half(h, piece) => h.widen_all(&h.all_gather(world, &piece)?),
                 };
                 for e in plan.unit_entries(u) {
                     out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
