@@ -277,6 +277,9 @@ mod wgpu {
             (3, Precision::Fp32, false, None),
             (3, Precision::Bf16, false, None),
             (3, Precision::Bf16, false, fp32),
+            // fp16's 16-bit accumulator lives on the device too (bf16 has no WGSL type).
+            (1, Precision::Fp16, false, None),
+            (3, Precision::Fp16, false, None),
         ] {
             let what = format!(
                 "stage {stage} {precision:?} accumulate_before_reduce={abr} grad_accum_dtype={acc:?}"
@@ -408,20 +411,28 @@ mod wgpu {
     }
 
     /// The device's own memory pools count the optimizer's state where the engine says it is:
-    /// with the default placement, once the ranks' work is done (3 steps at stage 1 in bf16),
-    /// the bytes in use exceed host placement's by the moments and bf16 master both ranks hold,
-    /// and with `grad_accum_dtype = fp32` by the fp32 gradient accumulator too, as the plan books
-    /// them, up to the pools' rounding (256 B per tensor) and 64 KiB of burn's own buffers.
+    /// with the default placement, once the ranks' work is done (3 steps at stage 1 in bf16 and
+    /// fp16), the bytes in use exceed host placement's by the moments and master both ranks
+    /// hold, and by the gradient accumulator where it lives there too (fp32's with
+    /// `grad_accum_dtype = fp32`, fp16's where the device has 16-bit floats; bf16's stays in host
+    /// memory on wgpu), as the plan books them, up to the pools' rounding (256 B per tensor) and
+    /// 64 KiB of burn's own buffers.
     #[test]
     fn the_device_memory_pools_count_the_optimizer_state() {
         let _one = one_at_a_time();
         let Some(shared) = shared("the_device_memory_pools_count_the_optimizer_state") else {
             return;
         };
-        for acc in [None, Some(Precision::Fp32)] {
+        let f16 = shared.device().supports_dtype(burn::tensor::DType::F16);
+        for (precision, acc) in [
+            (Precision::Bf16, None),
+            (Precision::Bf16, Some(Precision::Fp32)),
+            (Precision::Fp16, None),
+        ] {
+            let grads_there = acc.is_some() || (precision == Precision::Fp16 && f16);
             let cfg = |p| ZeroConfig {
                 grad_accum_dtype: acc,
-                ..config(1, Precision::Bf16, p)
+                ..config(1, precision, p)
             };
             let (d, dm, _) =
                 settled_device_bytes(&shared, wider(), &cfg(Placement::Device), RANK_ORDERED);
@@ -430,32 +441,28 @@ mod wgpu {
             let state = |m: &[zero_burn::MeasuredMemory]| -> u64 {
                 m.iter()
                     .map(|m| {
-                        let grads = if acc.is_some() { m.gradients } else { 0 };
+                        let grads = if grads_there { m.gradients } else { 0 };
                         m.optimizer_states + m.master_weights + grads
                     })
                     .sum()
             };
             let booked = state(&dm);
-            assert_eq!(
-                booked,
-                state(&hm),
-                "{acc:?}: the same state, wherever it is"
-            );
+            let what = format!("{precision:?} grad_accum_dtype {acc:?}");
+            assert_eq!(booked, state(&hm), "{what}: the same state, wherever it is");
             let extra = d as i64 - h as i64;
             println!(
-                "grad_accum_dtype {acc:?}: device pools in use after 3 steps: state on the \
-                 device {d} B, in host memory {h} B; difference {extra} B, booked state of both \
-                 ranks {booked} B"
+                "{what}: device pools in use after 3 steps: state on the device {d} B, in host \
+                 memory {h} B; difference {extra} B, booked state of both ranks {booked} B"
             );
             assert!(booked > 4 << 20, "a state of megabytes: {booked} B");
             assert!(
                 (extra - booked as i64).abs() <= 64 << 10,
-                "{acc:?}: the pools' difference {extra} B is not the booked state {booked} B"
+                "{what}: the pools' difference {extra} B is not the booked state {booked} B"
             );
         }
     }
 
-    /// At stage 3 in fp32, and in fp16 with an fp32 gradient accumulator, the device's pools
+    /// At stage 3 in fp32, and in fp16 (its accumulator fp32 or 16-bit), the device's pools
     /// hold, once the ranks' work is done (3 steps), what the plan books on the device for both
     /// ranks, apart from what lives only inside a step (gathered units, communication buffers):
     /// the shard (fp16's at 2 B per element) and persistent units (`parameters`), and with the
@@ -469,14 +476,15 @@ mod wgpu {
             return;
         };
         let fp32 = Some(Precision::Fp32);
-        for (precision, placement) in [
-            (Precision::Fp32, Placement::Device),
-            (Precision::Fp32, Placement::Host),
-            (Precision::Fp16, Placement::Device),
-            (Precision::Fp16, Placement::Host),
+        for (precision, acc, placement) in [
+            (Precision::Fp32, None, Placement::Device),
+            (Precision::Fp32, None, Placement::Host),
+            (Precision::Fp16, fp32, Placement::Device),
+            (Precision::Fp16, fp32, Placement::Host),
+            (Precision::Fp16, None, Placement::Device),
         ] {
             let cfg = ZeroConfig {
-                grad_accum_dtype: fp32,
+                grad_accum_dtype: acc,
                 ..config(3, precision, placement)
             };
             let (in_use, _, plan) = settled_device_bytes(&shared, wider(), &cfg, RANK_ORDERED);
@@ -484,7 +492,7 @@ mod wgpu {
             let resident = m.device_bytes - m.gathered_working_set - m.communication_buffers;
             let booked = 2 * resident;
             println!(
-                "{precision:?} {placement:?}: device pools in use after 3 stage-3 steps {in_use} \
+                "{precision:?} {acc:?} {placement:?}: device pools in use after 3 stage-3 steps {in_use} \
                  B; both ranks' resident device bytes booked {booked} B (parameters {} B, \
                  gradients {} B, optimizer states {} B, host {} B)",
                 2 * m.parameters,
@@ -495,7 +503,7 @@ mod wgpu {
             assert!(m.parameters > 256 << 10, "a shard of megabytes");
             assert!(
                 (in_use as i64 - booked as i64).abs() <= 64 << 10,
-                "{precision:?} {placement:?}: the pools hold {in_use} B, not the booked {booked} B"
+                "{precision:?} {acc:?} {placement:?}: the pools hold {in_use} B, not the booked {booked} B"
             );
         }
     }

@@ -1,5 +1,5 @@
 //! The rank's gradient accumulator: where reduced gradients add up between optimizer steps, in
-//! the precision the plan asks for and where it asks for it. One type owns it, so a state the
+//! the precision the plan asks for and where it asks for it (with the optimizer's state). One type owns it, so a state the
 //! plan cannot reach (16-bit gradients in an fp32 buffer) is not a state the code can be in.
 
 use std::borrow::Cow;
@@ -10,6 +10,7 @@ use zero_core::Plan;
 
 use super::opt_state::Grads;
 use super::slab::{self, Slab};
+use super::words::{Words, words_device};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
 use crate::precision::Half;
@@ -29,8 +30,9 @@ pub(super) enum GradAcc {
         acc: Slab,
         tree: TreeAccumulator<Slab>,
     },
-    /// bf16/fp16: 16-bit bit patterns, added in f32 and rounded.
-    Half { half: Half, acc: Vec<u16> },
+    /// bf16/fp16: 16-bit words, added in f32 and rounded, where the optimizer's state lives if
+    /// its device supports the type (else in host memory).
+    Half { half: Half, acc: Words },
     /// bf16/fp16 with `grad_accum_dtype = fp32`: the reduced 16-bit gradients widened into f32,
     /// where the optimizer's state lives.
     HalfIntoF32 { half: Half, acc: Slab },
@@ -55,7 +57,7 @@ impl GradAcc {
             },
             (Some(half), _) => GradAcc::Half {
                 half,
-                acc: vec![0; len],
+                acc: Words::zeros(half, len, words_device(half, on.clone()).as_ref()),
             },
             (None, _) if reduction == Reduction::CanonicalTree => GradAcc::Tree {
                 acc: Slab::zeros(len, on.as_ref()),
@@ -73,7 +75,7 @@ impl GradAcc {
         match self {
             GradAcc::F32(s) => s.bytes(),
             GradAcc::Tree { acc, tree } => acc.bytes() + tree.len() as u64 * 4,
-            GradAcc::Half { acc, .. } => acc.capacity() as u64 * 2,
+            GradAcc::Half { acc, .. } => acc.bytes(),
             GradAcc::HalfIntoF32 { acc, .. } => acc.bytes(),
         }
     }
@@ -85,7 +87,7 @@ impl GradAcc {
             GradAcc::F32(s)
             | GradAcc::Tree { acc: s, .. }
             | GradAcc::HalfIntoF32 { acc: s, .. } => s.add(off, g),
-            GradAcc::Half { half, acc } => half.add_f32_into(&mut acc[off..off + g.len()], g),
+            GradAcc::Half { half, acc } => acc.add_f32(*half, off, g),
         }
     }
 
@@ -93,7 +95,7 @@ impl GradAcc {
     pub(super) fn wire<B>(&self, range: Range<usize>) -> Elems<B> {
         match self {
             GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Elems::F32(s.read(range)),
-            GradAcc::Half { acc, .. } => Elems::U16(acc[range].to_vec()),
+            GradAcc::Half { half, acc } => Elems::U16(acc.bits_of(*half, range).into_owned()),
             GradAcc::HalfIntoF32 { half, acc } => Elems::U16(half.round_all(&acc.read(range))),
         }
     }
@@ -113,12 +115,10 @@ impl GradAcc {
             (GradAcc::F32(s), Elems::F32(r)) => s.add(off, &r),
             (GradAcc::Tree { acc, .. }, Elems::F32(r)) if overwrite => acc.write(off, &r),
             (GradAcc::Tree { acc, tree }, Elems::F32(r)) => tree.push(acc, micro, off, r),
-            (GradAcc::Half { acc, .. }, Elems::U16(r)) if overwrite => {
-                acc[off..off + r.len()].copy_from_slice(&r)
+            (GradAcc::Half { half, acc }, Elems::U16(r)) if overwrite => {
+                acc.write_bits(*half, off, &r)
             }
-            (GradAcc::Half { half, acc }, Elems::U16(r)) => {
-                half.add_into(&mut acc[off..off + r.len()], &r)
-            }
+            (GradAcc::Half { half, acc }, Elems::U16(r)) => acc.add_bits(*half, off, &r),
             (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(r)) if overwrite => {
                 acc.write(off, &half.widen_all(&r))
             }
@@ -160,11 +160,8 @@ impl GradAcc {
                 s.write(0, &[f32::INFINITY])
             }
             GradAcc::F32(_) | GradAcc::Tree { .. } | GradAcc::HalfIntoF32 { .. } => {}
-            GradAcc::Half { half, acc } => {
-                if let Some(g) = acc.first_mut() {
-                    *g = half.round(f32::INFINITY);
-                }
-            }
+            GradAcc::Half { half, acc } if acc.len() > 0 => acc.write(*half, 0, &[f32::INFINITY]),
+            GradAcc::Half { .. } => {}
         }
     }
 
@@ -183,7 +180,7 @@ impl GradAcc {
     /// check), else left where they are.
     pub(super) fn view(&self, host: bool, inv: f32) -> GradView<'_> {
         let data = match self {
-            GradAcc::Half { half, acc } => Data::Half(*half, acc),
+            GradAcc::Half { half, acc } => Data::Half(*half, acc.bits(*half)),
             GradAcc::F32(s)
             | GradAcc::Tree { acc: s, .. }
             | GradAcc::HalfIntoF32 { acc: s, .. } => match s {
@@ -201,7 +198,7 @@ impl GradAcc {
             GradAcc::F32(s)
             | GradAcc::Tree { acc: s, .. }
             | GradAcc::HalfIntoF32 { acc: s, .. } => s.zero(),
-            GradAcc::Half { acc, .. } => acc.fill(0),
+            GradAcc::Half { half, acc } => acc.zero(*half),
         }
     }
 }
@@ -209,7 +206,8 @@ impl GradAcc {
 /// Where [`GradView`]'s elements are.
 enum Data<'a> {
     F32(Cow<'a, [f32]>),
-    Half(Half, &'a [u16]),
+    /// 16-bit words, read into host memory from a device.
+    Half(Half, Cow<'a, [u16]>),
     /// On the optimizer state's device, not read into host memory.
     Device(&'a Slab),
 }
@@ -261,7 +259,7 @@ mod tests {
     use super::*;
     use zero_core::Precision;
 
-    type Words = Elems<()>;
+    type Wire = Elems<()>;
 
     /// Two micro-steps' reduced values, `a` then `b`, from element 1 of a 4-element accumulator,
     /// each as the accumulator's own arithmetic says: exact f32 sums of the widened 16-bit words
@@ -272,12 +270,12 @@ mod tests {
         let h = Half::of(Precision::Bf16).expect("bf16 is 16-bit");
         let (a, b) = ([1.0f32, 0.5, -3.0], [0.25f32, 1e-3, 7.0]);
         let (wa, wb) = (h.round_all(&a), h.round_all(&b));
-        let add = |acc: &mut GradAcc, words: fn(&[f32], &[u16]) -> Words| {
+        let add = |acc: &mut GradAcc, words: fn(&[f32], &[u16]) -> Wire| {
             acc.apply(1, words(&a, &wa), false, 0).unwrap();
             acc.apply(1, words(&b, &wb), false, 1).unwrap();
         };
-        let sixteen: fn(&[f32], &[u16]) -> Words = |_, w| Elems::U16(w.to_vec());
-        let thirty_two: fn(&[f32], &[u16]) -> Words = |v, _| Elems::F32(v.to_vec());
+        let sixteen: fn(&[f32], &[u16]) -> Wire = |_, w| Elems::U16(w.to_vec());
+        let thirty_two: fn(&[f32], &[u16]) -> Wire = |v, _| Elems::F32(v.to_vec());
 
         let mut wide = GradAcc::HalfIntoF32 {
             half: h,
@@ -298,7 +296,7 @@ mod tests {
             panic!("16-bit training sends 16-bit words")
         };
         assert_eq!(wire, h.round_all(&sums));
-        wide.apply(1, Words::U16(wb.clone()), true, 0).unwrap();
+        wide.apply(1, Wire::U16(wb.clone()), true, 0).unwrap();
         let GradAcc::HalfIntoF32 {
             acc: Slab::Host(acc),
             ..
@@ -310,10 +308,14 @@ mod tests {
 
         let mut narrow = GradAcc::Half {
             half: h,
-            acc: vec![0; 4],
+            acc: Words::Host(vec![0; 4]),
         };
         add(&mut narrow, sixteen);
-        let GradAcc::Half { acc, .. } = &narrow else {
+        let GradAcc::Half {
+            acc: Words::Host(acc),
+            ..
+        } = &narrow
+        else {
             unreachable!()
         };
         let rounded: Vec<u16> = (0..3).map(|i| h.round(sums[i])).collect();

@@ -1,13 +1,15 @@
-//! Flat 16-bit buffers (bf16/fp16 working weights) that live where the model lives: host memory
-//! as `half`'s bit patterns, or a tensor of the 16-bit type on the model's device. Stage 3's
-//! 16-bit shard and hpZ secondary slices are made of them ([`super::sharded`]).
+//! Flat 16-bit buffers (bf16/fp16 working weights and gradients) that live on a device or in
+//! host memory: `half`'s bit patterns in host memory, or a tensor of the 16-bit type on the
+//! device. Stage 3's 16-bit shard and hpZ secondary slices ([`super::sharded`]) and the 16-bit
+//! gradient accumulator ([`super::grad_acc`]) are made of them.
 //!
 //! A device holds them only when it supports the type (burn's `Device::supports_dtype`): fp16 on
 //! Vulkan devices with 16-bit floats (lavapipe has them), bf16 and fp16 on CUDA. Elsewhere they
 //! stay in host memory (bf16 on wgpu: WGSL has no bf16).
 //!
-//! On a device the rounding is the device's cast of the f32 master (round to nearest, ties to
-//! even, as `half` rounds on the host), and the words travel to and from host memory as bits.
+//! On a device the rounding is the device's cast from f32 (round to nearest, ties to even, as
+//! `half` rounds on the host), a 16-bit addition widens both sides, adds in f32 and rounds once
+//! (as [`Half::add_into`]), and the words travel to and from host memory as bits.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -58,15 +60,26 @@ impl Words {
 
     /// The bit patterns `words` of `half`, on `device` (`None`: host memory).
     pub(super) fn from_bits(half: Half, words: Vec<u16>, device: Option<&Device>) -> Words {
-        let Some(d) = device else {
-            return Words::Host(words);
-        };
-        let n = words.len();
-        let data = match half {
-            Half::Bf16 => TensorData::new(words.into_iter().map(bf16::from_bits).collect(), [n]),
-            Half::F16 => TensorData::new(words.into_iter().map(f16::from_bits).collect(), [n]),
-        };
-        Words::Device(Box::new(Tensor::from_data(data, (d, dtype(half)))))
+        match device {
+            None => Words::Host(words),
+            Some(d) => Words::Device(Box::new(bits_tensor(half, &words, d))),
+        }
+    }
+
+    /// `len` zeros of `half` on `device` (`None`: host memory).
+    pub(super) fn zeros(half: Half, len: usize, device: Option<&Device>) -> Words {
+        match device {
+            None => Words::Host(vec![0; len]),
+            Some(d) => Words::Device(Box::new(Tensor::zeros([len], (d, dtype(half))))),
+        }
+    }
+
+    /// Elements.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Words::Host(v) => v.len(),
+            Words::Device(t) => t.dims()[0],
+        }
     }
 
     /// Bytes held: a host buffer as allocated, a tensor by its elements.
@@ -81,34 +94,62 @@ impl Words {
     pub(super) fn bits(&self, half: Half) -> Cow<'_, [u16]> {
         match self {
             Words::Host(v) => Cow::Borrowed(v),
+            Words::Device(t) => Cow::Owned(tensor_bits(half, t)),
+        }
+    }
+
+    /// Elements `range`'s bit patterns, in host memory.
+    pub(super) fn bits_of(&self, half: Half, range: Range<usize>) -> Cow<'_, [u16]> {
+        match self {
+            Words::Host(v) => Cow::Borrowed(&v[range]),
+            Words::Device(t) => Cow::Owned(tensor_bits(half, &t.clone().slice(range))),
+        }
+    }
+
+    /// Writes the bit patterns `words` from element `at`.
+    pub(super) fn write_bits(&mut self, half: Half, at: usize, words: &[u16]) {
+        match self {
+            Words::Host(v) => v[at..at + words.len()].copy_from_slice(words),
             Words::Device(t) => {
-                let data = t.clone().into_data();
-                let words = match half {
-                    Half::Bf16 => data
-                        .as_slice::<bf16>()
-                        .map(|s| s.iter().map(|h| h.to_bits()).collect()),
-                    Half::F16 => data
-                        .as_slice::<f16>()
-                        .map(|s| s.iter().map(|h| h.to_bits()).collect()),
-                };
-                Cow::Owned(words.expect("a 16-bit tensor holds 16-bit elements"))
+                let new = bits_tensor(half, words, &t.device());
+                self.assign(at, new);
+            }
+        }
+    }
+
+    /// `self[at + i] = round(widen(self[at + i]) + add[i])`, where the words live.
+    pub(super) fn add_f32(&mut self, half: Half, at: usize, add: &[f32]) {
+        match self {
+            Words::Host(v) => half.add_f32_into(&mut v[at..at + add.len()], add),
+            Words::Device(t) => {
+                let add = upload(add, &t.device());
+                self.add_widened(half, at, add);
+            }
+        }
+    }
+
+    /// `self[at + i] = round(widen(self[at + i]) + widen(words[i]))`, where the words live.
+    pub(super) fn add_bits(&mut self, half: Half, at: usize, words: &[u16]) {
+        match self {
+            Words::Host(v) => half.add_into(&mut v[at..at + words.len()], words),
+            Words::Device(t) => {
+                let add = bits_tensor(half, words, &t.device()).cast(DType::F32);
+                self.add_widened(half, at, add);
             }
         }
     }
 
     /// Writes fp32 `values`, rounded to `half`, from element `at`.
     pub(super) fn write(&mut self, half: Half, at: usize, values: &[f32]) {
-        let range = at..at + values.len();
         match self {
             Words::Host(v) => {
-                for (d, &x) in v[range].iter_mut().zip(values) {
+                for (d, &x) in v[at..at + values.len()].iter_mut().zip(values) {
                     *d = half.round(x);
                 }
             }
             Words::Device(t) => {
-                let device = t.device();
-                let new = upload(values, &device).cast(dtype(half));
-                **t = whole_or_assign(t, range, new);
+                let new = upload(values, &t.device()).cast(dtype(half));
+                self.assign(at, new);
             }
         }
     }
@@ -120,13 +161,52 @@ impl Words {
             Words::Device(t) => **t = Tensor::zeros([t.dims()[0]], (&t.device(), dtype(half))),
         }
     }
+
+    /// A device buffer's elements from `at` replaced by the tensor `new` (of the 16-bit type).
+    /// Owned, the tensor is the only handle to its memory: burn may write in place.
+    fn assign(&mut self, at: usize, new: Tensor<1>) {
+        let Words::Device(t) = std::mem::replace(self, Words::Host(Vec::new())) else {
+            unreachable!("only a device buffer takes a tensor");
+        };
+        let range = at..at + new.dims()[0];
+        *self = Words::Device(Box::new(if range.start == 0 && range.end == t.dims()[0] {
+            new
+        } else {
+            t.slice_assign(range, new)
+        }));
+    }
+
+    /// A device buffer's elements from `at` widened, plus the f32 tensor `add`, rounded back.
+    fn add_widened(&mut self, half: Half, at: usize, add: Tensor<1>) {
+        let Words::Device(t) = self else {
+            unreachable!("only a device buffer adds a tensor");
+        };
+        let range = at..at + add.dims()[0];
+        let sum = ((**t).clone().slice(range).cast(DType::F32) + add).cast(dtype(half));
+        self.assign(at, sum);
+    }
 }
 
-/// `t` with elements `range` replaced by `new` (`new` itself when it covers `t`).
-fn whole_or_assign(t: &Tensor<1>, range: Range<usize>, new: Tensor<1>) -> Tensor<1> {
-    if range.start == 0 && range.end == t.dims()[0] {
-        new
-    } else {
-        t.clone().slice_assign(range, new)
-    }
+/// A tensor of `half` on `device` holding the bit patterns `words`.
+fn bits_tensor(half: Half, words: &[u16], device: &Device) -> Tensor<1> {
+    let n = words.len();
+    let data = match half {
+        Half::Bf16 => TensorData::new(words.iter().map(|&w| bf16::from_bits(w)).collect(), [n]),
+        Half::F16 => TensorData::new(words.iter().map(|&w| f16::from_bits(w)).collect(), [n]),
+    };
+    Tensor::from_data(data, (device, dtype(half)))
+}
+
+/// The bit patterns of a tensor of `half`, in host memory.
+fn tensor_bits(half: Half, t: &Tensor<1>) -> Vec<u16> {
+    let data = t.clone().into_data();
+    let words = match half {
+        Half::Bf16 => data
+            .as_slice::<bf16>()
+            .map(|s| s.iter().map(|h| h.to_bits()).collect()),
+        Half::F16 => data
+            .as_slice::<f16>()
+            .map(|s| s.iter().map(|h| h.to_bits()).collect()),
+    };
+    words.expect("a 16-bit tensor holds 16-bit elements")
 }
