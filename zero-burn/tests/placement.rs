@@ -277,8 +277,11 @@ mod wgpu {
             (3, Precision::Fp32, false, None),
             (3, Precision::Bf16, false, None),
             (3, Precision::Bf16, false, fp32),
-            // fp16's 16-bit accumulator lives on the device too (bf16 has no WGSL type).
+            // fp16's 16-bit accumulator lives on the device too (bf16 has no WGSL type), and
+            // the step widens, unscales and rounds there.
+            (0, Precision::Fp16, false, None),
             (1, Precision::Fp16, false, None),
+            (2, Precision::Fp16, false, None),
             (3, Precision::Fp16, false, None),
         ] {
             let what = format!(

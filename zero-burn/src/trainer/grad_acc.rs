@@ -177,10 +177,14 @@ impl GradAcc {
 
     /// The gradients as the optimizer reads them, unscaled by `inv`: in host memory, read from a
     /// device (whole, once) only when `host` is asked for (clipping's norm, fp16's overflow
-    /// check), else left where they are.
+    /// check), else left where they are. 16-bit words on a device give the step its slices from
+    /// there either way (widened, unscaled and clipped on the device).
     pub(super) fn view(&self, host: bool, inv: f32) -> GradView<'_> {
         let data = match self {
-            GradAcc::Half { half, acc } => Data::Half(*half, acc.bits(*half)),
+            GradAcc::Half { half, acc } if acc.on_device() && !host => {
+                Data::Half(*half, Cow::Borrowed(&[]), Some(acc))
+            }
+            GradAcc::Half { half, acc } => Data::Half(*half, acc.bits(*half), Some(acc)),
             GradAcc::F32(s)
             | GradAcc::Tree { acc: s, .. }
             | GradAcc::HalfIntoF32 { acc: s, .. } => match s {
@@ -206,8 +210,9 @@ impl GradAcc {
 /// Where [`GradView`]'s elements are.
 enum Data<'a> {
     F32(Cow<'a, [f32]>),
-    /// 16-bit words, read into host memory from a device.
-    Half(Half, Cow<'a, [u16]>),
+    /// 16-bit words in host memory (read from a device only when asked for; else empty), and
+    /// the buffer itself.
+    Half(Half, Cow<'a, [u16]>, Option<&'a Words>),
     /// On the optimizer state's device, not read into host memory.
     Device(&'a Slab),
 }
@@ -225,15 +230,28 @@ impl GradView<'_> {
     pub(super) fn at(&self, i: usize) -> f32 {
         match &self.data {
             Data::F32(v) => v[i] * self.inv,
-            Data::Half(h, v) => h.widen(v[i]) * self.inv,
+            Data::Half(h, v, _) => v.get(i).map_or(f32::NAN, |&b| h.widen(b) * self.inv),
             Data::Device(_) => f32::NAN,
         }
     }
 
     /// `len` elements from `off`, unscaled and clipped by `coef`: borrowed where nothing changes
     /// them (fp32 without clipping or loss scale), else computed; a tensor on the device where
-    /// the accumulator lives there (never scaled or clipped: see [`GradAcc::view`]).
+    /// the accumulator lives there (fp32: never scaled or clipped, see [`GradAcc::view`]; 16-bit:
+    /// widened, then times `inv` and `coef`, the host's operations in its order).
     pub(super) fn slice(&self, off: usize, len: usize, coef: f32) -> Grads<'_> {
+        if let Data::Half(_, _, Some(words)) = &self.data
+            && let Some(mut g) = words.widened(off..off + len)
+        {
+            // x · 1 is x: the host multiplies by `inv` always, by `coef` when it is not 1.
+            if self.inv != 1.0 {
+                g = g.mul_scalar(self.inv);
+            }
+            if coef != 1.0 {
+                g = g.mul_scalar(coef);
+            }
+            return Grads::Device(Box::new(g));
+        }
         match &self.data {
             Data::Device(s) => Grads::Device(Box::new(
                 s.device_slice(off..off + len)

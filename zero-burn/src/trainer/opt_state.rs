@@ -259,7 +259,7 @@ impl OptState {
         &mut self,
         u: usize,
         lr: f32,
-        grads: &[f32],
+        grads: Grads,
         then: impl FnOnce(&Slab) -> R,
     ) -> R {
         let (opt, n) = (self.optimizer, self.steps);
@@ -270,11 +270,11 @@ impl OptState {
         match (&self.device, &mut master) {
             (None, Slab::Host(w)) => {
                 let (m, v) = host_moments(s);
-                optim::step(&opt, lr, n, w, grads, m, v);
+                optim::step(&opt, lr, n, w, &grads.host(), m, v);
             }
             (Some(device), slab) => {
                 let w = slab.take_tensor().expect("the master lives with the state");
-                let w = step_on_device(s, &opt, lr, n, w, upload(grads, device));
+                let w = step_on_device(s, &opt, lr, n, w, grads.tensor(device));
                 *slab = Slab::Device(Box::new(w));
             }
             (None, Slab::Device(_)) => unreachable!("the master lives with the state"),

@@ -22,6 +22,7 @@ use zero_core::{Plan, UnitKind};
 
 use super::sharded::Source;
 use super::slab::Slab;
+use super::words::{Words, words_device};
 use super::{HOME, ZeroEngine};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
@@ -180,16 +181,21 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     // The shard takes the new master rounded, on the device where both live.
                     let sharded = &mut self.sharded;
                     self.opt
-                        .step_master(u, lr, &g.host(), |m| sharded.round_master(u, m))?;
+                        .step_master(u, lr, g, |m| sharded.round_master(u, m))?;
                     Publish::InPlace
                 }
                 (Some(h), _) => {
+                    // Rounded where the master lives, if its device has the 16-bit type.
+                    let on = words_device(h, self.opt.device().cloned());
                     let w16 = self
                         .opt
-                        .step_master(u, lr, &g.host(), |m| h.round_all(&m.host()));
-                    match stage {
-                        0 => Publish::Write(h.widen_all(&w16)),
-                        _ => Publish::Gather16(h, w16),
+                        .step_master(u, lr, g, |m| Words::round_slab(h, m, on.as_ref()));
+                    match (stage, w16) {
+                        (0, w16) => match w16.widened(0..len) {
+                            Some(t) => Publish::WriteTensor(Box::new(t)),
+                            None => Publish::Write(h.widen_all(&w16.bits(h))),
+                        },
+                        (_, w16) => Publish::Gather16(h, w16.bits(h).into_owned()),
                     }
                 }
             };

@@ -54,7 +54,7 @@ impl Words {
     pub(super) fn round_slab(half: Half, master: &Slab, device: Option<&Device>) -> Words {
         match (master.device_slice(0..master.len()), device) {
             (Some(t), Some(_)) => Words::Device(Box::new(t.cast(dtype(half)))),
-            _ => Words::round(half, &master.read(0..master.len()), device),
+            _ => Words::round(half, &master.host(), device),
         }
     }
 
@@ -95,6 +95,19 @@ impl Words {
         match self {
             Words::Host(v) => Cow::Borrowed(v),
             Words::Device(t) => Cow::Owned(tensor_bits(half, t)),
+        }
+    }
+
+    /// Whether the words live on a device.
+    pub(super) fn on_device(&self) -> bool {
+        matches!(self, Words::Device(_))
+    }
+
+    /// Elements `range` widened to f32, as a tensor on the device; `None` in host memory.
+    pub(super) fn widened(&self, range: Range<usize>) -> Option<Tensor<1>> {
+        match self {
+            Words::Device(t) => Some((**t).clone().slice(range).cast(DType::F32)),
+            Words::Host(_) => None,
         }
     }
 
