@@ -172,7 +172,7 @@ mod wgpu {
     use zero_burn::Reduction;
     use zero_burn::demo::data::MarkovLanguage;
     use zero_burn::demo::gpt::{Gpt, GptConfig};
-    use zero_burn::demo::run::train_wgpu;
+    use zero_burn::demo::wgpu_run::train_wgpu;
 
     /// Largest relative gap allowed between the placements, per loss and per parameter element
     /// (relative to max(1, |value|)): the device's `sqrt` and division may differ from the CPU's

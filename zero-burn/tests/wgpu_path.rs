@@ -1,5 +1,5 @@
 //! The wgpu path (feature `wgpu`): the trainer on burn's wgpu backend with the wgpu loopback, both
-//! on one `wgpu::Device` (`demo::run::train_wgpu`), against the reference path (flex CPU backend, host
+//! on one `wgpu::Device` (`demo::wgpu_run::train_wgpu`), against the reference path (flex CPU backend, host
 //! loopback) on the same job: losses per step within a stated tolerance, and measured traffic and
 //! model-state bytes equal to the plan exactly.
 //!
@@ -19,9 +19,8 @@ use burn::tensor::Device;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::{Gpt, GptConfig};
 use zero_burn::demo::job::JobConfig;
-use zero_burn::demo::run::{
-    HostRun, RankResult, TrainOptions, WgpuTensors, train_host, train_wgpu, train_wgpu_with,
-};
+use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, train_host};
+use zero_burn::demo::wgpu_run::{WgpuTensors, train_wgpu, train_wgpu_with};
 use zero_burn::optim::Optimizer;
 use zero_burn::{Error, MeasuredMemory, Reduction, plan_for};
 use zero_core::{Plan, Topology, ZeroConfig};

@@ -37,7 +37,7 @@ pub enum Backend {
     Host,
     /// burn's wgpu backend with the wgpu loopback on one shared device (feature `wgpu`; fp32
     /// gradients and gathers go through the zero-copy bridge, the rest through host memory: see
-    /// [`crate::demo::run::train_wgpu`]).
+    /// [`crate::demo::wgpu_run::train_wgpu`]).
     Wgpu,
     /// burn's CUDA backend (feature `cuda`): every rank's model and optimizer state on a GPU,
     /// the one [`local_rank`](crate::local_rank) names (in-process ranks share it), with

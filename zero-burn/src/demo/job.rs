@@ -206,7 +206,7 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
             train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?
         }
         #[cfg(feature = "wgpu")]
-        Compute::Wgpu(s) => crate::demo::run::train_wgpu(
+        Compute::Wgpu(s) => crate::demo::wgpu_run::train_wgpu(
             s,
             plan.clone(),
             model,

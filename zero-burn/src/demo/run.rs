@@ -1,7 +1,7 @@
-//! The demo's launchers: N ranks in one process training a token model on a [`Corpus`], on the
-//! host loopback ([`train_host`]) or (feature `wgpu`) on burn's wgpu backend with the wgpu
-//! loopback on one shared device (`train_wgpu`). Built on the public API alone
-//! ([`crate::Launch`], [`crate::EngineBuilder`], [`crate::ZeroEngine::step`]).
+//! The demo's launchers: N ranks in one process training a token model on a [`Corpus`] on the
+//! host loopback ([`train_host`]), and one rank of a job whose ranks are processes
+//! ([`train_rank`]); `demo::wgpu_run` runs them on burn's wgpu backend. Built on the public API
+//! alone ([`crate::Launch`], [`crate::EngineBuilder`], [`crate::ZeroEngine::step`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,14 +12,8 @@ use zero_core::{Plan, TrafficTable};
 
 use crate::checkpoint::{LoadOptions, Storage};
 use crate::demo::data::{Corpus, TokenBatch};
-#[cfg(feature = "wgpu")]
-use crate::device::{DeviceQuant, DeviceTensors};
 use crate::engine::EngineBuilder;
-#[cfg(feature = "wgpu")]
-use crate::error::Error;
 use crate::error::Result;
-#[cfg(feature = "wgpu")]
-use crate::launch::WgpuShared;
 use crate::launch::{Clones, Launch};
 use crate::optim::Optimizer;
 use crate::reduction::{Reduction, canonical_sum};
@@ -64,11 +58,11 @@ pub struct RankResult<M> {
     /// Every parameter's final values, indexed like the plan's model (for equivalence checks);
     /// empty unless [`HostRun::keep_final_params`].
     pub final_params: Vec<Vec<f32>>,
-    /// Gradient bytes a [`DeviceTensors`] hook packed in the communicator's memory (never read
-    /// back to the host); 0 on the host path.
+    /// Gradient bytes a [`DeviceTensors`](crate::device::DeviceTensors) hook packed in the
+    /// communicator's memory (never read back to the host); 0 on the host path.
     pub device_grad_bytes: u64,
-    /// Weight bytes a [`DeviceTensors`] hook installed in the model straight from the
-    /// communicator's memory; 0 on the host path.
+    /// Weight bytes a [`DeviceTensors`](crate::device::DeviceTensors) hook installed in the
+    /// model straight from the communicator's memory; 0 on the host path.
     pub device_weight_bytes: u64,
     /// The device holding the optimizer's state; `None` for host memory.
     pub optimizer_device: Option<String>,
@@ -297,7 +291,7 @@ pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
 }
 
 /// One rank's whole run: `run.steps` steps, then its report.
-fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
+pub(super) fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     builder: EngineBuilder<C, M>,
     corpus: &dyn Corpus,
     options: TrainOptions,
@@ -402,99 +396,6 @@ pub fn global_losses<M>(results: &[RankResult<M>]) -> Vec<f32> {
             canonical_sum(&leaves) / leaves.len() as f32
         })
         .collect()
-}
-
-/// [`train_host`] on the GPU path (feature `wgpu`): every rank's model runs on burn's wgpu
-/// backend and every collective on the wgpu loopback, both on `shared`'s one device. `model`
-/// must live on [`WgpuShared::autodiff_device`].
-///
-/// Tensors reach the loopback through the zero-copy bridge ([`WgpuTensors::Bridge`]) in fp32:
-/// units reduced every micro-step are packed from burn's gradient tensors on the device and
-/// reduced there (qgZ with the WGSL codecs), only the rank's reduced chunk downloaded; weights
-/// are gathered on the device (qwZ likewise) and installed from there, stage 3's pieces copied
-/// from its device shard. The trainer keeps its 16-bit shards and accumulators in host memory, and
-/// the gradients of `accumulate_before_reduce` pass through it, so those collectives upload their
-/// input and download the result: a host round trip. The loopback reduces in rank order, so
-/// [`Reduction::CanonicalTree`] is rejected.
-#[cfg(feature = "wgpu")]
-pub fn train_wgpu<M: Segmented<Batch = TokenBatch>>(
-    shared: &WgpuShared,
-    plan: Arc<Plan>,
-    model: M,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
-) -> Result<Vec<RankResult<M>>> {
-    train_wgpu_with(
-        shared,
-        plan,
-        model,
-        corpus,
-        options,
-        run,
-        on_step,
-        WgpuTensors::Bridge,
-    )
-}
-
-/// How [`train_wgpu_with`] moves burn tensors to and from the loopback.
-#[cfg(feature = "wgpu")]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WgpuTensors {
-    /// Through the zero-copy bridge ([`crate::bridge::BridgeTensors`]), where fp32 allows: see
-    /// [`train_wgpu`]. The default.
-    Bridge,
-    /// Through host memory: every gradient is read back, packed on the host and uploaded, every
-    /// gathered unit downloaded and uploaded again.
-    Host,
-}
-
-/// [`train_wgpu`] choosing how tensors reach the loopback.
-#[allow(clippy::too_many_arguments)]
-#[cfg(feature = "wgpu")]
-pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
-    shared: &WgpuShared,
-    plan: Arc<Plan>,
-    model: M,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
-    grads: WgpuTensors,
-) -> Result<Vec<RankResult<M>>> {
-    if let Some(d) = model.devices().into_iter().find(|d| *d != shared.device()) {
-        return Err(Error::Backend(format!(
-            "the model lives on {d:?}; train_wgpu needs it on the shared device {:?}",
-            shared.device()
-        )));
-    }
-    let models = Clones::new(&model, plan.world_size());
-    // The WGSL codecs, compiled once for every rank.
-    let quant = match grads {
-        WgpuTensors::Bridge => {
-            let d = shared.comm_device();
-            let q = zero_quant::WgpuQuantizer::new(d.device().clone(), d.queue().clone())?;
-            Some(Arc::new(q))
-        }
-        WgpuTensors::Host => None,
-    };
-    Launch::new(*plan.topology())
-        .timeout(run.timeout)
-        .reduction(options.reduction)
-        .run_wgpu(shared, |comm| {
-            let mine = models.take(comm.rank())?;
-            let mut builder = engine_builder(&plan, comm, mine, options);
-            if let Some(q) = quant.clone() {
-                builder = builder
-                    .device_tensors(Box::new(crate::bridge::BridgeTensors::new(
-                        shared.comm_device().clone(),
-                        shared.autodiff_device(),
-                    )) as Box<dyn DeviceTensors<_>>)
-                    .device_quant(q as Arc<dyn DeviceQuant<_>>);
-            }
-            run_rank(builder, corpus, options, run.clone(), on_step)
-        })
 }
 
 /// The steps whose records a run from `first` to `steps` reserves up front: at most 2^20 (a
