@@ -87,7 +87,7 @@ pub mod rng;
 pub mod segmented;
 pub mod trainer;
 
-pub use device::{DeviceQuant, DeviceTensors};
+pub use device::{DeviceQuant, DeviceTensors, WordBuffer};
 pub use engine::{EngineBuilder, RankReport};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]

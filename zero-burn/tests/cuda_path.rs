@@ -210,9 +210,10 @@ fn gpu_burn_cuda_computes_like_flex() {
 }
 
 /// The CUDA bridge over NCCL (`cuda::CudaTensors`, with NCCL's CUDA codecs as `DeviceQuant`) on
-/// one GPU at world size 1: ZeRO-3 (plain, and with qwZ and qgZ) gives the host-staged path's
-/// losses and final parameters bit for bit (the same kernels on the same values; only where the
-/// bytes travel differs), with the traffic the plan books.
+/// one GPU at world size 1: ZeRO-3 (plain, with qwZ and qgZ, and in bf16, whose shard's words
+/// NCCL gathers as bytes on the device) gives the host-staged path's losses and final parameters
+/// bit for bit (the same kernels on the same values; only where the bytes travel differs), with
+/// the traffic the plan books.
 #[cfg(feature = "gpu-tests")]
 #[test]
 fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
@@ -222,7 +223,7 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
     use zero_burn::optim::Optimizer;
     use zero_burn::{DeviceQuant, Reduction, plan_for};
     use zero_comm::nccl::{NcclComm, NcclOptions};
-    use zero_core::{Topology, ZeroConfig};
+    use zero_core::{Precision, Topology, ZeroConfig};
     use zero_quant::CudaQuantizer;
 
     const NAME: &str = "gpu_nccl_on_cuda_bridged_equals_host_staged";
@@ -238,7 +239,12 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
         seq: job.model.context,
         reduction: Reduction::RankOrdered,
     };
-    for zpp in [false, true] {
+    for (zpp, precision) in [
+        (false, Precision::Fp32),
+        (true, Precision::Fp32),
+        (false, Precision::Bf16),
+    ] {
+        let what = format!("zpp={zpp} {precision:?}");
         let train = |bridged: bool| {
             let device = zero_burn::cuda::device(0).expect("a GPU").autodiff();
             let model = job.model.init(&device, 11);
@@ -247,6 +253,7 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
                 param_persistence_threshold: 256,
                 quantized_weights: zpp,
                 quantized_gradients: zpp,
+                precision,
                 optimizer: Optimizer::default().kind(),
                 ..ZeroConfig::default()
             };
@@ -268,19 +275,19 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
                     out.loss.to_bits()
                 })
                 .collect();
-            assert!(engine.report().traffic_matches_plan(), "zpp={zpp}: traffic");
+            assert!(engine.report().traffic_matches_plan(), "{what}: traffic");
             let params = engine.gather_all_params().expect("the parameters");
             let bits: Vec<u32> = params.iter().flatten().map(|v| v.to_bits()).collect();
             (losses, bits, engine.device_weight_bytes())
         };
         let (bridged, staged) = (train(true), train(false));
-        assert_eq!(bridged.0, staged.0, "zpp={zpp}: losses");
-        assert!(bridged.1 == staged.1, "zpp={zpp}: parameters");
+        assert_eq!(bridged.0, staged.0, "{what}: losses");
+        assert!(bridged.1 == staged.1, "{what}: parameters");
         assert!(
             bridged.2 > 0,
-            "zpp={zpp}: weights installed from NCCL's memory"
+            "{what}: weights installed from NCCL's memory"
         );
-        assert_eq!(staged.2, 0, "zpp={zpp}: the staged path");
+        assert_eq!(staged.2, 0, "{what}: the staged path");
     }
     cookie(NAME);
 }

@@ -23,7 +23,7 @@ use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, train_host};
 use zero_burn::demo::wgpu_run::{WgpuTensors, train_wgpu, train_wgpu_with};
 use zero_burn::optim::Optimizer;
 use zero_burn::{Error, MeasuredMemory, Reduction, plan_for};
-use zero_core::{Plan, Topology, ZeroConfig};
+use zero_core::{Plan, Precision, Topology, ZeroConfig};
 
 const STEPS: u64 = 8;
 
@@ -179,14 +179,20 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
         keep_final_params: true,
         checkpoint: None,
     };
-    // (stage, accumulation, hpZ, overlap, qwZ + qgZ)
-    for (stage, ga, hpz, overlap, zpp) in [
-        (0u8, 1u32, 1, false, false),
-        (1, 2, 1, false, false),
-        (2, 1, 1, true, false),
-        (3, 2, 1, false, false),
-        (3, 1, 2, true, false),
-        (3, 2, 2, false, true),
+    // (stage, accumulation, hpZ, overlap, qwZ + qgZ, precision). In fp16 the gradients are
+    // rounded and reduced, and the weights gathered, as 16-bit words on the device (lavapipe has
+    // 16-bit floats).
+    for (stage, ga, hpz, overlap, zpp, precision) in [
+        (0u8, 1u32, 1, false, false, Precision::Fp32),
+        (1, 2, 1, false, false, Precision::Fp32),
+        (2, 1, 1, true, false, Precision::Fp32),
+        (3, 2, 1, false, false, Precision::Fp32),
+        (3, 1, 2, true, false, Precision::Fp32),
+        (3, 2, 2, false, true, Precision::Fp32),
+        (0, 1, 1, false, false, Precision::Fp16),
+        (2, 2, 1, true, false, Precision::Fp16),
+        (3, 2, 1, false, false, Precision::Fp16),
+        (3, 1, 2, true, false, Precision::Fp16),
     ] {
         let train = |grads| {
             let gpu = model_config().init(&shared.autodiff_device(), 11);
@@ -196,6 +202,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
                 overlap_comm: overlap,
                 quantized_weights: zpp,
                 quantized_gradients: zpp,
+                precision,
                 ..plan(&gpu, stage).config().clone()
             };
             let p = Arc::new(plan_for(&gpu, Topology::new(2, 2).unwrap(), &zero).unwrap());
@@ -223,13 +230,14 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
         let staged = train(WgpuTensors::Host);
         let staged_secs = t.elapsed().as_secs_f64();
         println!(
-            "ZERO_WGPU_BRIDGE stage={stage} ga={ga} hpz={hpz} overlap={overlap} zpp={zpp} steps={} \
+            "ZERO_WGPU_BRIDGE stage={stage} ga={ga} hpz={hpz} overlap={overlap} zpp={zpp} \
+             {precision:?} steps={} \
              bridged_s={bridged_secs:.3} staged_s={staged_secs:.3} on {}",
             run.steps,
             shared.adapter_name()
         );
-        // Every gradient of every micro-step went through the bridge (fp32, no qgZ, reduced
-        // every micro-step), and none on the staged path.
+        // Every gradient of every micro-step went through the bridge (no qgZ, reduced every
+        // micro-step; fp16 rounded on the device), and none on the staged path.
         let numel: usize = plan(&model_config().init(&shared.autodiff_device(), 11), stage)
             .model()
             .params
@@ -237,22 +245,26 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
             .filter(|p| p.trainable)
             .map(|p| p.shape.iter().product::<usize>())
             .sum();
-        let want = 4 * numel as u64 * run.steps * u64::from(ga);
+        let width = if precision == Precision::Fp32 { 4 } else { 2 };
+        let want = width * numel as u64 * run.steps * u64::from(ga);
         for (a, b) in bridged.iter().zip(&staged) {
             assert_eq!(a.device_grad_bytes, want, "stage {stage}: bridged bytes");
             assert_eq!(b.device_grad_bytes, 0, "stage {stage}: staged bytes");
             // Stages 1–3 install every gathered unit (after the step, and at stage 3 for each
-            // use) from the loopback's memory; stage 0 gathers nothing.
+            // use) from the loopback's memory, fp16 words too; stage 0 gathers nothing.
             assert_eq!(
                 a.device_weight_bytes > 0,
                 stage >= 1,
                 "stage {stage}: weights"
             );
             assert_eq!(b.device_weight_bytes, 0, "stage {stage}: staged weights");
-            assert_eq!(a.losses, b.losses, "stage {stage} ga {ga}: losses");
+            assert_eq!(
+                a.losses, b.losses,
+                "stage {stage} ga {ga} {precision:?}: losses"
+            );
             assert!(
                 common::bits(&a.final_params) == common::bits(&b.final_params),
-                "stage {stage} ga {ga}: parameters"
+                "stage {stage} ga {ga} {precision:?}: parameters"
             );
         }
         assert!(bridged[0].losses[2] < bridged[0].losses[0], "it learns");

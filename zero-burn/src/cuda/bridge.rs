@@ -18,10 +18,13 @@ use std::sync::Arc;
 use burn::backend::Cube;
 use burn::tensor::{DType, Device, Tensor};
 use cubecl_runtime::runtime::Runtime;
-use zero_comm::nccl::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, result};
+use zero_comm::Element;
+use zero_comm::nccl::cudarc::driver::{
+    CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits, result,
+};
 use zero_comm::nccl::{NcclBuffer, NcclComm};
 
-use crate::device::DeviceTensors;
+use crate::device::{DeviceTensors, WordBuffer};
 use crate::error::{Error, Result};
 
 /// cubecl-cuda's server, whose storage names a tensor's device pointer.
@@ -61,16 +64,11 @@ impl CudaTensors {
         }
     }
 
-    /// Runs `copy(ptr)` with the device pointer of `t`'s storage (a contiguous f32 vector on
-    /// burn-cuda) once cubecl's work on it is done, then waits for the communicator's stream
-    /// before the storage may be reused.
+    /// Runs `copy(ptr)` with the device pointer of `t`'s storage (a contiguous f32, bf16 or fp16
+    /// vector on burn-cuda) once cubecl's work on it is done, then waits for the communicator's
+    /// stream before the storage may be reused.
     fn with_storage(&self, t: &Tensor<1>, copy: impl FnOnce(u64) -> Result<()>) -> Result<()> {
-        if t.dtype() != DType::F32 {
-            return Err(err(format!(
-                "only f32 tensors are bridged, not {:?}",
-                t.dtype()
-            )));
-        }
+        let es = elem_bytes(t.dtype())?;
         let device = t.device();
         let ct = t
             .clone()
@@ -82,7 +80,7 @@ impl CudaTensors {
                 ))
             })?;
         if !ct.is_contiguous() || ct.meta.is_tiled() || ct.qparams.is_some() {
-            return Err(err(format!("not a contiguous f32 vector: {ct:?}")));
+            return Err(err(format!("not a contiguous vector: {ct:?}")));
         }
         pollster::block_on(ct.client.sync())
             .map_err(|e| err(format!("waiting for cubecl's stream: {e}")))?;
@@ -90,7 +88,7 @@ impl CudaTensors {
             .client
             .get_resource::<Server>(ct.handle.clone())
             .map_err(|e| err(format!("cubecl has no device pointer for the tensor: {e}")))?;
-        let bytes = (t.dims()[0] * size_of::<f32>()) as u64;
+        let bytes = (t.dims()[0] * es) as u64;
         let res = managed.resource();
         if res.size < bytes {
             return Err(err(format!(
@@ -104,6 +102,50 @@ impl CudaTensors {
             .map_err(|e| err(format!("waiting for the communicator's stream: {e}")))?;
         drop(managed);
         Ok(())
+    }
+
+    /// A new flat tensor of `dtype` (whose elements are `E`s) on the model's device holding `len`
+    /// elements of `src` from `offset`.
+    fn copy_back<E: Element + DeviceRepr>(
+        &self,
+        src: &NcclBuffer<E>,
+        dtype: DType,
+        offset: usize,
+        len: usize,
+    ) -> Result<Tensor<1>> {
+        if offset + len > src.len() {
+            return Err(err(format!(
+                "{len} elements at {offset} overrun a buffer of {}",
+                src.len()
+            )));
+        }
+        let out = Tensor::<1>::empty([len], (&self.model, dtype));
+        if len > 0 {
+            let view = src.view();
+            let (base, _guard) = view.device_ptr(&self.stream);
+            let from = base + (offset * size_of::<E>()) as u64;
+            self.with_storage(&out, |dst| self.copy(dst, from, len * size_of::<E>()))?;
+        }
+        Ok(out)
+    }
+
+    /// A new NCCL buffer holding a copy of `t`'s storage, elements of type `E`.
+    fn copy_out<E: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        t: &Tensor<1>,
+    ) -> Result<NcclBuffer<E>> {
+        let len = t.dims()[0];
+        let slice = self
+            .stream
+            .alloc_zeros::<E>(len)
+            .map_err(|e| err(format!("allocating {len} {}: {e}", E::DTYPE)))?;
+        let mut buf = NcclBuffer::from_cuda_slice(slice);
+        {
+            let mut view = buf.view_mut();
+            let (dst, _guard) = view.device_ptr_mut(&self.stream);
+            self.with_storage(t, |src| self.copy(dst, src, len * size_of::<E>()))?;
+        }
+        Ok(buf)
     }
 
     /// `bytes` bytes from `src` to `dst` on the communicator's stream.
@@ -128,6 +170,9 @@ impl DeviceTensors<NcclComm> for CudaTensors {
     }
 
     fn copy_in(&self, dst: &mut NcclBuffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()> {
+        if grad.dtype() != DType::F32 {
+            return Err(err(format!("a {:?} gradient in an f32 unit", grad.dtype())));
+        }
         let len = grad.dims()[0];
         if offset + len > dst.len() {
             return Err(err(format!(
@@ -142,19 +187,37 @@ impl DeviceTensors<NcclComm> for CudaTensors {
     }
 
     fn tensor_at(&self, src: &NcclBuffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>> {
-        if offset + len > src.len() {
-            return Err(err(format!(
-                "{len} elements at {offset} overrun a buffer of {}",
-                src.len()
-            )));
-        }
-        let out = Tensor::<1>::empty([len], (&self.model, DType::F32));
-        if len > 0 {
-            let view = src.view();
-            let (base, _guard) = view.device_ptr(&self.stream);
-            let from = base + (offset * size_of::<f32>()) as u64;
-            self.with_storage(&out, |dst| self.copy(dst, from, len * size_of::<f32>()))?;
-        }
-        Ok(out)
+        self.copy_back(src, DType::F32, offset, len)
+    }
+
+    fn moves_words(&self) -> bool {
+        true
+    }
+
+    fn words_of(&self, t: &Tensor<1>) -> Result<WordBuffer<NcclComm>> {
+        WordBuffer::of_type(t, || self.copy_out(t), || self.copy_out(t))
+    }
+
+    fn tensor_of(
+        &self,
+        src: &WordBuffer<NcclComm>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Tensor<1>> {
+        src.visit(
+            |b, dtype| self.copy_back(b, dtype, offset, len),
+            |b, dtype| self.copy_back(b, dtype, offset, len),
+        )
+    }
+}
+
+/// The bytes of one element of `dtype` (f32, bf16 or fp16).
+fn elem_bytes(dtype: DType) -> Result<usize> {
+    match dtype {
+        DType::F32 => Ok(4),
+        DType::F16 | DType::BF16 => Ok(2),
+        d => Err(err(format!(
+            "only f32, bf16 and fp16 tensors are bridged, not {d:?}"
+        ))),
     }
 }

@@ -6,12 +6,10 @@
 //!
 //! What works here: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`), [`device`]
 //! guards it, and the demo trains on it ([`Backend::Cuda`](crate::demo::job::Backend::Cuda):
-//! the model, the optimizer's state, the fp32 shard and accumulator on the GPU, the collectives
+//! the model, the optimizer's state, the shard and accumulators on the GPU, the collectives
 //! staged through host memory). With feature `nccl` too, [`CudaTensors`] is the trainer's
-//! [`DeviceTensors`](crate::DeviceTensors) hook over NCCL: gradients and gathered weights move
-//! between burn-cuda tensors and NCCL's device buffers on the device. None of it has run on a GPU
-//! yet. Not yet: the 16-bit shard and accumulator on the device, and a CUDA loopback; see
-//! STATUS.md.
+//! [`DeviceTensors`](crate::DeviceTensors) hook over NCCL: gradients and gathered weights (fp32,
+//! or bf16/fp16 words) move between burn-cuda tensors and NCCL's device buffers on the device. None of it has run on a GPU yet. Not yet: a CUDA loopback; see STATUS.md.
 
 use burn::tensor::Device;
 

@@ -25,8 +25,9 @@ use crate::segmented::Segmented;
 /// units reduced every micro-step are packed from burn's gradient tensors on the device and
 /// reduced there (qgZ with the WGSL codecs), only the rank's reduced chunk downloaded; weights
 /// are gathered on the device (qwZ likewise) and installed from there, stage 3's pieces copied
-/// from its device shard. 16-bit collectives, and the gradients of `accumulate_before_reduce`,
-/// pass through host memory: they upload their input and download the result. The loopback
+/// from its device shard; fp16 rounds its gradients and moves its words on the device too.
+/// qwZ and qgZ on 16-bit elements, and the gradients of `accumulate_before_reduce`, pass through
+/// host memory: they upload their input and download the result. The loopback
 /// reduces in rank order, so [`Reduction::CanonicalTree`] is rejected.
 pub fn train_wgpu<M: Segmented<Batch = TokenBatch>>(
     shared: &WgpuShared,

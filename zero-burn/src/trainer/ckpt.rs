@@ -101,7 +101,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 (Some(_), Some(_)) => state(Part::Master),
                 _ if stage == 3 => match self.sharded.source(u, false)? {
                     Source::F32(slab) => slab.read(0..real),
-                    Source::Half(h, chunk) => h.widen_all(&chunk[..real]),
+                    Source::Half(h, chunk) => h.widen_all(&chunk.bits_of(h, 0..real)),
                 },
                 _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
             },

@@ -92,7 +92,7 @@ impl GradAcc {
     }
 
     /// Elements `off..off + len` as the wire carries them: f32, or rounded to 16 bits.
-    pub(super) fn wire<B>(&self, range: Range<usize>) -> Elems<B> {
+    pub(super) fn wire<B, Y>(&self, range: Range<usize>) -> Elems<B, Y> {
         match self {
             GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Elems::F32(s.read(range)),
             GradAcc::Half { half, acc } => Elems::U16(acc.bits_of(*half, range).into_owned()),
@@ -103,10 +103,10 @@ impl GradAcc {
     /// Applies reduced gradients for the elements from `off`: written over them (`overwrite`:
     /// `accumulate_before_reduce`'s one reduction), or added (the canonical tree: pushed as leaf
     /// `micro`). 16-bit words add in f32 and round, or widen into an fp32 accumulator.
-    pub(super) fn apply<B>(
+    pub(super) fn apply<B, Y>(
         &mut self,
         off: usize,
-        words: Elems<B>,
+        words: Elems<B, Y>,
         overwrite: bool,
         micro: u32,
     ) -> Result<()> {
@@ -129,7 +129,9 @@ impl GradAcc {
                 let got = match words {
                     Elems::F32(_) => "f32 elements",
                     Elems::U16(_) => "16-bit elements",
-                    Elems::Device(_) => "elements in the communicator's memory",
+                    Elems::Device(_) | Elems::DeviceWords(_) => {
+                        "elements in the communicator's memory"
+                    }
                 };
                 return Err(Error::Internal(format!(
                     "a reduction returned {got} for the {} gradient accumulator",
@@ -277,7 +279,7 @@ mod tests {
     use super::*;
     use zero_core::Precision;
 
-    type Wire = Elems<()>;
+    type Wire = Elems<(), ()>;
 
     /// Two micro-steps' reduced values, `a` then `b`, from element 1 of a 4-element accumulator,
     /// each as the accumulator's own arithmetic says: exact f32 sums of the widened 16-bit words
@@ -310,7 +312,7 @@ mod tests {
         };
         assert_eq!(acc[1..], sums[..]);
         assert_eq!(acc[0], 0.0, "outside the range nothing moves");
-        let Elems::U16(wire) = wide.wire::<()>(1..4) else {
+        let Elems::U16(wire) = wide.wire::<(), ()>(1..4) else {
             panic!("16-bit training sends 16-bit words")
         };
         assert_eq!(wire, h.round_all(&sums));
@@ -341,7 +343,7 @@ mod tests {
 
         let mut f32s = GradAcc::F32(Slab::Host(vec![0.0; 4]));
         add(&mut f32s, thirty_two);
-        let Elems::F32(got) = f32s.wire::<()>(0..4) else {
+        let Elems::F32(got) = f32s.wire::<(), ()>(0..4) else {
             panic!("fp32 training sends f32")
         };
         assert_eq!(got, [0.0, a[0] + b[0], a[1] + b[1], a[2] + b[2]]);
@@ -364,7 +366,7 @@ mod tests {
         assert_eq!(acc[1..], means[..]);
 
         let err = f32s
-            .apply(0, Elems::<()>::U16(wa.clone()), false, 0)
+            .apply(0, Elems::<(), ()>::U16(wa.clone()), false, 0)
             .unwrap_err()
             .to_string();
         assert!(

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
 use zero_comm::Communicator;
 
 use super::{Pending, ZeroEngine, check_lr};
@@ -124,6 +125,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let device: Vec<bool> = (0..plan.units().len())
             .map(|u| self.packs_grads_on_device(u))
             .collect();
+        let words: Vec<bool> = (0..plan.units().len())
+            .map(|u| self.packs_words_on_device(u))
+            .collect();
         let hook = self.device_tensors.as_deref();
         let mut failed = None;
         let mut packed = 0u64;
@@ -144,6 +148,20 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         _ => Ok(()),
                     }
                 })(),
+                // Placed in the unit's f32 tensor on the device as `0 + g` (as in host memory).
+                _ if words[u] => {
+                    let n = g.dims()[0];
+                    let p = pending[u].get_or_insert_with(|| {
+                        Pending::Tensor(Box::new(Tensor::zeros([len], &g.device())))
+                    });
+                    if let Pending::Tensor(t) = p {
+                        // Taken out so the tensor is the only handle: burn writes in place.
+                        let unit = std::mem::replace(&mut **t, Tensor::empty([0], &g.device()));
+                        **t = unit.slice_assign(off..off + n, g.add_scalar(0.0));
+                    }
+                    packed += 2 * n as u64;
+                    Ok(())
+                }
                 _ => match g.into_data().try_into_vec_as::<f32>() {
                     Ok(g) => {
                         let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));

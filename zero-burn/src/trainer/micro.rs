@@ -7,7 +7,7 @@ use zero_core::GroupKind;
 
 use super::layout::ReduceBy;
 use super::sharded::Source;
-use super::{Pending, Ticket, ZeroEngine};
+use super::{Pending, Ticket, ZeroEngine, words};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::reduction::Reduction;
@@ -214,29 +214,44 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         u: usize,
         g: Pending<C::Buffer<f32>>,
     ) -> Result<()> {
-        let plan = self.plan.clone();
-        let unit = &plan.units()[u];
         let off = self.layout.acc_offset[u].expect("only trainable units are reduced");
         // What the plan's schedule lists for the unit (checked at build: every trainable unit
         // has one).
         let reduce = self.layout.reduce[u].expect("the schedule reduces every trainable unit");
-        let len = unit.len as usize;
-        let stage = plan.stage();
-        let defer = stage <= 1 && plan.config().accumulate_before_reduce;
-        let last_micro = self.clock.micro + 1 == plan.config().gradient_accumulation_steps;
+        let len = self.plan.units()[u].len as usize;
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
         let op = match (self.options.reduction, self.half) {
             (Reduction::CanonicalTree, None) => ReduceOp::Sum,
             _ => ReduceOp::Mean,
         };
-        let g = match g {
-            Pending::Host(g) => g,
+        // The job, the gradient buffer in reduction (as allocated), and whether its result
+        // overwrites the accumulator's slot.
+        let (job, bytes, overwrite) = match g {
+            Pending::Host(g) => match self.host_job(g, off, len, reduce, op) {
+                Some(submit) => submit,
+                None => return Ok(()),
+            },
+            // bf16/fp16 gathered in an f32 tensor on the device: rounded there, handed to the
+            // hook and reduced in the communicator's memory (plain, every micro-step).
+            Pending::Tensor(t) => {
+                let h = self.half.ok_or_else(|| {
+                    Error::Internal(format!("unit {u}: a 16-bit gradient in an fp32 trainer"))
+                })?;
+                let data = self.hook()?.words_of(&t.cast(words::dtype(h)))?;
+                let job = match reduce {
+                    ReduceBy::AllReduce => Job::AllReduceWords { data, op },
+                    ReduceBy::ReduceScatter => Job::ReduceScatterWords { data, op },
+                    ReduceBy::Qgz => {
+                        return Err(Error::Internal(format!(
+                            "unit {u}: qgZ on 16-bit words in the communicator's memory"
+                        )));
+                    }
+                };
+                (job, len as u64 * 2, false)
+            }
             // Packed on the device (fp32, reduced every micro-step, no qgZ): reduce it there.
             Pending::Device(data) => {
-                // Allocated by the hook with the unit's length.
-                let bytes = len as u64 * 4;
-                self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
                 let job = match reduce {
                     ReduceBy::AllReduce => Job::AllReduceDevice { data, op },
                     ReduceBy::ReduceScatter | ReduceBy::Qgz => Job::ReduceScatterDevice {
@@ -245,47 +260,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         qgz: reduce == ReduceBy::Qgz,
                     },
                 };
-                let overwrite = false;
-                return exec.submit(
-                    job,
-                    Ticket::Reduce {
-                        off,
-                        overwrite,
-                        bytes,
-                    },
-                );
+                // Allocated by the hook with the unit's length.
+                (job, len as u64 * 4, false)
             }
-        };
-        let data = if defer {
-            // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
-            // written over the slot's start.
-            self.acc.add_local(off, &g);
-            if !last_micro {
-                return Ok(());
-            }
-            self.acc.wire(off..off + len)
-        } else {
-            match self.half {
-                None => Elems::F32(g),
-                Some(h) => Elems::U16(h.round_all(&g)),
-            }
-        };
-        // The gradient buffer in reduction, as allocated.
-        let bytes = match &data {
-            Elems::F32(v) => v.capacity() as u64 * 4,
-            Elems::U16(v) => v.capacity() as u64 * 2,
-            Elems::Device(_) => len as u64 * 4,
         };
         self.track_comm_buffer(reductions_in_flight(exec).1 + bytes);
-        let job = match reduce {
-            ReduceBy::AllReduce => Job::AllReduce { data, op },
-            ReduceBy::ReduceScatter | ReduceBy::Qgz => Job::ReduceScatter {
-                data,
-                op,
-                qgz: reduce == ReduceBy::Qgz,
-            },
-        };
-        let overwrite = defer;
         exec.submit(
             job,
             Ticket::Reduce {
@@ -294,6 +273,51 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 bytes,
             },
         )
+    }
+
+    /// [`Self::submit_reduce`]'s job for gradients `g` in host memory, with its buffer's bytes and
+    /// whether it overwrites; `None` while `accumulate_before_reduce` (stages 0–1) defers the
+    /// reduction to the last micro-step.
+    fn host_job(
+        &mut self,
+        g: Vec<f32>,
+        off: usize,
+        len: usize,
+        reduce: ReduceBy,
+        op: ReduceOp,
+    ) -> Option<(Job<C>, u64, bool)> {
+        let c = self.plan.config();
+        let defer = self.plan.stage() <= 1 && c.accumulate_before_reduce;
+        let last_micro = self.clock.micro + 1 == c.gradient_accumulation_steps;
+        let data = if defer {
+            // Add into the full-unit accumulator; reduce it (once) after the last micro-step,
+            // written over the slot's start.
+            self.acc.add_local(off, &g);
+            if !last_micro {
+                return None;
+            }
+            self.acc.wire(off..off + len)
+        } else {
+            match self.half {
+                None => Elems::F32(g),
+                Some(h) => Elems::U16(h.round_all(&g)),
+            }
+        };
+        let bytes = match &data {
+            Elems::F32(v) => v.capacity() as u64 * 4,
+            Elems::U16(v) => v.capacity() as u64 * 2,
+            Elems::Device(_) => len as u64 * 4,
+            Elems::DeviceWords(_) => len as u64 * 2,
+        };
+        let job = match reduce {
+            ReduceBy::AllReduce => Job::AllReduce { data, op },
+            ReduceBy::ReduceScatter | ReduceBy::Qgz => Job::ReduceScatter {
+                data,
+                op,
+                qgz: reduce == ReduceBy::Qgz,
+            },
+        };
+        Some((job, bytes, defer))
     }
 
     /// Waits for the oldest collective in flight and applies its result: a gathered unit is
@@ -348,10 +372,25 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 piece: Elems::F32(slab.read(0..slab.len())),
                 hpz,
             },
-            Source::Half(_, piece) => Job::Gather {
-                piece: Elems::U16(piece.into_owned()),
-                hpz,
-            },
+            // 16-bit words gathered on the device where they live and the hook moves them (not
+            // through qwZ, which quantizes them widened in host memory).
+            Source::Half(h, words) => {
+                let piece = match plan.config().quantized_weights {
+                    true => None,
+                    false => self.words_piece(words)?,
+                };
+                match piece {
+                    Some(piece) => Job::GatherDevice {
+                        piece,
+                        hpz,
+                        qwz: false,
+                    },
+                    None => Job::Gather {
+                        piece: Elems::U16(words.bits(h).into_owned()),
+                        hpz,
+                    },
+                }
+            }
         };
         exec.submit(job, Ticket::Gather { u, backward })?;
         self.fetching[u] = true;

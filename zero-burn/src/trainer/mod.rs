@@ -95,11 +95,13 @@ pub struct StepOutput {
     pub info: StepInfo,
 }
 
-/// A unit's gradients collected during the backward: in host memory, or packed in the
-/// communicator's memory by a [`DeviceTensors`] hook.
+/// A unit's gradients collected during the backward: in host memory, packed in the
+/// communicator's memory by a [`DeviceTensors`] hook (fp32), or in bf16/fp16 an f32 tensor on
+/// the model's device, rounded there and handed to the hook when the unit is complete.
 enum Pending<B> {
     Host(Vec<f32>),
     Device(B),
+    Tensor(Box<burn::tensor::Tensor<1>>),
 }
 
 /// A collective in flight during a micro-step: what to do with its result.
@@ -190,6 +192,22 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// communicator's memory so far.
     pub fn device_weight_bytes(&self) -> u64 {
         self.meter.device_weight_bytes
+    }
+
+    /// Whether unit `u`'s bf16/fp16 gradients are rounded and reduced on the device: with a
+    /// [`DeviceTensors`] hook that moves 16-bit words, on a device with the type, reduced every
+    /// micro-step, not through qgZ (which quantizes them widened in host memory).
+    fn packs_words_on_device(&self, u: usize) -> bool {
+        let plan = &self.plan;
+        let c = plan.config();
+        self.half
+            .is_some_and(|h| words::words_device(h, Some(self.device.clone().inner())).is_some())
+            && self
+                .device_tensors
+                .as_ref()
+                .is_some_and(|d| d.moves_words())
+            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
+            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
     }
 
     /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).

@@ -2,8 +2,6 @@
 //! of every unit and the hpZ secondary slices, on the model's device. A 16-bit shard beside fp32
 //! secondaries, or the reverse, is not a state it can be in. Empty below stage 3.
 
-use std::borrow::Cow;
-
 use burn::tensor::{Device, Tensor};
 
 use super::slab::{Shard, Slab};
@@ -32,11 +30,10 @@ pub(super) enum Sharded {
     },
 }
 
-/// What a gather of one unit sends: an fp32 slab (wherever it lives), or 16-bit words (read
-/// into host memory from a device).
+/// What a gather of one unit sends: an fp32 slab or 16-bit words (wherever they live).
 pub(super) enum Source<'a> {
     F32(&'a Slab),
-    Half(Half, Cow<'a, [u16]>),
+    Half(Half, &'a Words),
 }
 
 impl Sharded {
@@ -92,8 +89,8 @@ impl Sharded {
             Sharded::F32 { shard, .. } => Source::F32(shard.unit(u)),
             Sharded::Half {
                 half, secondary, ..
-            } if hpz => Source::Half(*half, secondary[u].as_ref().ok_or_else(none)?.bits(*half)),
-            Sharded::Half { half, shard, .. } => Source::Half(*half, shard[u].bits(*half)),
+            } if hpz => Source::Half(*half, secondary[u].as_ref().ok_or_else(none)?),
+            Sharded::Half { half, shard, .. } => Source::Half(*half, &shard[u]),
         })
     }
 
@@ -172,6 +169,18 @@ impl Sharded {
                 ..
             } => {
                 secondary[u] = Some(Words::from_bits(*half, values, device.as_ref()));
+                Ok(())
+            }
+            Sharded::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
+        }
+    }
+
+    /// Keeps `words` (a slice of a unit gathered on the shard's device) as unit `u`'s hpZ
+    /// secondary slice.
+    pub(super) fn keep_words(&mut self, u: usize, words: Words) -> Result<()> {
+        match self {
+            Sharded::Half { secondary, .. } => {
+                secondary[u] = Some(words);
                 Ok(())
             }
             Sharded::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),

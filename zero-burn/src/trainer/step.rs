@@ -24,25 +24,26 @@ use super::sharded::Source;
 use super::slab::Slab;
 use super::words::{Words, words_device};
 use super::{HOME, ZeroEngine};
-use crate::comms::Elems;
+use crate::comms::{Elems, Out};
 use crate::error::{Error, Result};
 use crate::params;
 use crate::precision::{Half, LossScaler, StepInfo};
 use crate::segmented::Segmented;
 
 /// What an updated unit needs before the model sees it.
-enum Publish<B> {
+enum Publish<O> {
     /// Written into the model as it is (stage 0: the whole unit).
     Write(Vec<f32>),
     /// [`Publish::Write`] of the unit as a tensor on the optimizer state's device.
     WriteTensor(Box<Tensor<1>>),
     /// The rank's updated fp32 chunk, all-gathered (stages 1–2, stage-3 persistent units): in
     /// host memory, or already copied into the communicator's.
-    Gather(Elems<B>),
-    /// The rank's updated 16-bit chunk, all-gathered (stages 1–2 in bf16/fp16).
+    Gather(O),
+    /// The rank's updated 16-bit chunk, all-gathered in host memory (stages 1–2 in bf16/fp16,
+    /// stage-3 persistent units, without a device hook that moves 16-bit words).
     Gather16(Half, Vec<u16>),
     /// Already gathered into the communicator's memory.
-    Gathered(Elems<B>),
+    Gathered(O),
     /// Updated in place in the stage-3 shard.
     InPlace,
 }
@@ -129,7 +130,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             return Ok(());
         }
         self.opt.steps += 1;
-        let mut updates: Vec<(usize, Publish<C::Buffer<f32>>)> = Vec::new();
+        let mut updates: Vec<(usize, Publish<Out<C>>)> = Vec::new();
         for (u, unit) in plan.units().iter().enumerate() {
             if !unit.trainable {
                 continue;
@@ -195,7 +196,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                             Some(t) => Publish::WriteTensor(Box::new(t)),
                             None => Publish::Write(h.widen_all(&w16.bits(h))),
                         },
-                        (_, w16) => Publish::Gather16(h, w16.bits(h).into_owned()),
+                        (_, w16) => self.publish_words(h, &w16)?,
                     }
                 }
             };
@@ -210,7 +211,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                             Publish::Gather(self.device_piece(slab)?)
                         }
                         Source::F32(slab) => Publish::Gather(Elems::F32(slab.read(0..slab.len()))),
-                        Source::Half(h, piece) => Publish::Gather16(h, piece.into_owned()),
+                        Source::Half(h, words) => self.publish_words(h, words)?,
                     };
                     updates.push((u, publish));
                 }
@@ -236,6 +237,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 }
                 Publish::WriteTensor(full) => self.unit_tensors(u, &full, &mut tensors),
                 Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
+                Publish::Gathered(Elems::DeviceWords(buf)) => self.install_words(u, &buf, None)?,
                 Publish::InPlace => {}
                 Publish::Gathered(Elems::U16(_)) | Publish::Gather(_) | Publish::Gather16(..) => {
                     return Err(Error::Internal(
@@ -253,6 +255,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         self.end_step();
         Ok(())
+    }
+
+    /// How a rank's updated 16-bit chunk `words` is published: gathered as bytes in the
+    /// communicator's memory when they live on the device and the hook moves them, else in host
+    /// memory.
+    fn publish_words(&self, h: Half, words: &Words) -> Result<Publish<Out<C>>> {
+        Ok(match self.words_piece(words)? {
+            Some(piece) => Publish::Gather(piece),
+            None => Publish::Gather16(h, words.bits(h).into_owned()),
+        })
     }
 
     /// Closes an optimizer step (taken or skipped): samples memory, clears the accumulators.

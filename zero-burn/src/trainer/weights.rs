@@ -3,14 +3,15 @@
 use std::collections::HashMap;
 
 use burn::module::ParamId;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use zero_comm::Communicator;
 
 use super::sharded::Source;
 use super::slab::Slab;
+use super::words::Words;
 use super::{HOME, ZeroEngine};
 use crate::comms::{Elems, Job, Out};
-use crate::device::DeviceTensors;
+use crate::device::{DeviceTensors, WordBuffer};
 use crate::error::{Error, Result};
 use crate::params;
 use crate::segmented::Segmented;
@@ -26,7 +27,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 let world = &mut self.comms.as_mut().expect(HOME).world;
                 let full = match self.sharded.source(u, false)? {
                     Source::F32(slab) => world.all_gather_host(&slab.read(0..slab.len()))?,
-                    Source::Half(h, piece) => h.widen_all(&h.all_gather(world, &piece)?),
+                    Source::Half(h, piece) => h.widen_all(&h.all_gather(world, &piece.bits(h))?),
                 };
                 for e in plan.unit_entries(u) {
                     out[e.param] = full[e.offset as usize..(e.offset + e.numel) as usize].to_vec();
@@ -162,12 +163,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Installs a gathered unit in the model (in bf16/fp16 widened to f32); a forward gather
     /// keeps the hpZ secondary slice.
-    pub(super) fn install(
-        &mut self,
-        u: usize,
-        backward: bool,
-        full: Elems<C::Buffer<f32>>,
-    ) -> Result<()> {
+    pub(super) fn install(&mut self, u: usize, backward: bool, full: Out<C>) -> Result<()> {
         let plan = self.plan.clone();
         let len = plan.units()[u].len as usize;
         let slice = plan.hpz().filter(|_| !backward).map(|layout| {
@@ -180,9 +176,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             Elems::F32(v) => v.capacity() as u64 * 4,
             Elems::U16(v) => v.capacity() as u64 * 2,
             Elems::Device(_) => len as u64 * 4,
+            Elems::DeviceWords(_) => len as u64 * 2,
         };
         match full {
             Elems::Device(buf) => self.install_device(u, &buf, slice)?,
+            Elems::DeviceWords(buf) => self.install_words(u, &buf, slice)?,
             Elems::F32(full) => {
                 if let Some(r) = slice {
                     self.sharded.keep_f32(u, full[r].to_vec())?;
@@ -246,6 +244,50 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(())
     }
 
+    /// Makes unit `u`'s parameters tensors of the model from `buf`, a gathered unit of 16-bit
+    /// words in the communicator's memory, through the [`DeviceTensors`] hook: one device copy
+    /// of the unit, widened per parameter on the device (exact). `slice`: the hpZ secondary
+    /// slice to keep, a copy of its own.
+    pub(super) fn install_words(
+        &mut self,
+        u: usize,
+        buf: &WordBuffer<C>,
+        slice: Option<std::ops::Range<usize>>,
+    ) -> Result<()> {
+        let len = self.plan.units()[u].len as usize;
+        let hook = self.hook()?;
+        if let Some(r) = slice {
+            let sec = hook.tensor_of(buf, r.start, r.len())?;
+            self.sharded.keep_words(u, Words::Device(Box::new(sec)))?;
+        }
+        let hook = self.hook()?;
+        let full = hook.tensor_of(buf, 0, len)?;
+        let mut tensors = params::NewTensors::new();
+        for e in self.plan.unit_entries(u) {
+            let p = &self.params[e.param];
+            let at = e.offset as usize..(e.offset + e.numel) as usize;
+            let t = full.clone().slice(at).cast(DType::F32);
+            tensors.insert(p.id, (t, p.shape.clone(), p.trainable));
+        }
+        let model = self.model.clone();
+        self.model = params::write_tensors(model, tensors);
+        self.meter.device_weight_bytes += 2 * self.plan.units()[u].len;
+        Ok(())
+    }
+
+    /// The piece a device gather sends of the 16-bit `words` (a rank's chunk of a unit, or its
+    /// hpZ secondary slice): copied on the device into the communicator's memory,
+    /// when they live on a device and the [`DeviceTensors`] hook moves 16-bit words; else `None`
+    /// (they travel through host memory).
+    pub(super) fn words_piece(&self, words: &Words) -> Result<Option<Out<C>>> {
+        match (words.tensor(), self.device_tensors.as_deref()) {
+            (Some(t), Some(hook)) if hook.moves_words() => {
+                Ok(Some(Elems::DeviceWords(hook.words_of(t)?)))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The piece a device gather sends from `slab` (this rank's fp32 chunk of a unit, or its hpZ
     /// secondary slice): copied on the device into the communicator's memory through the
     /// [`DeviceTensors`] hook when the slab lives there, so it never passes through host memory;
@@ -277,7 +319,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 qwz: false,
             }),
             Elems::F32(piece) => Ok(Elems::F32(comms.world.all_gather_host(&piece)?)),
-            Elems::U16(_) | Elems::Device(_) => Err(Error::Internal(
+            Elems::U16(_) | Elems::Device(_) | Elems::DeviceWords(_) => Err(Error::Internal(
                 "a post-step gather of a 16-bit or device piece without a device hook".into(),
             )),
         }

@@ -33,7 +33,8 @@ pub(super) fn words_device(half: Half, device: Option<Device>) -> Option<Device>
     device.filter(|d| d.supports_dtype(dtype(half)))
 }
 
-fn dtype(half: Half) -> DType {
+/// The burn type of `half`'s words.
+pub(super) fn dtype(half: Half) -> DType {
     match half {
         Half::Bf16 => DType::BF16,
         Half::F16 => DType::F16,
@@ -95,6 +96,14 @@ impl Words {
         match self {
             Words::Host(v) => Cow::Borrowed(v),
             Words::Device(t) => Cow::Owned(tensor_bits(half, t)),
+        }
+    }
+
+    /// The tensor of a device buffer; `None` in host memory.
+    pub(super) fn tensor(&self) -> Option<&Tensor<1>> {
+        match self {
+            Words::Device(t) => Some(t),
+            Words::Host(_) => None,
         }
     }
 

@@ -17,14 +17,15 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread;
 
+use burn::tensor::{bf16, f16};
 use zero_comm::quantized::{
     QuantGroups, QuantScratch, qgz_reduce_scatter, qgz_reduce_scatter_device, qwz_all_gather,
     qwz_all_gather_device,
 };
-use zero_comm::{Communicator, ReduceOp};
+use zero_comm::{Communicator, Element, ReduceOp};
 use zero_quant::{Int4Block, Int8Block};
 
-use crate::device::DeviceQuant;
+use crate::device::{DeviceQuant, WordBuffer};
 use crate::error::{Error, Result};
 use crate::precision::Half;
 
@@ -51,17 +52,19 @@ pub(crate) struct Comms<C: Communicator> {
     pub(crate) qgz_scratch: QuantScratch,
 }
 
-/// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns), in host memory; or f32 in the
-/// communicator's memory (`B`, its buffer type).
+/// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns), in host memory; or in the
+/// communicator's memory: f32 (`B`, its f32 buffer type), or 16-bit words (`Y`, a
+/// [`WordBuffer`]).
 #[derive(Debug)]
-pub(crate) enum Elems<B> {
+pub(crate) enum Elems<B, Y> {
     F32(Vec<f32>),
     U16(Vec<u16>),
     Device(B),
+    DeviceWords(Y),
 }
 
 /// A job's result on communicator `C`.
-pub(crate) type Out<C> = Elems<<C as Communicator>::Buffer<f32>>;
+pub(crate) type Out<C> = Elems<<C as Communicator>::Buffer<f32>, WordBuffer<C>>;
 
 /// One collective.
 pub(crate) enum Job<C: Communicator> {
@@ -81,10 +84,18 @@ pub(crate) enum Job<C: Communicator> {
     /// leaving the unit in the communicator's memory (for a
     /// [`DeviceTensors`](crate::device::DeviceTensors) hook to install); `qwz`: through qwZ
     /// when it is on (with the [`DeviceQuant`] codecs), else plain (the post-step gathers).
+    /// A piece of 16-bit words in the communicator's memory is gathered plain.
     GatherDevice { piece: Out<C>, hpz: bool, qwz: bool },
     /// [`Job::AllReduce`] of an f32 unit already in the communicator's memory (packed there by a
     /// [`DeviceTensors`](crate::device::DeviceTensors) hook), in place; the result is downloaded.
     AllReduceDevice { data: C::Buffer<f32>, op: ReduceOp },
+    /// [`Job::AllReduce`] of 16-bit words already in the communicator's memory (rounded there by a
+    /// [`DeviceTensors`](crate::device::DeviceTensors) hook), in place; the result is downloaded
+    /// as bit patterns.
+    AllReduceWords { data: WordBuffer<C>, op: ReduceOp },
+    /// [`Job::ReduceScatter`] of 16-bit words already in the communicator's memory, plain; only
+    /// the rank's reduced chunk is downloaded, as bit patterns.
+    ReduceScatterWords { data: WordBuffer<C>, op: ReduceOp },
     /// [`Job::ReduceScatter`] of an f32 unit already in the communicator's memory (`qgz`: through
     /// the device qgZ when the communicators have [`DeviceQuant`] codecs); only the rank's
     /// reduced chunk is downloaded.
@@ -107,8 +118,16 @@ impl<C: Communicator> Comms<C> {
                 let send = match piece {
                     Elems::Device(b) => b,
                     Elems::F32(v) => comm.upload(&v)?,
+                    Elems::DeviceWords(w) => {
+                        return Ok(Elems::DeviceWords(match w {
+                            WordBuffer::Bf16(b) => WordBuffer::Bf16(gather(comm, &b)?),
+                            WordBuffer::F16(b) => WordBuffer::F16(gather(comm, &b)?),
+                        }));
+                    }
                     Elems::U16(_) => {
-                        return Err(Error::Internal("a device gather of 16-bit elements".into()));
+                        return Err(Error::Internal(
+                            "a device gather of 16-bit elements in host memory".into(),
+                        ));
                     }
                 };
                 let n = comm.world_size();
@@ -138,13 +157,19 @@ impl<C: Communicator> Comms<C> {
                 }
                 Ok(Elems::F32(self.world.download_vec(&out)?))
             }
+            Job::AllReduceWords { data, op } => {
+                Ok(Elems::U16(reduce_words(&mut self.world, data, op, true)?))
+            }
+            Job::ReduceScatterWords { data, op } => {
+                Ok(Elems::U16(reduce_words(&mut self.world, data, op, false)?))
+            }
             Job::AllReduce { data, op } => match (data, self.half) {
                 (Elems::F32(g), _) => Ok(Elems::F32(self.world.all_reduce_vec(g, op)?)),
                 (Elems::U16(mut g), Some(h)) => {
                     h.all_reduce(&mut self.world, &mut g, op)?;
                     Ok(Elems::U16(g))
                 }
-                (Elems::U16(_), None) | (Elems::Device(_), _) => Err(mixed()),
+                _ => Err(mixed()),
             },
             Job::ReduceScatter { data, op, qgz } => {
                 let quant = match (qgz, &mut self.qgroups, &self.qgz) {
@@ -175,7 +200,7 @@ impl<C: Communicator> Comms<C> {
                     (Elems::U16(g), Some(h), None) => {
                         Ok(Elems::U16(h.reduce_scatter(&mut self.world, &g, op)?))
                     }
-                    (Elems::U16(_), None, _) | (Elems::Device(_), _, _) => Err(mixed()),
+                    _ => Err(mixed()),
                 }
             }
             Job::Gather { piece, hpz } => {
@@ -198,11 +223,54 @@ impl<C: Communicator> Comms<C> {
                         Ok(Elems::U16(h.round_all(&full)))
                     }
                     (Elems::U16(p), Some(h), None) => Ok(Elems::U16(h.all_gather(comm, &p)?)),
-                    (Elems::U16(_), None, _) | (Elems::Device(_), _, _) => Err(mixed()),
+                    _ => Err(mixed()),
                 }
             }
         }
     }
+}
+
+/// The all-reduce (`whole`) or reduce-scatter of the 16-bit words `data`, downloaded as bit
+/// patterns (the whole unit, or the rank's chunk).
+fn reduce_words<C: Communicator>(
+    comm: &mut C,
+    data: WordBuffer<C>,
+    op: ReduceOp,
+    whole: bool,
+) -> Result<Vec<u16>> {
+    Ok(match data {
+        WordBuffer::Bf16(b) => reduce(comm, b, op, whole)?
+            .into_iter()
+            .map(bf16::to_bits)
+            .collect(),
+        WordBuffer::F16(b) => reduce(comm, b, op, whole)?
+            .into_iter()
+            .map(f16::to_bits)
+            .collect(),
+    })
+}
+
+/// The all-reduce (`whole`) or reduce-scatter of `data`, downloaded.
+fn reduce<C: Communicator, E: Element>(
+    comm: &mut C,
+    mut data: C::Buffer<E>,
+    op: ReduceOp,
+    whole: bool,
+) -> Result<Vec<E>> {
+    if whole {
+        comm.all_reduce(&mut data, op)?;
+        return Ok(comm.download_vec(&data)?);
+    }
+    let mut out = comm.alloc::<E>(comm.buffer_len(&data) / comm.world_size())?;
+    comm.reduce_scatter(&data, &mut out, op)?;
+    Ok(comm.download_vec(&out)?)
+}
+
+/// A plain all-gather of `send` into a new buffer of the group's size.
+fn gather<C: Communicator, E: Element>(comm: &mut C, send: &C::Buffer<E>) -> Result<C::Buffer<E>> {
+    let mut full = comm.alloc::<E>(comm.buffer_len(send) * comm.world_size())?;
+    comm.all_gather(send, &mut full)?;
+    Ok(full)
 }
 
 fn no_device_codec(which: &str) -> Error {
@@ -358,77 +426,4 @@ pub(crate) fn with_exec<C: Communicator, T, R>(
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::{Duration, Instant};
-
-    use zero_comm::host::HostWorld;
-    use zero_core::Topology;
-
-    use super::*;
-
-    /// Two ranks: rank 1 submits its half of an all-reduce only once rank 0's `submit` has
-    /// returned (with whatever result). Overlapped, rank 0's submit returns at once and both get
-    /// the sum; inline it blocks in the collective until the timeout. No clock decides the
-    /// outcome: rank 1 waits for rank 0's return, bounded only as a guard against a hang.
-    fn rank1_waits_for_rank0s_submit(overlap: bool, timeout: Duration) -> Vec<Result<Vec<f32>>> {
-        let submitted = AtomicBool::new(false);
-        let world = HostWorld::new(Topology::new(2, 2).expect("topology"), timeout);
-        world
-            .launch(|comm| {
-                let rank = comm.rank();
-                let comms = Comms {
-                    world: comm,
-                    hpz: None,
-                    qgroups: None,
-                    qwz: None,
-                    qgz: None,
-                    half: None,
-                    quant: None,
-                    qwz_scratch: QuantScratch::new(),
-                    qgz_scratch: QuantScratch::new(),
-                };
-                let (_, r) = with_exec(comms, overlap, rank, |exec| {
-                    if rank == 1 {
-                        let guard = Instant::now() + Duration::from_secs(60);
-                        while !submitted.load(Ordering::SeqCst) {
-                            assert!(Instant::now() < guard, "rank 0's submit never returned");
-                            thread::sleep(Duration::from_millis(1));
-                        }
-                    }
-                    let r = exec.submit(
-                        Job::AllReduce {
-                            data: Elems::F32(vec![rank as f32 + 1.0; 5]),
-                            op: ReduceOp::Sum,
-                        },
-                        "the all-reduce",
-                    );
-                    submitted.store(true, Ordering::SeqCst);
-                    r?;
-                    assert_eq!(exec.in_flight().count(), 1);
-                    match exec.next()? {
-                        Some(("the all-reduce", Elems::F32(v))) => Ok(v),
-                        _ => Err(mixed()),
-                    }
-                });
-                r
-            })
-            .into_iter()
-            .map(|r| r.expect("no rank panics"))
-            .collect()
-    }
-
-    #[test]
-    fn an_overlapped_submit_returns_before_its_collective_completes() {
-        for r in rank1_waits_for_rank0s_submit(true, Duration::from_secs(20)) {
-            assert_eq!(r.expect("the all-reduce completes"), vec![3.0; 5]);
-        }
-    }
-
-    #[test]
-    fn an_inline_submit_runs_its_collective_at_once() {
-        let r = rank1_waits_for_rank0s_submit(false, Duration::from_millis(300));
-        let err = r[0].as_ref().expect_err("rank 0 blocks until its timeout");
-        assert!(err.to_string().contains("all_reduce"), "{err}");
-    }
-}
+mod tests;

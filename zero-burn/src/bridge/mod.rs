@@ -47,8 +47,10 @@ use burn::backend::wgpu::{AutoCompiler, WgpuResource};
 use burn::tensor::{DType, Device, Tensor};
 use zero_comm::wgpu_loopback::{REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, wgpu};
 
-use crate::device::DeviceTensors;
+use crate::device::{DeviceTensors, WordBuffer};
 use crate::error::{Error, Result};
+
+mod words;
 
 /// cubecl's server of the wgpu runtime burn's wgpu devices run on.
 type Server = cubecl_wgpu::WgpuServer<AutoCompiler>;
@@ -333,17 +335,25 @@ impl BridgeTensors {
     pub fn new(comm: Arc<WgpuDevice>, model: Device) -> Self {
         BridgeTensors { comm, model }
     }
+
+    /// A new zeroed buffer of `bytes` bytes (rounded up to WebGPU's 4-byte copy size).
+    fn raw(&self, bytes: u64, label: &str) -> wgpu::Buffer {
+        // WebGPU zero-initialises new buffers.
+        self.comm.device().create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.next_multiple_of(4).max(4),
+            usage: REQUIRED_USAGES,
+            mapped_at_creation: false,
+        })
+    }
 }
 
 impl DeviceTensors<WgpuComm> for BridgeTensors {
     fn zeros(&self, len: usize) -> Result<WgpuBuffer<f32>> {
-        // WebGPU zero-initialises new buffers.
-        let buffer = self.comm.device().create_buffer(&wgpu::BufferDescriptor {
-            label: Some("zero-burn bridge: unit gradients"),
-            size: (len * size_of::<f32>()).max(4) as u64,
-            usage: REQUIRED_USAGES,
-            mapped_at_creation: false,
-        });
+        let buffer = self.raw(
+            (len * size_of::<f32>()) as u64,
+            "zero-burn bridge: unit gradients",
+        );
         Ok(WgpuBuffer::from_wgpu(buffer, 0, len)?)
     }
 
@@ -381,5 +391,25 @@ impl DeviceTensors<WgpuComm> for BridgeTensors {
         let at = src.offset() + (offset * size_of::<f32>()) as u64;
         let view = WgpuBuffer::from_wgpu(src.wgpu_buffer().clone(), at, len)?;
         tensor_from_buffer(&view, [len], &self.model, &self.comm)
+    }
+
+    fn moves_words(&self) -> bool {
+        true
+    }
+
+    fn words_of(&self, t: &Tensor<1>) -> Result<WordBuffer<WgpuComm>> {
+        WordBuffer::of_type(t, || self.copy_out(t), || self.copy_out(t))
+    }
+
+    fn tensor_of(
+        &self,
+        src: &WordBuffer<WgpuComm>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Tensor<1>> {
+        src.visit(
+            |b, dtype| self.copy_back(b, dtype, offset, len),
+            |b, dtype| self.copy_back(b, dtype, offset, len),
+        )
     }
 }
