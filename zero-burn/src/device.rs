@@ -70,7 +70,7 @@ impl<C: Communicator> WordBuffer<C> {
     }
 
     /// A buffer of `t`'s 16-bit type, made by `bf16` or `f16`; an error for any other type.
-    pub(crate) fn of_type(
+    pub fn of_type(
         t: &Tensor<1>,
         bf16: impl FnOnce() -> Result<C::Buffer<bf16>>,
         f16: impl FnOnce() -> Result<C::Buffer<f16>>,
@@ -85,7 +85,7 @@ impl<C: Communicator> WordBuffer<C> {
     }
 
     /// `bf16` or `f16` applied to the typed buffer, with the words' burn type.
-    pub(crate) fn visit<R>(
+    pub fn visit<R>(
         &self,
         bf16: impl FnOnce(&C::Buffer<bf16>, DType) -> R,
         f16: impl FnOnce(&C::Buffer<f16>, DType) -> R,
