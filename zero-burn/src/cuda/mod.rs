@@ -9,7 +9,8 @@
 //! the model, the optimizer's state, the shard and accumulators on the GPU, the collectives
 //! staged through host memory). With feature `nccl` too, [`CudaTensors`] is the trainer's
 //! [`DeviceTensors`](crate::DeviceTensors) hook over NCCL: gradients and gathered weights (fp32,
-//! or bf16/fp16 words) move between burn-cuda tensors and NCCL's device buffers on the device. None of it has run on a GPU yet. Not yet: a CUDA loopback; see STATUS.md.
+//! or bf16/fp16 words) move between burn-cuda tensors and NCCL's device buffers on the device.
+//! None of it has run on a GPU yet. Not yet: a CUDA loopback; see STATUS.md.
 
 use burn::tensor::Device;
 
