@@ -13,6 +13,9 @@
 //! - `wgpu_loopback` (feature `wgpu`): N ranks on one wgpu adapter (Mesa's lavapipe in CI), data
 //!   in `wgpu::Buffer`s, reductions in WGSL, bit-identical to the host loopback. It can adopt an
 //!   existing device and wrap existing buffers (the zero-copy bridge to burn-wgpu).
+//! - `device_loopback`: the collectives of the wgpu loopback and of the CUDA loopback
+//!   (`nccl::CudaWorld`, feature `nccl`: N ranks on one GPU without NCCL), written once over the
+//!   device's memory.
 //! - [`mpi`] (feature `mpi`, rsmpi over OpenMPI): one rank per process, host buffers. MPI moves
 //!   the chunks and the host kernels sum them, so results are bit-identical to the host loopback.
 //!   Without the feature, [`mpi::MpiComm::world`] returns [`Error::NotCompiled`].
@@ -81,6 +84,8 @@
 //! `zero-burn` (the trainer).
 
 mod communicator;
+#[cfg(any(feature = "wgpu", feature = "nccl"))]
+pub mod device_loopback;
 mod element;
 mod error;
 pub mod host;

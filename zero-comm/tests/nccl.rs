@@ -12,9 +12,18 @@
 //!   one that passes appends `<name> ok` to `<target dir>/.gpu_tests_ran`, one that the library
 //!   cannot run `<name> skipped: <reason>`: the proof `cargo xtask gpu-check` reads.
 
+#[cfg(feature = "gpu-tests")]
+#[path = "comm/bits.rs"]
+mod bits;
 #[allow(dead_code, unused_imports)]
 #[path = "comm/common.rs"]
 mod common;
+#[cfg(feature = "gpu-tests")]
+#[path = "cuda/loopback.rs"]
+mod cuda_loopback;
+#[cfg(feature = "gpu-tests")]
+#[path = "comm/quant_common.rs"]
+mod quant_common;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -460,6 +469,19 @@ fn without_a_gpu_construction_fails_with_a_readable_error() {
     let err = NcclComm::from_env().unwrap_err();
     eprintln!("NcclComm::from_env: {err}");
     assert!(!err.to_string().is_empty());
+    // The CUDA loopback needs no NCCL, but a driver: it says so, too.
+    #[cfg(feature = "nccl")]
+    {
+        let err = zero_comm::nccl::CudaWorld::new(
+            0,
+            zero_core::Topology::single_node(2).unwrap(),
+            Duration::from_secs(2),
+        )
+        .unwrap_err();
+        eprintln!("CudaWorld::new: {err}");
+        assert!(readable(&err.to_string()), "{err}");
+        assert!(matches!(err, Error::Backend(_)), "{err:?}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -20,6 +20,12 @@
 //! # Ok::<(), zero_comm::Error>(())
 //! ```
 //!
+//! The same module holds the CUDA loopback (`CudaWorld`, `CudaComm`, `CudaDevice`; feature
+//! `nccl`): N ranks as threads on one GPU and one stream, with [`NcclBuffer`]s and no NCCL, so one
+//! GPU can run any world size. Its collectives are the device loopbacks' (`device_loopback`); its
+//! reduction is hand-written PTX that sums in rank order in `f32`
+//! and rounds once, like the host loopback.
+//!
 //! # How it maps onto NCCL
 //!
 //! | op | NCCL |
@@ -186,6 +192,8 @@ pub use options::{
 };
 
 /// The cudarc this backend is built on, for callers that exchange device memory with it.
+#[cfg(feature = "nccl")]
+pub use backend::loopback::{CudaComm, CudaDevice, CudaWorld};
 #[cfg(feature = "nccl")]
 pub use cudarc;
 

@@ -14,7 +14,7 @@ pub const REQUIRED_USAGES: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
 /// The untyped part of a [`WgpuBuffer`]: the buffer and the byte offset of element 0. Peers read
 /// this (through the rendezvous) to encode copies from it, whatever the element type.
 #[derive(Clone, Debug)]
-pub(crate) struct View {
+pub struct View {
     pub(crate) buffer: wgpu::Buffer,
     pub(crate) offset: u64,
 }

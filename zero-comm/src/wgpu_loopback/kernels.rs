@@ -775,7 +775,7 @@ enum Cmd {
 
 /// The commands one rank records for one step of a collective, submitted together.
 #[derive(Debug)]
-pub(crate) struct Batch<'c> {
+pub struct Batch<'c> {
     core: &'c Core,
     cmds: Vec<Cmd>,
     /// Bytes of scratch the commands need.

@@ -15,6 +15,8 @@
 #[path = "../comm/common.rs"]
 mod common;
 
+#[path = "../comm/bits.rs"]
+mod bits;
 mod collectives;
 mod device;
 mod equality;

@@ -37,6 +37,41 @@ impl<E: Element> NcclBuffer<E> {
         self.len == 0
     }
 
+    /// `len` zeroed elements on `stream` (at least one byte: CUDA cannot allocate zero).
+    pub(super) fn zeroed(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let bytes = (len * size_of::<E>()).max(1);
+        let bytes = stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| driver(&format!("allocating {bytes} bytes"), e))?;
+        Ok(NcclBuffer {
+            bytes,
+            len,
+            _e: PhantomData,
+        })
+    }
+
+    /// Copies `src` (of this length) in from host memory, on `stream`.
+    pub(super) fn write(&mut self, stream: &Arc<CudaStream>, src: &[E]) -> Result<()> {
+        let n = self.num_bytes();
+        let mut bytes = self.bytes.slice_mut(0..n);
+        stream
+            .memcpy_htod(bytemuck::cast_slice::<E, u8>(src), &mut bytes)
+            .map_err(|e| driver("upload", e))
+    }
+
+    /// Copies the elements into `dst` (of this length) once `stream` gets to it, and waits.
+    pub(super) fn read(&self, stream: &Arc<CudaStream>, dst: &mut [E]) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let src = self.bytes.slice(0..self.num_bytes());
+        stream
+            .memcpy_dtoh(&src, bytemuck::cast_slice_mut::<E, u8>(dst))
+            .map_err(|e| driver("download", e))?;
+        // A device-to-pageable copy returns once done; make sure anyway.
+        stream.synchronize().map_err(|e| driver("download", e))
+    }
+
     pub(super) fn num_bytes(&self) -> usize {
         self.len * size_of::<E>()
     }

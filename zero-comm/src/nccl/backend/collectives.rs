@@ -27,16 +27,7 @@ impl Communicator for NcclComm {
     }
 
     fn alloc<E: Element>(&self, len: usize) -> Result<NcclBuffer<E>> {
-        let bytes = (len * size_of::<E>()).max(1);
-        let bytes = self
-            .stream
-            .alloc_zeros::<u8>(bytes)
-            .map_err(|e| driver(&format!("allocating {bytes} bytes"), e))?;
-        Ok(NcclBuffer {
-            bytes,
-            len,
-            _e: PhantomData,
-        })
+        NcclBuffer::zeroed(&self.stream, len)
     }
 
     fn upload<E: Element>(&self, src: &[E]) -> Result<NcclBuffer<E>> {
@@ -45,11 +36,7 @@ impl Communicator for NcclComm {
             // A copy from pageable memory synchronises the stream: wait for it with a timeout
             // first, so a hung collective cannot block the copy forever.
             self.drain(true)?;
-            let n = buf.num_bytes();
-            let mut dst = buf.bytes.slice_mut(0..n);
-            self.stream
-                .memcpy_htod(bytemuck::cast_slice::<E, u8>(src), &mut dst)
-                .map_err(|e| driver("upload", e))?;
+            buf.write(&self.stream, src)?;
         }
         Ok(buf)
     }
@@ -67,11 +54,7 @@ impl Communicator for NcclComm {
         }
         // As in `upload`: the copy synchronises the stream, so first wait with a timeout.
         self.drain(true)?;
-        let n = dst.num_bytes();
-        let mut bytes = dst.bytes.slice_mut(0..n);
-        self.stream
-            .memcpy_htod(bytemuck::cast_slice::<E, u8>(src), &mut bytes)
-            .map_err(|e| driver("upload_into", e))
+        dst.write(&self.stream, src)
     }
 
     fn download<E: Element>(&self, buf: &NcclBuffer<E>, dst: &mut [E]) -> Result<()> {
@@ -83,15 +66,7 @@ impl Communicator for NcclComm {
             });
         }
         self.drain(true)?;
-        if buf.len == 0 {
-            return Ok(());
-        }
-        let src = buf.bytes.slice(0..buf.num_bytes());
-        self.stream
-            .memcpy_dtoh(&src, bytemuck::cast_slice_mut::<E, u8>(dst))
-            .map_err(|e| driver("download", e))?;
-        // A device-to-pageable copy returns once done; make sure anyway.
-        self.stream.synchronize().map_err(|e| driver("download", e))
+        buf.read(&self.stream, dst)
     }
 
     fn buffer_len<E: Element>(&self, buf: &NcclBuffer<E>) -> usize {

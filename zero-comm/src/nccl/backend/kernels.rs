@@ -155,6 +155,54 @@ $L_bf16_done:
 }
 "#;
 
+/// A PTX module of `entries` for the driver to JIT-compile: PTX ISA 7.0, any GPU from sm_52 on.
+pub(in crate::nccl) fn ptx_module(entries: &[String]) -> String {
+    format!(
+        ".version 7.0\n.target sm_52\n.address_size 64\n{}",
+        entries.concat()
+    )
+}
+
+/// One grid-stride PTX entry point `name(params)`: `setup` loads the parameters, the element count
+/// into `%rd2`; then each thread runs `body` for elements `%rd3 = i`, `i + stride`, … below it.
+/// Declared registers: `%p<3>`, `%rs<3>`, `%r<10>`, `%rd<12>`, `%f<5>`; the loop itself uses `%p1`,
+/// `%r1`–`%r4` and `%rd2`–`%rd5`.
+pub(in crate::nccl) fn grid_stride(name: &str, params: &[&str], setup: &str, body: &str) -> String {
+    let params = params.join(",\n\t");
+    format!(
+        r#"
+.visible .entry {name}(
+	{params}
+)
+{{
+	.reg .pred 	%p<3>;
+	.reg .b16 	%rs<3>;
+	.reg .b32 	%r<10>;
+	.reg .b64 	%rd<12>;
+	.reg .f32 	%f<5>;
+
+{setup}
+	mov.u32 	%r1, %ctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mov.u32 	%r3, %tid.x;
+	mov.u32 	%r4, %nctaid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	cvt.u64.u32 	%rd4, %r3;
+	add.s64 	%rd3, %rd3, %rd4;
+	mul.wide.u32 	%rd5, %r4, %r2;
+$L_{name}_loop:
+	setp.ge.u64 	%p1, %rd3, %rd2;
+	@%p1 bra 	$L_{name}_done;
+{body}
+	add.s64 	%rd3, %rd3, %rd5;
+	bra 	$L_{name}_loop;
+$L_{name}_done:
+	ret;
+}}
+"#
+    )
+}
+
 /// A PTX module JIT-compiled (`cuModuleLoadData`) into one context, with its entry points,
 /// unloaded on drop. Shared by the mean kernels here and qgZ's finish kernels
 /// (`nccl::quantized`).

@@ -4,7 +4,9 @@ mod buffer;
 mod calls;
 mod collectives;
 mod ffi;
+pub(super) mod finish;
 pub(super) mod kernels;
+pub(super) mod loopback;
 
 pub use buffer::NcclBuffer;
 

@@ -1,0 +1,245 @@
+//! qgZ's final step on the GPU, `out[i] = E(acc[i] / n)`: hand-written PTX with IEEE
+//! `div.rn.f32` and the host's rounding to bf16/f16, shared by NCCL's
+//! [`DeviceCodec`](crate::quantized::DeviceCodec) and the CUDA loopback's reduction (which
+//! divides by 1 for `Sum`).
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use zero_quant::cuda::CudaElement;
+
+use super::kernels::{PtxModule, grid_stride, ptx_module};
+use crate::error::{Error, Result};
+
+/// The PTX of `zero_qgz_finish_{f32,f16,bf16}(u64 acc, u64 out, u64 len, f32 divisor)`: a
+/// grid-stride loop doing `out[i] = round_E(acc[i] / divisor)` with IEEE `div.rn.f32` (a true
+/// division, as the host's `/`), then `cvt.rn.f16.f32` for f16, or for bf16 the integer
+/// round-to-nearest-even of `half`'s `from_f32` (NaNs stay quiet NaNs), step for step as the
+/// mean kernels (`kernels.rs`) do it in place.
+fn finish_ptx() -> String {
+    let setup = "\tld.param.u64 \t%rd1, [p_acc];\n\
+                 \tld.param.u64 \t%rd8, [p_out];\n\
+                 \tld.param.u64 \t%rd2, [p_len];\n\
+                 \tld.param.f32 \t%f1, [p_div];\n\
+                 \tcvta.to.global.u64 \t%rd1, %rd1;\n\
+                 \tcvta.to.global.u64 \t%rd8, %rd8;";
+    let body = |name: &str, store: &str| {
+        let params = [
+            ".param .u64 p_acc",
+            ".param .u64 p_out",
+            ".param .u64 p_len",
+            ".param .f32 p_div",
+        ];
+        let body = format!(
+            "\tshl.b64 \t%rd6, %rd3, 2;\n\
+             \tadd.s64 \t%rd7, %rd1, %rd6;\n\
+             \tld.global.f32 \t%f2, [%rd7];\n\
+             \tdiv.rn.f32 \t%f3, %f2, %f1;\n{store}"
+        );
+        grid_stride(&format!("zero_qgz_finish_{name}"), &params, setup, &body)
+    };
+    let f32 = "\tadd.s64 \t%rd9, %rd8, %rd6;\n\tst.global.f32 \t[%rd9], %f3;";
+    let f16 = "\tcvt.rn.f16.f32 \t%rs1, %f3;\n\
+               \tshl.b64 \t%rd6, %rd3, 1;\n\
+               \tadd.s64 \t%rd9, %rd8, %rd6;\n\
+               \tst.global.u16 \t[%rd9], %rs1;";
+    let bf16 = "\tmov.b32 \t%r6, %f3;\n\
+                \tshr.u32 \t%r7, %r6, 16;\n\
+                \tand.b32 \t%r7, %r7, 1;\n\
+                \tadd.s32 \t%r7, %r7, 32767;\n\
+                \tadd.s32 \t%r7, %r6, %r7;\n\
+                \tshr.u32 \t%r7, %r7, 16;\n\
+                \tshr.u32 \t%r8, %r6, 16;\n\
+                \tor.b32 \t%r8, %r8, 64;\n\
+                \tsetp.nan.f32 \t%p2, %f3, %f3;\n\
+                \tselp.b32 \t%r9, %r8, %r7, %p2;\n\
+                \tcvt.u16.u32 \t%rs1, %r9;\n\
+                \tshl.b64 \t%rd6, %rd3, 1;\n\
+                \tadd.s64 \t%rd9, %rd8, %rd6;\n\
+                \tst.global.u16 \t[%rd9], %rs1;";
+    ptx_module(&[body("f32", f32), body("f16", f16), body("bf16", bf16)])
+}
+
+/// The finish kernels of one context, JIT-compiled (`cuModuleLoadData`) on first use and kept
+/// for the life of the process (one module per context; the context is retained with it).
+pub(in crate::nccl) struct Finish(PtxModule);
+
+static FINISH: Mutex<Vec<Arc<Finish>>> = Mutex::new(Vec::new());
+
+pub(in crate::nccl) fn backend(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Backend(format!("nccl: qgz_reduce_scatter_device: {what}: {e}"))
+}
+
+impl Finish {
+    pub(in crate::nccl) fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Finish>> {
+        let mut cache = FINISH.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(k) = cache
+            .iter()
+            .find(|k| k.0.context().cu_ctx() == ctx.cu_ctx())
+        {
+            return Ok(k.clone());
+        }
+        let names = [
+            "zero_qgz_finish_f32",
+            "zero_qgz_finish_f16",
+            "zero_qgz_finish_bf16",
+        ];
+        let k = PtxModule::load(ctx, &finish_ptx(), &names)
+            .map_err(|e| backend("loading the finish kernels", e))?;
+        let k = Arc::new(Finish(k));
+        cache.push(k.clone());
+        Ok(k)
+    }
+
+    /// Enqueues `out[i] = E(acc[i] / divisor)` for `acc.len()` elements on `stream`.
+    pub(in crate::nccl) fn run<E: CudaElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        acc: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<E>,
+        divisor: f32,
+    ) -> Result<()> {
+        let len = acc.len();
+        if out.len() != len {
+            return Err(backend(
+                "finish",
+                format!("{len} sums for {} outputs", out.len()),
+            ));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let f = match <E as zero_quant::Element>::DTYPE {
+            zero_quant::DType::F32 => 0,
+            zero_quant::DType::F16 => 1,
+            zero_quant::DType::BF16 => 2,
+        };
+        let (a, _ga) = acc.device_ptr(stream);
+        let (o, _go) = out.device_ptr_mut(stream);
+        // SAFETY: `acc` holds `len` f32 and `out` `len` elements of `E` on the stream's device,
+        // alive (borrowed) and stream-ordered by the guards above.
+        unsafe { self.launch_raw(f, stream, a, o, len, divisor) }.map_err(|e| backend("launch", e))
+    }
+
+    /// Enqueues `out[i] = round(acc[i] / divisor)` for `len` elements on `stream`, with kernel
+    /// `f` (0: f32, 1: f16, 2: bf16).
+    ///
+    /// # Safety
+    ///
+    /// `acc` must hold `len` f32 and `out` `len` elements of kernel `f`'s type, on the stream's
+    /// device, alive and ordered on `stream` until the kernel has run. `out` may be `acc`'s memory
+    /// only if the element is f32 (each thread reads before it writes).
+    pub(in crate::nccl) unsafe fn launch_raw(
+        &self,
+        f: usize,
+        stream: &CudaStream,
+        acc: u64,
+        out: u64,
+        len: usize,
+        divisor: f32,
+    ) -> std::result::Result<(), String> {
+        let (mut p_acc, mut p_out, mut p_len, mut p_div) = (acc, out, len as u64, divisor);
+        let mut params: [*mut c_void; 4] = [
+            (&mut p_acc as *mut u64).cast(),
+            (&mut p_out as *mut u64).cast(),
+            (&mut p_len as *mut u64).cast(),
+            (&mut p_div as *mut f32).cast(),
+        ];
+        // SAFETY: the four parameters match the kernel's signature and are read by the driver
+        // during this call; the caller vouches for the memory.
+        unsafe { self.0.launch(f, stream, len, &mut params) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    // The GPU test's (compiled with `gpu-tests` only).
+    #[cfg(feature = "gpu-tests")]
+    use half::{bf16, f16};
+
+    #[cfg(feature = "gpu-tests")]
+    fn lcg(z: &mut u64) -> u32 {
+        *z = z
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*z >> 32) as u32
+    }
+
+    #[test]
+    fn finish_ptx_has_three_kernels() {
+        let ptx = finish_ptx();
+        for name in ["f32", "f16", "bf16"] {
+            assert_eq!(
+                ptx.matches(&format!(".entry zero_qgz_finish_{name}("))
+                    .count(),
+                1
+            );
+        }
+        assert_eq!(ptx.matches("div.rn.f32").count(), 3);
+    }
+
+    /// Runs the finish kernels on a GPU (feature `gpu-tests`, `ZERO_GPU_TESTS=1`, a device) and
+    /// compares every element with the host's `E::narrow(s / n)`, for random f32 bit patterns
+    /// (subnormals, infinities, NaNs, sums whose mean overflows bf16/f16) and a length past the
+    /// grid cap (so the grid-stride loop runs). This is qgZ's stage 4 at any world size, which
+    /// the world-size-1 test of `tests/nccl.rs` cannot reach.
+    #[cfg(feature = "gpu-tests")]
+    #[test]
+    fn gpu_qgz_finish_kernels_divide_and_round_like_the_host() {
+        let name = "gpu_qgz_finish_kernels_divide_and_round_like_the_host";
+        // Compiled only for gpu-check (feature `gpu-tests`), which sets ZERO_GPU_TESTS=1: then a
+        // missing library or device is a failure, not a skip.
+        if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
+            eprintln!("did not run {name}: ZERO_GPU_TESTS=1 is not set");
+            return;
+        }
+        match crate::nccl::probe() {
+            Ok(rt) if rt.devices > 0 => {}
+            other => panic!("ZERO_GPU_TESTS=1 but there is no usable CUDA device: {other:?}"),
+        }
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let k = Finish::get(&ctx).unwrap();
+        assert!(Arc::ptr_eq(&k, &Finish::get(&ctx).unwrap()), "cached");
+        // More than one grid-stride pass of the launch (4096 blocks of 256 threads).
+        let len = 4096 * 256 + 3;
+        let mut z = 11u64;
+        let sums: Vec<f32> = (0..len).map(|_| f32::from_bits(lcg(&mut z))).collect();
+        let acc = stream.clone_htod(&sums).unwrap();
+        fn check<E: CudaElement + Copy>(
+            k: &Finish,
+            stream: &Arc<CudaStream>,
+            acc: &cudarc::driver::CudaSlice<f32>,
+            sums: &[f32],
+            n: f32,
+            narrow: impl Fn(f32) -> E,
+            bits: impl Fn(E) -> u32,
+        ) {
+            let mut out = stream.alloc_zeros::<E>(sums.len()).unwrap();
+            k.run(stream, acc, &mut out, n).unwrap();
+            let got = stream.clone_dtoh(&out).unwrap();
+            for (i, (&g, &s)) in got.iter().zip(sums).enumerate() {
+                let w = narrow(s / n);
+                let (gb, wb) = (bits(g), bits(w));
+                let nan = |v: E| <E as zero_quant::Element>::to_f32(v).is_nan();
+                assert!(
+                    gb == wb || (nan(g) && nan(w)),
+                    "{:?} {i}: {s:e} / {n} = bits {gb:#x}, expected {wb:#x}",
+                    <E as zero_quant::Element>::DTYPE
+                );
+            }
+        }
+        for n in [1.0f32, 2.0, 3.0, 6.0, 7.0, 64.0] {
+            check(&k, &stream, &acc, &sums, n, |v| v, f32::to_bits);
+            check(&k, &stream, &acc, &sums, n, f16::from_f32, |v| {
+                u32::from(v.to_bits())
+            });
+            check(&k, &stream, &acc, &sums, n, bf16::from_f32, |v| {
+                u32::from(v.to_bits())
+            });
+        }
+        crate::nccl::gpu_test_ran(name);
+    }
+}
