@@ -130,6 +130,7 @@ const GPU_TESTS: &[&str] = &[
     "gpu_burn_cuda_computes_like_flex",
     "gpu_zero3_on_cuda_equals_stage0_bit_for_bit",
     "gpu_nccl_on_cuda_bridged_equals_host_staged",
+    "gpu_cuda_loopback_trains_like_host_staged",
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -100,15 +100,42 @@ impl Launch {
         T: Send,
         F: Fn(zero_comm::wgpu_loopback::WgpuComm) -> Result<T> + Sync,
     {
+        self.on_device(shared.comm_device().clone(), f)
+    }
+
+    /// [`Launch::run`] on the CUDA loopback over `device`'s GPU and stream (feature `cuda`):
+    /// build each rank's model on burn-cuda's device of the same GPU. The CUDA loopback sums in
+    /// rank order only.
+    #[cfg(feature = "cuda")]
+    pub fn run_cuda<T, F>(
+        self,
+        device: &std::sync::Arc<zero_comm::nccl::CudaDevice>,
+        f: F,
+    ) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(zero_comm::nccl::CudaComm) -> Result<T> + Sync,
+    {
+        self.on_device(device.clone(), f)
+    }
+
+    /// [`Launch::run`] on a device loopback over `device`, which sums in rank order only.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    fn on_device<M, T, F>(self, device: std::sync::Arc<M>, f: F) -> Result<Vec<T>>
+    where
+        M: zero_comm::device_loopback::Memory,
+        T: Send,
+        F: Fn(zero_comm::device_loopback::LoopbackComm<M>) -> Result<T> + Sync,
+    {
         if self.reduction == Reduction::CanonicalTree {
             return Err(Error::Invalid {
                 field: "reduction",
-                got: "canonical_tree on the wgpu loopback".into(),
-                expected: "rank_ordered (the wgpu loopback sums in rank order)".into(),
+                got: format!("canonical_tree on the {}", M::NAME),
+                expected: format!("rank_ordered (the {} sums in rank order)", M::NAME),
             });
         }
-        let world = zero_comm::wgpu_loopback::WgpuWorld::with_device(
-            shared.comm_device().clone(),
+        let world = zero_comm::device_loopback::LoopbackWorld::with_device(
+            device,
             self.topology,
             self.timeout,
         );

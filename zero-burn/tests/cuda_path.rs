@@ -8,9 +8,10 @@
 //!   reduction and a softmax on burn-cuda equal burn-flex's within 1e-5; ZeRO-3 over 2 in-process
 //!   ranks on the GPU (host loopback) gives stage 0's losses bit for bit (in fp32, and in bf16
 //!   and fp16, whose stage-3 shard the GPU rounds), with the traffic the
-//!   plan books, and flex's within 1e-3 (relative); and over NCCL at world size 1, the CUDA bridge
-//!   (`cuda::CudaTensors`) gives the host-staged path's bits. `cargo xtask gpu-check` runs them (a
-//!   program of its own); they have not run on a GPU yet.
+//!   plan books, and flex's within 1e-3 (relative); over NCCL at world size 1, and over the CUDA
+//!   loopback at world size 2, the CUDA bridge (`cuda::CudaTensors`) gives the host-staged path's
+//!   bits. `cargo xtask gpu-check` runs them (a program of its own); they have not run on a GPU
+//!   yet.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -209,6 +210,25 @@ fn gpu_burn_cuda_computes_like_flex() {
     cookie("gpu_burn_cuda_computes_like_flex");
 }
 
+/// The default job's model, its corpus and the options of the bridge tests.
+#[cfg(feature = "gpu-tests")]
+fn bridge_setup() -> (
+    JobConfig,
+    zero_burn::demo::data::MarkovLanguage,
+    zero_burn::demo::run::TrainOptions,
+) {
+    let job = JobConfig::default_job();
+    let corpus = zero_burn::demo::data::MarkovLanguage::new(job.model.vocab, 5).expect("a corpus");
+    let options = zero_burn::demo::run::TrainOptions {
+        lr: job.lr,
+        optimizer: zero_burn::optim::Optimizer::default(),
+        micro_batch: 2,
+        seq: job.model.context,
+        reduction: zero_burn::Reduction::RankOrdered,
+    };
+    (job, corpus, options)
+}
+
 /// The CUDA bridge over NCCL (`cuda::CudaTensors`, with NCCL's CUDA codecs as `DeviceQuant`) on
 /// one GPU at world size 1: ZeRO-3 (plain, with qwZ and qgZ, and in bf16, whose shard's words
 /// NCCL gathers as bytes on the device) gives the host-staged path's losses and final parameters
@@ -218,10 +238,9 @@ fn gpu_burn_cuda_computes_like_flex() {
 #[test]
 fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
     use std::sync::Arc;
-    use zero_burn::demo::data::MarkovLanguage;
-    use zero_burn::demo::run::{TrainOptions, corpus_step, engine_builder};
+    use zero_burn::demo::run::{corpus_step, engine_builder};
     use zero_burn::optim::Optimizer;
-    use zero_burn::{DeviceQuant, Reduction, plan_for};
+    use zero_burn::{DeviceQuant, plan_for};
     use zero_comm::nccl::{NcclComm, NcclOptions};
     use zero_core::{Precision, Topology, ZeroConfig};
     use zero_quant::CudaQuantizer;
@@ -230,15 +249,7 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
     if !gpu_gate(NAME) {
         return;
     }
-    let job = JobConfig::default_job();
-    let corpus = MarkovLanguage::new(job.model.vocab, 5).expect("a corpus");
-    let options = TrainOptions {
-        lr: job.lr,
-        optimizer: Optimizer::default(),
-        micro_batch: 2,
-        seq: job.model.context,
-        reduction: Reduction::RankOrdered,
-    };
+    let (job, corpus, options) = bridge_setup();
     for (zpp, precision) in [
         (false, Precision::Fp32),
         (true, Precision::Fp32),
@@ -288,6 +299,113 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
             "{what}: weights installed from NCCL's memory"
         );
         assert_eq!(staged.2, 0, "{what}: the staged path");
+    }
+    cookie(NAME);
+}
+
+/// The CUDA loopback with the CUDA bridge (`demo::cuda_run::train_cuda`): 2 in-process ranks on
+/// one GPU with their collectives in its memory give the host-staged path's losses and final
+/// parameters bit for bit (the same models on the same GPU, the host loopback moving the bytes
+/// through host memory, both summing in rank order in f32), with the traffic the plan books,
+/// every gradient packed on the device and gathered weights installed from the loopback's memory.
+/// Stages 0 and 3 (plain, accumulation, hpZ, ZeRO++), and bf16 and fp16 at stage 3.
+#[cfg(feature = "gpu-tests")]
+#[test]
+fn gpu_cuda_loopback_trains_like_host_staged() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    use zero_burn::demo::cuda_run::train_cuda;
+    use zero_burn::demo::run::{HostRun, train_host};
+    use zero_burn::optim::Optimizer;
+    use zero_burn::plan_for;
+    use zero_core::{Precision, Topology, ZeroConfig};
+
+    const NAME: &str = "gpu_cuda_loopback_trains_like_host_staged";
+    if !gpu_gate(NAME) {
+        return;
+    }
+    let (job, corpus, options) = bridge_setup();
+    let run = HostRun {
+        steps: 3,
+        timeout: Duration::from_secs(120),
+        keep_final_params: true,
+        checkpoint: None,
+    };
+    // (stage, accumulation, hpZ, qwZ + qgZ, precision)
+    for (stage, ga, hpz, zpp, precision) in [
+        (0u8, 1u32, 1, false, Precision::Fp32),
+        (3, 2, 1, false, Precision::Fp32),
+        (3, 1, 2, true, Precision::Fp32),
+        (3, 1, 1, false, Precision::Bf16),
+        (3, 2, 2, false, Precision::Fp16),
+    ] {
+        let what = format!("stage {stage} ga {ga} hpz {hpz} zpp {zpp} {precision:?}");
+        let train = |bridged: bool| {
+            let device = zero_burn::cuda::device(0).expect("a GPU").autodiff();
+            let model = job.model.init(&device, 11);
+            let zero = ZeroConfig {
+                stage,
+                gradient_accumulation_steps: ga,
+                hpz_partition_size: hpz,
+                param_persistence_threshold: 256,
+                quantized_weights: zpp,
+                quantized_gradients: zpp,
+                precision,
+                optimizer: Optimizer::default().kind(),
+                ..ZeroConfig::default()
+            };
+            let topology = Topology::new(2, 2).expect("a topology");
+            let plan = Arc::new(plan_for(&model, topology, &zero).expect("a plan"));
+            let r = if bridged {
+                train_cuda(
+                    0,
+                    plan.clone(),
+                    model,
+                    &corpus,
+                    options,
+                    run.clone(),
+                    &|_, _| {},
+                )
+            } else {
+                train_host(
+                    plan.clone(),
+                    model,
+                    &corpus,
+                    options,
+                    run.clone(),
+                    &|_, _| {},
+                )
+            }
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            for x in &r {
+                let want = common::planned_traffic(&plan, x.rank, run.steps);
+                assert_eq!(x.traffic, want, "{what}: rank {} traffic", x.rank);
+            }
+            r
+        };
+        let (bridged, staged) = (train(true), train(false));
+        for (a, b) in bridged.iter().zip(&staged) {
+            assert_eq!(a.losses, b.losses, "{what}: losses");
+            assert!(
+                common::bits(&a.final_params) == common::bits(&b.final_params),
+                "{what}: parameters"
+            );
+            assert!(
+                a.device_grad_bytes > 0,
+                "{what}: gradients packed on the device"
+            );
+            assert_eq!(a.device_weight_bytes > 0, stage >= 1, "{what}: weights");
+            assert_eq!(
+                (b.device_grad_bytes, b.device_weight_bytes),
+                (0, 0),
+                "{what}: the staged path"
+            );
+        }
+        println!(
+            "ZERO_GPU_TRAIN CUDA loopback {what}: losses {:?}, {:.3} s/step",
+            bridged[0].losses,
+            bridged[0].step_seconds.iter().sum::<f64>() / run.steps as f64
+        );
     }
     cookie(NAME);
 }

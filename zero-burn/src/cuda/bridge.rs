@@ -1,6 +1,7 @@
-//! The CUDA bridge (features `cuda` and `nccl`): burn-cuda tensors and NCCL's device buffers,
-//! copied into each other on the device, as the trainer's [`DeviceTensors`] hook over NCCL. The
-//! twin of the wgpu bridge (`bridge`, feature `wgpu`).
+//! The CUDA bridge (feature `cuda`): burn-cuda tensors and the device buffers of NCCL or of the
+//! CUDA loopback ([`NcclBuffer`]s), copied into each other on the device, as the trainer's
+//! [`DeviceTensors`] hook over either communicator ([`OnCuda`]). The twin of the wgpu bridge
+//! (`bridge`, feature `wgpu`).
 //!
 //! cubecl-cuda and cudarc both run in the device's primary context, so a tensor's device pointer
 //! (cubecl's `get_resource`) is valid on the communicator's stream. The two streams are ordered by
@@ -9,8 +10,9 @@
 //! range (the resource guard pins it until then). Correct, but each copy waits for both streams;
 //! CUDA events would let them overlap.
 //!
-//! Never run on a GPU yet: `gpu_nccl_on_cuda_bridged_equals_host_staged` (`tests/cuda_path.rs`,
-//! in `cargo xtask gpu-check`) compares it with the host-staged path bit for bit.
+//! Never run on a GPU yet: `gpu_nccl_on_cuda_bridged_equals_host_staged` and
+//! `gpu_cuda_loopback_trains_like_host_staged` (`tests/cuda_path.rs`, in `cargo xtask gpu-check`)
+//! compare it with the host-staged path bit for bit.
 
 use std::fmt;
 use std::sync::Arc;
@@ -22,7 +24,7 @@ use zero_comm::Element;
 use zero_comm::nccl::cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits, result,
 };
-use zero_comm::nccl::{NcclBuffer, NcclComm};
+use zero_comm::nccl::{NcclBuffer, OnCuda};
 
 use crate::device::{DeviceTensors, WordBuffer};
 use crate::error::{Error, Result};
@@ -34,8 +36,8 @@ fn err(why: impl fmt::Display) -> Error {
     Error::Backend(format!("cuda bridge: {why}"))
 }
 
-/// The [`DeviceTensors`] hook of a trainer over NCCL whose model computes on burn-cuda, on the
-/// same GPU: gradients are copied on the device into their unit's NCCL buffer, gathered units
+/// The [`DeviceTensors`] hook of a trainer over NCCL or the CUDA loopback whose model computes on
+/// burn-cuda, on the same GPU: gradients are copied on the device into their unit's NCCL buffer, gathered units
 /// become the model's tensors with one device copy each. The copies run on the communicator's
 /// stream after cubecl's work on the tensor has finished, and cubecl may reuse the memory only
 /// once the stream has finished them.
@@ -57,9 +59,9 @@ impl fmt::Debug for CudaTensors {
 
 impl CudaTensors {
     /// The hook for `comm`'s buffers and a model on `model` (burn-cuda, on `comm`'s GPU).
-    pub fn new(comm: &NcclComm, model: Device) -> Self {
+    pub fn new(comm: &impl OnCuda, model: Device) -> Self {
         CudaTensors {
-            stream: comm.stream().clone(),
+            stream: comm.cuda_stream().clone(),
             model,
         }
     }
@@ -160,16 +162,17 @@ impl CudaTensors {
     }
 }
 
-impl DeviceTensors<NcclComm> for CudaTensors {
-    fn zeros(&self, len: usize) -> Result<NcclBuffer<f32>> {
+impl<C: OnCuda> DeviceTensors<C> for CudaTensors {
+    fn zeros(&self, len: usize) -> Result<C::Buffer<f32>> {
         let slice = self
             .stream
             .alloc_zeros::<f32>(len)
             .map_err(|e| err(format!("allocating {len} f32: {e}")))?;
-        Ok(NcclBuffer::from_cuda_slice(slice))
+        Ok(C::from_nccl(NcclBuffer::from_cuda_slice(slice)))
     }
 
-    fn copy_in(&self, dst: &mut NcclBuffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()> {
+    fn copy_in(&self, dst: &mut C::Buffer<f32>, offset: usize, grad: &Tensor<1>) -> Result<()> {
+        let dst = C::nccl_mut(dst);
         if grad.dtype() != DType::F32 {
             return Err(err(format!("a {:?} gradient in an f32 unit", grad.dtype())));
         }
@@ -186,27 +189,26 @@ impl DeviceTensors<NcclComm> for CudaTensors {
         self.with_storage(grad, |src| self.copy(at, src, len * size_of::<f32>()))
     }
 
-    fn tensor_at(&self, src: &NcclBuffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>> {
-        self.copy_back(src, DType::F32, offset, len)
+    fn tensor_at(&self, src: &C::Buffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>> {
+        self.copy_back(C::nccl(src), DType::F32, offset, len)
     }
 
     fn moves_words(&self) -> bool {
         true
     }
 
-    fn words_of(&self, t: &Tensor<1>) -> Result<WordBuffer<NcclComm>> {
-        WordBuffer::of_type(t, || self.copy_out(t), || self.copy_out(t))
+    fn words_of(&self, t: &Tensor<1>) -> Result<WordBuffer<C>> {
+        WordBuffer::of_type(
+            t,
+            || self.copy_out(t).map(C::from_nccl),
+            || self.copy_out(t).map(C::from_nccl),
+        )
     }
 
-    fn tensor_of(
-        &self,
-        src: &WordBuffer<NcclComm>,
-        offset: usize,
-        len: usize,
-    ) -> Result<Tensor<1>> {
+    fn tensor_of(&self, src: &WordBuffer<C>, offset: usize, len: usize) -> Result<Tensor<1>> {
         src.visit(
-            |b, dtype| self.copy_back(b, dtype, offset, len),
-            |b, dtype| self.copy_back(b, dtype, offset, len),
+            |b, dtype| self.copy_back(C::nccl(b), dtype, offset, len),
+            |b, dtype| self.copy_back(C::nccl(b), dtype, offset, len),
         )
     }
 }

@@ -25,9 +25,9 @@ enum Compute {
     /// burn's wgpu backend on the process's shared device (with the wgpu loopback in-process).
     #[cfg(feature = "wgpu")]
     Wgpu(crate::WgpuShared),
-    /// burn's CUDA backend on this device (without autodiff).
+    /// burn's CUDA backend on this device (without autodiff), GPU `.1`.
     #[cfg(feature = "cuda")]
-    Cuda(Device),
+    Cuda(Device, usize),
 }
 
 impl Compute {
@@ -43,7 +43,10 @@ impl Compute {
                     .into(),
             )),
             #[cfg(feature = "cuda")]
-            Backend::Cuda => crate::cuda::device(crate::local_rank()?).map(Compute::Cuda),
+            Backend::Cuda => {
+                let gpu = crate::local_rank()?;
+                crate::cuda::device(gpu).map(|d| Compute::Cuda(d, gpu))
+            }
             #[cfg(not(feature = "cuda"))]
             Backend::Cuda => Err(Error::Backend(
                 "the CUDA backend is not compiled in: build with zero-burn's `cuda` feature \
@@ -60,7 +63,7 @@ impl Compute {
             #[cfg(feature = "wgpu")]
             Compute::Wgpu(s) => s.autodiff_device(),
             #[cfg(feature = "cuda")]
-            Compute::Cuda(d) => d.clone().autodiff(),
+            Compute::Cuda(d, _) => d.clone().autodiff(),
         }
     }
 }
@@ -198,13 +201,19 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
     let start = Instant::now();
     let run = host_run(job);
     let results = match &compute {
-        // On CUDA the in-process ranks share the GPU and the host loopback stages the
-        // collectives through host memory.
         Compute::Flex => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
+        // On CUDA the in-process ranks share the GPU and the CUDA loopback's collectives run in
+        // its memory.
         #[cfg(feature = "cuda")]
-        Compute::Cuda(_) => {
-            train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?
-        }
+        Compute::Cuda(_, gpu) => crate::demo::cuda_run::train_cuda(
+            *gpu,
+            plan.clone(),
+            model,
+            corpus.as_ref(),
+            options,
+            run,
+            on_step,
+        )?,
         #[cfg(feature = "wgpu")]
         Compute::Wgpu(s) => crate::demo::wgpu_run::train_wgpu(
             s,

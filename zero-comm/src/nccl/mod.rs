@@ -196,6 +196,8 @@ pub use options::{
 pub use backend::loopback::{CudaComm, CudaDevice, CudaWorld};
 #[cfg(feature = "nccl")]
 pub use cudarc;
+#[cfg(feature = "nccl")]
+pub use quantized::OnCuda;
 
 /// What [`probe`] found on this machine.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -21,7 +21,7 @@ use crate::quantized::{DeviceCodec, QuantElement};
 use crate::{Communicator, Element};
 
 /// A communicator whose buffers are [`NcclBuffer`]s ordered on one CUDA stream: NCCL's, and the
-/// CUDA loopback's. One [`DeviceCodec`] serves both.
+/// CUDA loopback's. One [`DeviceCodec`] serves both, and so does a trainer's bridge to burn-cuda.
 pub trait OnCuda: Communicator {
     /// The name in the codec's error messages.
     const CODEC_NAME: &'static str;
@@ -33,6 +33,8 @@ pub trait OnCuda: Communicator {
     fn nccl<E: Element>(buf: &Self::Buffer<E>) -> &NcclBuffer<E>;
     /// The buffer as device memory, mutably.
     fn nccl_mut<E: Element>(buf: &mut Self::Buffer<E>) -> &mut NcclBuffer<E>;
+    /// Device memory as the communicator's buffer.
+    fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> Self::Buffer<E>;
 }
 
 impl OnCuda for NcclComm {
@@ -53,6 +55,10 @@ impl OnCuda for NcclComm {
     fn nccl_mut<E: Element>(buf: &mut NcclBuffer<E>) -> &mut NcclBuffer<E> {
         buf
     }
+
+    fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> NcclBuffer<E> {
+        buf
+    }
 }
 
 impl OnCuda for CudaComm {
@@ -71,6 +77,10 @@ impl OnCuda for CudaComm {
     }
 
     fn nccl_mut<E: Element>(buf: &mut NcclBuffer<E>) -> &mut NcclBuffer<E> {
+        buf
+    }
+
+    fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> NcclBuffer<E> {
         buf
     }
 }
