@@ -45,6 +45,7 @@ use std::sync::Arc;
 use burn::backend::Cube;
 use burn::backend::wgpu::{AutoCompiler, WgpuResource};
 use burn::tensor::{DType, Device, Tensor};
+use zero_comm::Element;
 use zero_comm::wgpu_loopback::{REQUIRED_USAGES, WgpuBuffer, WgpuComm, WgpuDevice, wgpu};
 
 use crate::device::{DeviceTensors, WordBuffer};
@@ -261,36 +262,55 @@ pub fn tensor_from_buffer<const D: usize>(
             src.len()
         )));
     }
-    let out = Tensor::<1>::empty([len], (device, DType::F32));
+    Ok(fill(comm, device, src, DType::F32, 0, len)?.reshape(shape))
+}
+
+/// A new flat tensor of `dtype` (whose elements are `E`s) on `device` holding `len` elements of
+/// `src` from `offset`, copied on the device. It moves whole 4-byte words (WebGPU's copy
+/// alignment): `len` 16-bit elements of an odd count also move the 2 bytes after them, within
+/// both ranges (checked).
+pub(super) fn fill<E: Element>(
+    comm: &WgpuDevice,
+    device: &Device,
+    src: &WgpuBuffer<E>,
+    dtype: DType,
+    offset: usize,
+    len: usize,
+) -> Result<Tensor<1>> {
+    if offset + len > src.len() {
+        return Err(err(format!(
+            "{len} elements at {offset} overrun a buffer of {}",
+            src.len()
+        )));
+    }
+    let out = Tensor::<1>::empty([len], (device, dtype));
     if len > 0 {
+        let at = src.offset() + (offset * size_of::<E>()) as u64;
+        let padded = ((len * size_of::<E>()) as u64).next_multiple_of(4);
+        if at + padded > src.wgpu_buffer().size() {
+            return Err(err(format!(
+                "{len} elements at byte {at} overrun a wgpu buffer of {} bytes",
+                src.wgpu_buffer().size()
+            )));
+        }
         let ct = primitive(out.clone())?;
         let (dst, pin) = resource(&ct)?;
-        let bytes = src.byte_len();
-        if dst.size < bytes {
+        if dst.size < padded {
             return Err(err(format!(
-                "cubecl's range holds {} bytes, the tensor {bytes}",
+                "cubecl's range holds {} bytes, the copy {padded}",
                 dst.size
             )));
         }
-        // f32 views have 4-byte aligned offsets (WgpuBuffer checks), and cubecl aligns its
-        // ranges, so a plain copy_buffer_to_buffer is valid.
-        copy(comm, src, &dst, bytes)?;
+        copy_raw(
+            comm,
+            (src.wgpu_buffer(), at),
+            (&dst.buffer, dst.offset),
+            padded,
+            "zero-burn bridge: buffer to tensor",
+        )?;
         drop(pin);
-        drop(ct);
     }
-    Ok(out.reshape(shape))
-}
-
-/// Copies `bytes` from `src` into `dst` and submits, catching wgpu errors instead of leaving them
-/// to the device's uncaptured-error handler (which cubecl may own).
-fn copy(comm: &WgpuDevice, src: &WgpuBuffer<f32>, dst: &WgpuResource, bytes: u64) -> Result<()> {
-    copy_raw(
-        comm,
-        (src.wgpu_buffer(), src.offset()),
-        (&dst.buffer, dst.offset),
-        bytes,
-        "zero-burn bridge: buffer to tensor",
-    )
+    Ok(out)
 }
 
 /// One `copy_buffer_to_buffer` of `bytes` from `(buffer, offset)` to `(buffer, offset)`,

@@ -6,7 +6,7 @@ use burn::tensor::{DType, Tensor};
 use zero_comm::Element;
 use zero_comm::wgpu_loopback::WgpuBuffer;
 
-use super::{BridgeTensors, copy_raw, err, primitive, resource};
+use super::{BridgeTensors, copy_raw, err, fill, primitive, resource};
 use crate::error::Result;
 
 impl BridgeTensors {
@@ -49,39 +49,6 @@ impl BridgeTensors {
         offset: usize,
         len: usize,
     ) -> Result<Tensor<1>> {
-        if offset + len > src.len() {
-            return Err(err(format!(
-                "{len} words at {offset} overrun a buffer of {}",
-                src.len()
-            )));
-        }
-        let out = Tensor::<1>::empty([len], (&self.model, dtype));
-        if len > 0 {
-            let at = src.offset() + (offset * size_of::<E>()) as u64;
-            let padded = ((len * size_of::<E>()) as u64).next_multiple_of(4);
-            if at + padded > src.wgpu_buffer().size() {
-                return Err(err(format!(
-                    "{len} words at byte {at} overrun a wgpu buffer of {} bytes",
-                    src.wgpu_buffer().size()
-                )));
-            }
-            let ct = primitive(out.clone())?;
-            let (dst, pin) = resource(&ct)?;
-            if dst.size < padded {
-                return Err(err(format!(
-                    "cubecl's range holds {} bytes, the copy {padded}",
-                    dst.size
-                )));
-            }
-            copy_raw(
-                &self.comm,
-                (src.wgpu_buffer(), at),
-                (&dst.buffer, dst.offset),
-                padded,
-                "zero-burn bridge: 16-bit words to a tensor",
-            )?;
-            drop(pin);
-        }
-        Ok(out)
+        fill(&self.comm, &self.model, src, dtype, offset, len)
     }
 }
