@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use zero_burn::demo::job::{JobConfig, run_job_rank};
+use zero_burn::demo::job::{JobConfig, RunReport, run_job_rank};
 use zero_comm::Communicator;
 use zero_comm::mpi::{ENV_RANKS_PER_NODE, MpiComm, MpiGuard, MpiOptions, abort_job, mpirun};
 use zero_comm::nccl::{LaunchEnv, NcclComm, NcclOptions};
@@ -80,7 +80,7 @@ fn mpi_train(job: &JobConfig, out: &Path) -> anyhow::Result<()> {
             job.world_size
         );
     }
-    train(job, comm, out, "MPI")
+    train(job, comm, out, "MPI", run_job_rank)
 }
 
 /// One rank of the job over NCCL, from torchrun's variables (`cargo xtask launch`).
@@ -104,18 +104,24 @@ pub(crate) fn nccl_rank(job: &JobConfig, out: &Path) -> anyhow::Result<()> {
         ..NcclOptions::from_env()?
     };
     let comm = NcclComm::new(&env, opts)?;
-    train(job, comm, out, "NCCL")
+    // On burn-cuda the collectives read and write the GPU's memory (the CUDA bridge).
+    #[cfg(feature = "cuda")]
+    let rank = zero_burn::demo::job::run_job_rank_cuda;
+    #[cfg(not(feature = "cuda"))]
+    let rank = run_job_rank;
+    train(job, comm, out, "NCCL", rank)
 }
 
-/// Trains this rank on `comm`; rank 0 reports.
+/// Trains this rank on `comm` with `rank` (`run_job_rank` or a form of it); rank 0 reports.
 fn train<C: Communicator>(
     job: &JobConfig,
     comm: C,
     out: &Path,
     backend: &str,
+    rank: impl FnOnce(&JobConfig, C, &(dyn Fn(u64, f32) + Sync)) -> zero_burn::Result<RunReport>,
 ) -> anyhow::Result<()> {
-    let (rank, n) = (comm.rank(), comm.world_size());
-    if rank == 0 {
+    let (me, n) = (comm.rank(), comm.world_size());
+    if me == 0 {
         std::fs::create_dir_all(out)
             .with_context(|| format!("cannot create run directory {}", out.display()))?;
         eprintln!(
@@ -132,8 +138,8 @@ fn train<C: Communicator>(
             eprintln!("step {}/{}  loss {loss:.4} (rank 0)", step + 1, job.steps);
         }
     };
-    let report = run_job_rank(job, comm, &on_step)?;
-    if rank != 0 {
+    let report = rank(job, comm, &on_step)?;
+    if me != 0 {
         return Ok(());
     }
     // Every process's own peak RSS is in the report; the launcher's is not a rank's.

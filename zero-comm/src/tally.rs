@@ -73,14 +73,16 @@ impl Tally {
         }
     }
 
-    /// A varcount call: `sent[j]` bytes to peer `j`, `received[j]` from it.
+    /// A varcount call: `sent[j]` bytes to peer `j`, `received[j]` from it (MPI's).
+    #[cfg(any(test, feature = "mpi"))]
     pub(crate) fn counts(&mut self, sent: &[i32], received: &[i32]) {
         for (j, (&s, &r)) in sent.iter().zip(received).enumerate() {
             self.add(j, s.max(0) as u64, r.max(0) as u64);
         }
     }
 
-    /// An all-gatherv of this rank's `send` bytes, receiving `received[j]` from peer `j`.
+    /// An all-gatherv of this rank's `send` bytes, receiving `received[j]` from peer `j` (MPI's).
+    #[cfg(feature = "mpi")]
     pub(crate) fn all_gather_counts(&mut self, send: usize, received: &[i32]) {
         for (j, &r) in received.iter().enumerate() {
             self.add(j, send as u64, r.max(0) as u64);

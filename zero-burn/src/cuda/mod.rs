@@ -7,11 +7,11 @@
 //! What works here: burn-cuda builds and links (offline with `.ci/llvm-sdk.sh`), [`device`]
 //! guards it, and the demo trains on it ([`Backend::Cuda`](crate::demo::job::Backend::Cuda):
 //! the model, the optimizer's state, the shard and accumulators on the GPU; in-process ranks'
-//! collectives on the CUDA loopback in its memory, one process per GPU's staged through host
-//! memory). [`CudaTensors`] is the trainer's [`DeviceTensors`](crate::DeviceTensors) hook over
-//! NCCL or the CUDA loopback: gradients and gathered weights (fp32, or bf16/fp16 words) move
-//! between burn-cuda tensors and their device buffers on the device. None of it has run on a GPU
-//! yet; see STATUS.md.
+//! collectives on the CUDA loopback in its memory, one process per GPU's over NCCL in its memory
+//! (`run_job_rank_cuda`). [`CudaTensors`] is the trainer's
+//! [`DeviceTensors`](crate::DeviceTensors) hook over NCCL or the CUDA loopback: gradients and
+//! gathered weights (fp32, or bf16/fp16 words) move between burn-cuda tensors and their device
+//! buffers on the device. None of it has run on a GPU yet; see STATUS.md.
 
 use burn::tensor::Device;
 

@@ -11,8 +11,12 @@ pub use super::config::{Backend, DataSource, JobConfig};
 use super::report::report;
 pub use super::report::{Compared, RunReport};
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
+use crate::demo::gpt::Gpt;
 use crate::demo::gpt::GptConfig;
-use crate::demo::run::{HostRun, RankSummary, TrainOptions, train_host, train_rank};
+use crate::demo::run::{
+    HostRun, RankSummary, TrainOptions, engine_builder, train_built, train_host,
+};
+use crate::engine::EngineBuilder;
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::reduction::Reduction;
@@ -244,11 +248,45 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
 /// numbers; `on_step` is called on rank 0. The model computes on the job's backend: flex, this
 /// process's own wgpu device (wgpu's default adapter; `CUBECL_WGPU_DEFAULT_DEVICE` picks
 /// another), or the GPU [`local_rank`](crate::local_rank) names, with the optimizer's state on
-/// it and the collectives staged through host memory.
+/// it and the collectives staged through host memory (over NCCL on burn-cuda,
+/// `run_job_rank_cuda` keeps them on the GPU).
 pub fn run_job_rank<C: Communicator>(
     job: &JobConfig,
     comm: C,
     on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<RunReport> {
+    run_job_rank_with(job, comm, on_step, Ok)
+}
+
+/// [`run_job_rank`] over NCCL (or any communicator with [`NcclBuffer`](zero_comm::nccl::NcclBuffer)s
+/// on one stream) on burn-cuda (feature `cuda`): on [`Backend::Cuda`] the CUDA bridge
+/// ([`CudaTensors`](crate::cuda::CudaTensors)) and zero-quant's CUDA codecs move gradients and
+/// weights between the model and the communicator's buffers on the GPU, so the collectives read
+/// and write device memory; on other backends it is [`run_job_rank`].
+#[cfg(feature = "cuda")]
+pub fn run_job_rank_cuda<C: zero_comm::nccl::OnCuda>(
+    job: &JobConfig,
+    comm: C,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<RunReport> {
+    if job.backend != Backend::Cuda {
+        return run_job_rank(job, comm, on_step);
+    }
+    let hooks = crate::cuda::CudaTensors::new(&comm, Compute::of(job.backend)?.device());
+    let quant = Arc::new(zero_quant::CudaQuantizer::new(comm.cuda_stream().clone())?);
+    run_job_rank_with(job, comm, on_step, move |builder| {
+        Ok(builder
+            .device_tensors(Box::new(hooks) as Box<dyn crate::DeviceTensors<C>>)
+            .device_quant(quant as Arc<dyn crate::DeviceQuant<C>>))
+    })
+}
+
+/// [`run_job_rank`] with `attach` adding to the rank's engine builder.
+fn run_job_rank_with<C: Communicator>(
+    job: &JobConfig,
+    comm: C,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+    attach: impl FnOnce(EngineBuilder<C, Gpt>) -> Result<EngineBuilder<C, Gpt>>,
 ) -> Result<RunReport> {
     let Prepared {
         corpus,
@@ -276,15 +314,8 @@ pub fn run_job_rank<C: Communicator>(
     }
     let start = Instant::now();
     let run = host_run(job);
-    let (_, summaries) = train_rank(
-        comm,
-        plan.clone(),
-        model,
-        corpus.as_ref(),
-        options,
-        run,
-        on_step,
-    )?;
+    let builder = attach(engine_builder(&plan, comm, model, options))?;
+    let (_, summaries) = train_built(builder, corpus.as_ref(), options, run, on_step)?;
     let wall = start.elapsed().as_secs_f64();
     report(
         job,

@@ -252,7 +252,23 @@ pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     run: HostRun,
     on_step: &(dyn Fn(u64, f32) + Sync),
 ) -> Result<(RankResult<M>, Vec<RankSummary>)> {
-    let builder = engine_builder(&plan, comm, model, options);
+    train_built(
+        engine_builder(&plan, comm, model, options),
+        corpus,
+        options,
+        run,
+        on_step,
+    )
+}
+
+/// [`train_rank`] from a rank's engine builder (with device hooks attached, say).
+pub(crate) fn train_built<C: Communicator, M: Segmented<Batch = TokenBatch>>(
+    builder: EngineBuilder<C, M>,
+    corpus: &dyn Corpus,
+    options: TrainOptions,
+    run: HostRun,
+    on_step: &(dyn Fn(u64, f32) + Sync),
+) -> Result<(RankResult<M>, Vec<RankSummary>)> {
     let mut t = builder.build()?;
     let result = run_engine(&mut t, corpus, options, &run, on_step)?;
     let mine = RankSummary {
