@@ -78,9 +78,10 @@ pub trait Memory: Sealed + fmt::Debug + Send + Sync + Sized + 'static {
     fn batch(&self) -> Self::Batch<'_>;
     /// `len` zeroed elements.
     fn alloc<E: Element>(&self, len: usize) -> Result<Self::Buffer<E>>;
-    /// A copy of `src`.
-    fn upload<E: Element>(&self, src: &[E]) -> Result<Self::Buffer<E>>;
-    /// Overwrites `dst` (of the same length) with `src`, in queue order.
+    /// A copy of `src`, waiting at most `timeout` for the queue where the copy must.
+    fn upload<E: Element>(&self, src: &[E], timeout: Duration) -> Result<Self::Buffer<E>>;
+    /// Overwrites `dst` (of the same length) with `src`, in queue order, waiting at most `timeout`
+    /// for the queue where the copy must.
     fn upload_into<E: Element>(
         &self,
         src: &[E],

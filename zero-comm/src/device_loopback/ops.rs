@@ -12,6 +12,39 @@ use crate::host::loopback::Loopback;
 use crate::host::rendezvous::Call;
 use crate::validate::{Desc, ar_chunk};
 
+/// Records `out = op(x₀, x₁, …)` over elements `[at, at + len)` of every rank's posted buffer, in
+/// group-rank order, and counts the elements read from each peer into `reads` (not from `me`).
+///
+/// # Safety
+///
+/// Every call must come from the arrival barrier of the op in progress, its buffer must hold
+/// `at + len` elements, and nobody may write those ranges in this step, except `out` when it is
+/// exactly one of them.
+unsafe fn reduce_all<M: Memory, E: Element>(
+    batch: &mut M::Batch<'_>,
+    calls: &[Call],
+    (at, len): (usize, usize),
+    out: Loc<'_, M::View>,
+    op: ReduceOp,
+    reads: &mut [u64],
+    me: usize,
+) {
+    if len > 0 {
+        let es = size_of::<E>();
+        let inputs: Vec<Loc<'_, M::View>> = calls
+            .iter()
+            // SAFETY: per the function's contract.
+            .map(|cj| loc(unsafe { peer::<M::View>(cj) }, at, es))
+            .collect();
+        batch.reduce(&inputs, out, len as u64, E::DTYPE, op);
+    }
+    for (j, r) in reads.iter_mut().enumerate() {
+        if j != me {
+            *r += len as u64;
+        }
+    }
+}
+
 impl<M: Memory> LoopbackComm<M> {
     fn all_gather_impl<E: Element>(
         &mut self,
@@ -84,7 +117,7 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
     }
 
     fn upload<E: Element>(&self, src: &[E]) -> Result<M::Buffer<E>> {
-        self.shared.device.upload(src)
+        self.shared.device.upload(src, self.timeout)
     }
 
     fn upload_into<E: Element>(&self, src: &[E], dst: &mut M::Buffer<E>) -> Result<()> {
@@ -152,21 +185,12 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
             post(M::view(send)),
         );
         self.run(call, es, 1, |_, calls, reads, batch| {
-            if c > 0 {
-                // SAFETY: posted at this op's arrival; used before its drain barrier. Every send
-                // buffer holds `n · c` elements (checked), so chunk `me` is in bounds; send buffers
-                // are never written during the op, and our receive buffer is read by no peer.
-                let inputs: Vec<Loc<'_, M::View>> = calls
-                    .iter()
-                    .map(|cj| loc(unsafe { peer::<M::View>(cj) }, me * c, es))
-                    .collect();
-                batch.reduce(&inputs, loc(out, 0, es), c as u64, E::DTYPE, op);
-            }
-            for (j, r) in reads.iter_mut().enumerate() {
-                if j != me {
-                    *r += c as u64;
-                }
-            }
+            // SAFETY: posted at this op's arrival; used before its drain barrier. Every send
+            // buffer holds `n · c` elements (checked), so chunk `me` is in bounds; send buffers are
+            // never written during the op, and our receive buffer is read by no peer.
+            unsafe {
+                reduce_all::<M, E>(batch, calls, (me * c, c), loc(out, 0, es), op, reads, me)
+            };
         })
     }
 
@@ -190,23 +214,13 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
             if step == 0 {
                 // Reduce-scatter half: reduce chunk `me` of every buffer into ours.
                 let (off, cl) = ar_chunk(len, n, me);
-                if cl > 0 {
-                    // SAFETY: posted at this op's arrival; used before its drain barrier. Every
-                    // buffer holds `len` elements (checked). In this step each rank writes only its
-                    // own chunk of its own buffer and reads only that chunk of everyone's, so
-                    // nobody writes the ranges we read except us, at exactly our input `me`, which
-                    // `reduce` allows (it reads every input before writing).
-                    let inputs: Vec<Loc<'_, M::View>> = calls
-                        .iter()
-                        .map(|cj| loc(unsafe { peer::<M::View>(cj) }, off, es))
-                        .collect();
-                    batch.reduce(&inputs, loc(view, off, es), cl as u64, E::DTYPE, op);
-                }
-                for (j, r) in reads.iter_mut().enumerate() {
-                    if j != me {
-                        *r += cl as u64;
-                    }
-                }
+                // SAFETY: posted at this op's arrival; used before its drain barrier. Every buffer
+                // holds `len` elements (checked). In this step each rank writes only its own chunk
+                // of its own buffer and reads only that chunk of everyone's, so nobody writes the
+                // ranges we read except us, at exactly our input `me`, which `reduce` allows (it
+                // reads every input before writing).
+                let out = loc(view, off, es);
+                unsafe { reduce_all::<M, E>(batch, calls, (off, cl), out, op, reads, me) };
             } else {
                 // All-gather half: copy each peer's reduced chunk into ours.
                 for (j, cj) in calls.iter().enumerate() {

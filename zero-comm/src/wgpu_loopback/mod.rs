@@ -37,7 +37,9 @@
 //! run on it in place. cubecl records work lazily: flush its stream before a collective that reads
 //! its tensors. Everything then executes in queue order.
 
+mod batch;
 mod buffer;
+mod core;
 mod kernels;
 mod quantized;
 
@@ -51,7 +53,8 @@ use zero_core::Topology;
 use crate::device_loopback::{self, LoopbackComm, LoopbackWorld, Memory, Recorder, Sealed};
 use crate::element::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use kernels::{Batch, Core};
+use batch::Batch;
+use core::Core;
 
 pub use buffer::{REQUIRED_USAGES, WgpuBuffer};
 /// The `wgpu` this module is built against, so that callers adopt devices and wrap buffers of the
@@ -196,8 +199,8 @@ impl LoopbackComm<WgpuDevice> {
     }
 }
 
-fn at(loc: device_loopback::Loc<'_, View>) -> kernels::Loc<'_> {
-    kernels::Loc {
+fn at(loc: device_loopback::Loc<'_, View>) -> batch::Loc<'_> {
+    batch::Loc {
         buffer: &loc.view.buffer,
         byte: loc.view.offset + loc.byte,
     }
@@ -260,7 +263,7 @@ impl Memory for WgpuDevice {
         Ok(WgpuBuffer::owned(buffer, len))
     }
 
-    fn upload<E: Element>(&self, src: &[E]) -> Result<WgpuBuffer<E>> {
+    fn upload<E: Element>(&self, src: &[E], _timeout: Duration) -> Result<WgpuBuffer<E>> {
         let buffer = self
             .core
             .upload(bytemuck::cast_slice(src))

@@ -15,8 +15,8 @@
 
 use zero_quant::{BlockCodec, Codec, WgpuQuantizer};
 
+use super::batch::{Batch, Loc};
 use super::buffer::REQUIRED_USAGES;
-use super::kernels::{Batch, Loc};
 use super::{WgpuBuffer, WgpuComm};
 use crate::error::{Error, Result};
 use crate::quantized::DeviceCodec;

@@ -334,10 +334,10 @@ impl Memory for CudaDevice {
         NcclBuffer::zeroed(&self.stream, len)
     }
 
-    fn upload<E: Element>(&self, src: &[E]) -> Result<NcclBuffer<E>> {
+    fn upload<E: Element>(&self, src: &[E], timeout: Duration) -> Result<NcclBuffer<E>> {
         let mut buf = self.alloc::<E>(src.len())?;
         if !src.is_empty() {
-            self.upload_into(src, &mut buf, Duration::MAX)?;
+            self.upload_into(src, &mut buf, timeout)?;
         }
         Ok(buf)
     }
@@ -346,8 +346,11 @@ impl Memory for CudaDevice {
         &self,
         src: &[E],
         dst: &mut NcclBuffer<E>,
-        _timeout: Duration,
+        timeout: Duration,
     ) -> Result<()> {
+        // A copy from pageable memory waits for the stream: wait with a timeout first, so a hung
+        // stream cannot block it forever.
+        self.synchronize(timeout)?;
         dst.write(&self.stream, src)
     }
 
