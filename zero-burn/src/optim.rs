@@ -82,26 +82,26 @@ pub fn step(
             weight_decay,
         } => {
             let (bc1, bc2) = bias_corrections(beta1, beta2, step);
-            let (m, v) = (&mut m[..n], &mut v[..n]);
-            for i in 0..n {
-                let g = grads[i];
-                m[i] = beta1 * m[i] + (1.0 - beta1) * g;
-                v[i] = beta2 * v[i] + (1.0 - beta2) * g * g;
-                let mhat = m[i] / bc1;
-                let vhat = v[i] / bc2;
-                params[i] -= lr * (mhat / (vhat.sqrt() + eps) + weight_decay * params[i]);
+            // Iterators over slices of one length: no bounds checks, so the loop vectorises
+            // (the same IEEE operations per element, so the same bits).
+            let moments = m[..n].iter_mut().zip(&mut v[..n]);
+            for ((p, &g), (m, v)) in params.iter_mut().zip(&grads[..n]).zip(moments) {
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                let mhat = *m / bc1;
+                let vhat = *v / bc2;
+                *p -= lr * (mhat / (vhat.sqrt() + eps) + weight_decay * *p);
             }
         }
         Optimizer::Sgd { momentum } => {
             if momentum == 0.0 {
-                for i in 0..n {
-                    params[i] -= lr * grads[i];
+                for (p, &g) in params.iter_mut().zip(&grads[..n]) {
+                    *p -= lr * g;
                 }
             } else {
-                let m = &mut m[..n];
-                for i in 0..n {
-                    m[i] = momentum * m[i] + grads[i];
-                    params[i] -= lr * m[i];
+                for ((p, &g), m) in params.iter_mut().zip(&grads[..n]).zip(&mut m[..n]) {
+                    *m = momentum * *m + g;
+                    *p -= lr * *m;
                 }
             }
         }

@@ -128,6 +128,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 })
             })
             .collect();
+        let draws = crate::rng::Draws::new(model.num_segments());
         let mut t = ZeroEngine {
             plan: plan.clone(),
             rank,
@@ -163,6 +164,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             fetching: vec![false; units.len()],
             meter: Meter::new(units.len()),
             clock: Clock::default(),
+            draws,
         };
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial

@@ -58,7 +58,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.gather_segment(exec, i, true)?;
             }
             let x = (i > 0).then(|| acts[i - 1].leaf());
-            let out = self.seeded_forward(&self.model, i, batch, x.clone());
+            let out = self.seeded_forward(&self.model, i, true, batch, x.clone());
             let surrogate = match (out, &grad_out) {
                 (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), None) => {
                     self.check_recomputed_loss(loss, l.clone())?;
@@ -128,7 +128,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.gather_segment(exec, i, false)?;
             }
             match (
-                self.seeded_forward(&self.model, i, batch, x.take()),
+                self.seeded_forward(&self.model, i, true, batch, x.take()),
                 i + 1 == segments,
             ) {
                 (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), true) => loss = Some(l),
@@ -184,7 +184,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let x = (i > 0).then(|| acts[i - 1].clone());
             let out = if train {
                 let model = self.model.clone().no_grad();
-                self.seeded_forward(&model, i, batch, x)
+                self.seeded_forward(&model, i, false, batch, x)
             } else {
                 self.model.valid().forward_segment(i, batch, x)
             };

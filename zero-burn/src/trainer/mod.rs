@@ -161,6 +161,8 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     fetching: Vec<bool>,
     /// Where the rank is: steps, micro-steps, the last step's losses, a failed load.
     clock: Clock,
+    /// Which segments' forwards draw random numbers (they are seeded under a lock).
+    draws: crate::rng::Draws,
     /// What the rank counts: peak memory, traffic bases, skipped steps, device-hook bytes.
     pub(crate) meter: Meter,
 }

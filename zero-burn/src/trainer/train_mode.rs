@@ -42,11 +42,14 @@ pub enum BufferSync {
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Runs segment `i` of `model` with the device's generator seeded for this step, micro-step,
     /// segment and rank (see [`crate::rng`]): the first forward, the recompute and the forward
-    /// without checkpointing draw the same numbers.
+    /// without checkpointing draw the same numbers. `graph`: whether the forward records a graph
+    /// (not the checkpointed first forward); forwards that draw nothing run unseeded, in parallel
+    /// with the other in-process ranks (`crate::rng::Draws`).
     pub(super) fn seeded_forward(
         &self,
         model: &M,
         i: usize,
+        graph: bool,
         batch: &M::Batch,
         x: Option<M::Act>,
     ) -> SegmentOut<M::Act, M::Output> {
@@ -57,7 +60,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             i,
             self.rank,
         );
-        crate::rng::with_seed(&self.device, seed, || model.forward_segment(i, batch, x))
+        self.draws.run(&self.device, seed, i, graph, || {
+            model.forward_segment(i, batch, x)
+        })
     }
 
     /// Fails the step unless the recompute's loss equals the forward's bit for bit: otherwise
