@@ -153,20 +153,36 @@ pub fn values_crc<M: Module>(model: &M) -> u64 {
 
 struct ReadValues<'a> {
     want: &'a HashMap<ParamId, usize>,
-    out: Vec<Option<Vec<f32>>>,
+    out: Vec<Option<TensorData>>,
 }
 
 impl ModuleVisitor for ReadValues<'_> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
         if let Some(&slot) = self.want.get(&p.id) {
-            let data = p.val().into_data();
-            self.out[slot] = data.try_into_vec_as::<f32>().ok();
+            let t = p.val();
+            let n = t.shape().num_elements();
+            self.out[slot] = t.reshape([n]).into_data().try_cast_as::<f32>().ok();
         }
     }
 }
 
 /// Reads the values of the parameters in `want` (id → output slot).
 pub fn read_values<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> Result<Vec<Vec<f32>>> {
+    read_data(model, want)?
+        .into_iter()
+        .map(|d| {
+            d.try_into_vec_as::<f32>()
+                .map_err(|e| Error::Tensor(format!("parameter values: {e:?}")))
+        })
+        .collect()
+}
+
+/// [`read_values`] as burn's flat `f32` data, one host copy of each parameter fewer: stepped in
+/// place and made a tensor again as it is.
+pub(crate) fn read_data<M: Module>(
+    model: &M,
+    want: &HashMap<ParamId, usize>,
+) -> Result<Vec<TensorData>> {
     let mut r = ReadValues {
         want,
         out: vec![None; want.len()],
@@ -264,7 +280,10 @@ pub fn buffers<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
     infos
         .into_iter()
         .zip(r.out)
-        .map(|(p, v)| (p.path, v.unwrap_or_default()))
+        .map(|(p, v)| {
+            let v = v.and_then(|d| d.try_into_vec_as::<f32>().ok());
+            (p.path, v.unwrap_or_default())
+        })
         .collect()
 }
 

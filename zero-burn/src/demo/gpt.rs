@@ -99,7 +99,9 @@ impl Block {
     }
 
     /// Causal self-attention on `[b·t, d]` rows, with burn's `MultiHeadAttention`'s weights and
-    /// arithmetic (scores scaled by `1/√d_k`, masked to its `min_float`, softmax; no dropout).
+    /// arithmetic (scores scaled by `1/√d_k`, softmax; no dropout), masked to −∞ as PyTorch's
+    /// causal attention is (burn's `min_float` gives the same zeros after the softmax, through
+    /// `exp`'s slow underflow path).
     fn attend(&self, rows: Tensor<2>, b: usize, t: usize) -> Tensor<2> {
         let a = &self.attn;
         let (h, dk) = (a.n_heads, a.d_k);
@@ -111,7 +113,7 @@ impl Block {
         let (q, k, v) = (heads(&a.query), heads(&a.key), heads(&a.value));
         let scores = q.matmul(k.transpose()).div_scalar((dk as f32).sqrt());
         let mask = generate_autoregressive_mask(b, t, &rows.device()).reshape([b, 1, t, t]);
-        let weights = softmax(scores.mask_fill(mask, a.min_float), 3);
+        let weights = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
         let context = weights.matmul(v).swap_dims(1, 2).reshape([b * t, h * dk]);
         a.output.forward(context)
     }

@@ -103,7 +103,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     Source::F32(slab) => slab.read(0..real),
                     Source::Half(h, chunk) => h.widen_all(&chunk.bits_of(h, 0..real)),
                 },
-                _ => self.read_unit(u)?[self.rank * c..self.rank * c + real].to_vec(),
+                _ => self.read_unit_range(u, self.rank * c..self.rank * c + real)?,
             },
         })
     }

@@ -162,16 +162,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     packed += 2 * n as u64;
                     Ok(())
                 }
-                _ => match g.into_data().try_into_vec_as::<f32>() {
-                    Ok(g) => {
-                        let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
-                        if let Pending::Host(buf) = p {
-                            write_once(&mut buf[off..off + g.len()], &g);
-                        }
-                        Ok(())
+                // Read where burn's data lies (a Vec of it would be one more copy).
+                _ => (|| {
+                    let bad = |e| Error::Tensor(format!("gradient: {e:?}"));
+                    let data = g.into_data().try_cast_as::<f32>().map_err(bad)?;
+                    let g = data.as_slice::<f32>().map_err(bad)?;
+                    let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
+                    if let Pending::Host(buf) = p {
+                        write_once(&mut buf[off..off + g.len()], g);
                     }
-                    Err(e) => Err(Error::Tensor(format!("gradient: {e:?}"))),
-                },
+                    Ok(())
+                })(),
             };
             if let Err(e) = r {
                 failed.get_or_insert(e);

@@ -253,6 +253,29 @@ impl OptState {
         }
     }
 
+    /// [`Self::step_weights`] for the elements `at..at + w.len()` of trainable unit `u` alone,
+    /// with the weights `w` and their gradients `grads` in host memory, and the state too (the
+    /// caller checks [`Self::device`]): the same elementwise arithmetic as over the whole unit.
+    pub(super) fn step_host_part(
+        &mut self,
+        u: usize,
+        lr: f32,
+        at: usize,
+        grads: &[f32],
+        w: &mut [f32],
+    ) {
+        let (opt, n) = (self.optimizer, self.steps);
+        let s = self.units[u]
+            .as_mut()
+            .expect("only trainable units are stepped");
+        let (m, v) = host_moments(s);
+        let part = at..at + w.len();
+        // An optimizer that keeps no moment has empty ones (`Optimizer::state_buffers`).
+        let m = m.get_mut(part.clone()).unwrap_or_default();
+        let v = v.get_mut(part).unwrap_or_default();
+        optim::step(&opt, lr, n, w, grads, m, v);
+    }
+
     /// Steps trainable unit `u`'s fp32 master (bf16/fp16) with its gradients `grads` at
     /// learning rate `lr`, and hands the new master, where it lives, to `then`.
     pub(super) fn step_master<R>(

@@ -15,7 +15,7 @@
 //!    (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered at
 //!    their next use).
 
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
@@ -34,6 +34,8 @@ use crate::segmented::Segmented;
 enum Publish<O> {
     /// Written into the model as it is (stage 0: the whole unit).
     Write(Vec<f32>),
+    /// [`Publish::Write`] parameter by parameter, as [`ZeroEngine::read_parts`] read them.
+    WriteParts(Vec<(usize, TensorData)>),
     /// [`Publish::Write`] of the unit as a tensor on the optimizer state's device.
     WriteTensor(Box<Tensor<1>>),
     /// The rank's updated fp32 chunk, all-gathered (stages 1–2, stage-3 persistent units): in
@@ -144,24 +146,37 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // With accumulate_before_reduce the reduced chunk sits at the slot's start too.
             let g = grads.slice(off, len, coef);
             let publish = match (half, stage) {
+                (None, 0) if self.opt.device().is_none() => {
+                    // The state in host memory: each parameter is stepped in the vector it was
+                    // read into and written back in it (the same elementwise arithmetic as over
+                    // the unit; its padding, zero in the weights, gradients and moments, stays
+                    // so either way).
+                    let g = g.host();
+                    let mut parts = self.read_parts(u, 0..len)?;
+                    for (at, data) in &mut parts {
+                        let w = data
+                            .as_mut_slice::<f32>()
+                            .map_err(|e| Error::Tensor(format!("parameter values: {e:?}")))?;
+                        let grads = &g[*at..*at + w.len()];
+                        self.opt.step_host_part(u, lr, *at, grads, w);
+                    }
+                    Publish::WriteParts(parts)
+                }
                 (None, 0..=2) => {
                     // The weights are read where the optimizer's state lives: on its device from
                     // the model's tensors, else into host memory.
-                    let mine = self.rank * len..(self.rank + 1) * len;
+                    let mine = if stage == 0 {
+                        0..len
+                    } else {
+                        self.rank * len..(self.rank + 1) * len
+                    };
                     let mut slab = match self.opt.device().cloned() {
                         Some(d) => {
                             let full = self.unit_tensor(u, &d)?;
                             let w = if stage == 0 { full } else { full.slice(mine) };
                             Slab::Device(Box::new(w))
                         }
-                        None => {
-                            let full = self.read_unit(u)?;
-                            Slab::Host(if stage == 0 {
-                                full
-                            } else {
-                                full[mine].to_vec()
-                            })
-                        }
+                        None => Slab::Host(self.read_unit_range(u, mine)?),
                     };
                     self.opt.step_weights(u, lr, g, &mut slab);
                     match (stage, slab) {
@@ -235,6 +250,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Publish::Write(full) | Publish::Gathered(Elems::F32(full)) => {
                     self.unit_values(u, &full, &mut values);
                 }
+                Publish::WriteParts(parts) => self.part_tensors(u, parts, &mut tensors),
                 Publish::WriteTensor(full) => self.unit_tensors(u, &full, &mut tensors),
                 Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
                 Publish::Gathered(Elems::DeviceWords(buf)) => self.install_words(u, &buf, None)?,

@@ -1,9 +1,10 @@
 //! The weights: reading and writing units of the model, installing gathered units, releasing.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use zero_comm::Communicator;
 
 use super::sharded::Source;
@@ -69,14 +70,65 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Reads unit `u`'s parameters from the model into a zero-padded flat buffer of its length.
     pub(super) fn read_unit(&self, u: usize) -> Result<Vec<f32>> {
-        let entries = self.plan.unit_entries(u);
-        let want = self.unit_ids(u);
-        let values = params::read_values(&self.model, &want)?;
-        let mut full = vec![0.0; self.plan.units()[u].len as usize];
-        for (e, v) in entries.iter().zip(values) {
-            full[e.offset as usize..e.offset as usize + v.len()].copy_from_slice(&v);
+        self.read_unit_range(u, 0..self.plan.units()[u].len as usize)
+    }
+
+    /// Elements `range` of unit `u`'s flat values, zero where it has no parameter, reading from
+    /// the model only the parameters that overlap them (a rank's chunk at stages 1–2).
+    pub(super) fn read_unit_range(&self, u: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; range.len()];
+        for (at, data) in self.read_parts(u, range.clone())? {
+            let v = data
+                .as_slice::<f32>()
+                .map_err(|e| Error::Tensor(format!("parameter values: {e:?}")))?;
+            let (from, to) = (at.max(range.start), (at + v.len()).min(range.end));
+            out[from - range.start..to - range.start].copy_from_slice(&v[from - at..to - at]);
         }
-        Ok(full)
+        Ok(out)
+    }
+
+    /// Unit `u`'s parameters that overlap elements `range` of it (and any without elements),
+    /// read from the model as flat `f32` data, in the unit's order, each with its offset.
+    pub(super) fn read_parts(
+        &self,
+        u: usize,
+        range: Range<usize>,
+    ) -> Result<Vec<(usize, TensorData)>> {
+        let entries: Vec<_> = self
+            .plan
+            .unit_entries(u)
+            .iter()
+            .filter(|e| {
+                let (at, n) = (e.offset as usize, e.numel as usize);
+                n == 0 || (at < range.end && at + n > range.start)
+            })
+            .collect();
+        let want = entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (self.params[e.param].id, k))
+            .collect();
+        let data = params::read_data(&self.model, &want)?;
+        Ok(entries
+            .iter()
+            .map(|e| e.offset as usize)
+            .zip(data)
+            .collect())
+    }
+
+    /// Adds unit `u`'s parameters to `tensors`, made from `parts` as [`Self::read_parts`] returns
+    /// them for the whole unit (no copy on the CPU backend).
+    pub(super) fn part_tensors(
+        &self,
+        u: usize,
+        parts: Vec<(usize, TensorData)>,
+        tensors: &mut params::NewTensors,
+    ) {
+        for (e, (_, data)) in self.plan.unit_entries(u).iter().zip(parts) {
+            let p = &self.params[e.param];
+            let t = Tensor::<1>::from_data(data, &self.device);
+            tensors.insert(p.id, (t, p.shape.clone(), p.trainable));
+        }
     }
 
     /// Unit `u`'s flat fp32 values as a tensor on `device` (the optimizer state's), cut and
