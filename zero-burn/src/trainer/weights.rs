@@ -81,8 +81,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let v = data
                 .as_slice::<f32>()
                 .map_err(|e| Error::Tensor(format!("parameter values: {e:?}")))?;
+            // A parameter without elements may lie outside `range`: nothing to copy.
             let (from, to) = (at.max(range.start), (at + v.len()).min(range.end));
-            out[from - range.start..to - range.start].copy_from_slice(&v[from - at..to - at]);
+            if from < to {
+                out[from - range.start..to - range.start].copy_from_slice(&v[from - at..to - at]);
+            }
         }
         Ok(out)
     }
