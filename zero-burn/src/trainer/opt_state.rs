@@ -224,23 +224,22 @@ impl OptState {
     /// update count is [`Self::steps`]): `weights`, the unit's fp32 values and its master, in
     /// place. Where `weights` and the state live apart, the weights cross to the state and back.
     pub(super) fn step_weights(&mut self, u: usize, lr: f32, grads: Grads, weights: &mut Slab) {
-        let (opt, n) = (self.optimizer, self.steps);
-        let s = self.units[u]
-            .as_mut()
-            .expect("only trainable units are stepped");
         let Some(device) = self.device.clone() else {
-            let (m, v) = host_moments(s);
             let grads = grads.host();
             match weights {
-                Slab::Host(w) => optim::step(&opt, lr, n, w, &grads, m, v),
+                Slab::Host(w) => self.step_host_part(u, lr, 0, &grads, w),
                 Slab::Device(_) => {
                     let mut w = weights.read(0..weights.len());
-                    optim::step(&opt, lr, n, &mut w, &grads, m, v);
+                    self.step_host_part(u, lr, 0, &grads, &mut w);
                     weights.write(0, &w);
                 }
             }
             return;
         };
+        let (opt, n) = (self.optimizer, self.steps);
+        let s = self.units[u]
+            .as_mut()
+            .expect("only trainable units are stepped");
         let on_device = matches!(weights, Slab::Device(_));
         let w = match weights {
             Slab::Host(w) => upload(w, &device),
