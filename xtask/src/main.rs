@@ -16,6 +16,8 @@
 //!   `--bundle` builds it for a GPU machine without cargo.
 //! - `ptx`: compiles zero-quant's CUDA kernels to the checked-in PTX (needs libnvrtc, no GPU).
 
+#[cfg(all(feature = "engine", target_os = "linux"))]
+mod alloc;
 mod bench;
 mod ckpt;
 mod gpu_check;

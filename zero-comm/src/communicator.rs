@@ -217,6 +217,12 @@ pub trait Communicator: Send {
         Ok(data)
     }
 
+    /// [`all_gather_host`](Communicator::all_gather_host) of an owned vector. A communicator whose
+    /// buffers are host memory sends the vector itself, with no copy in.
+    fn all_gather_vec<E: Element>(&mut self, send: Vec<E>) -> Result<Vec<E>> {
+        self.all_gather_host(&send)
+    }
+
     /// [`reduce_scatter_host`](Communicator::reduce_scatter_host) of an owned vector. A
     /// communicator whose buffers are host memory sends the vector itself, with no copy in.
     fn reduce_scatter_vec<E: Element>(&mut self, send: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {

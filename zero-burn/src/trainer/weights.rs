@@ -373,7 +373,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 hpz: false,
                 qwz: false,
             }),
-            Elems::F32(piece) => Ok(Elems::F32(comms.world.all_gather_host(&piece)?)),
+            Elems::F32(piece) => Ok(Elems::F32(comms.world.all_gather_vec(piece)?)),
             Elems::U16(_) | Elems::Device(_) | Elems::DeviceWords(_) => Err(Error::Internal(
                 "a post-step gather of a 16-bit or device piece without a device hook".into(),
             )),

@@ -381,6 +381,13 @@ macro_rules! host_buffer_methods {
             Ok(b.into_vec())
         }
 
+        fn all_gather_vec<E: Element>(&mut self, send: Vec<E>) -> Result<Vec<E>> {
+            let s = HostBuffer::from_vec(send);
+            let mut r = self.alloc(s.len() * self.world_size())?;
+            self.all_gather(&s, &mut r)?;
+            Ok(r.into_vec())
+        }
+
         fn reduce_scatter_vec<E: Element>(&mut self, send: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {
             let s = HostBuffer::from_vec(send);
             let mut r = self.alloc(s.len() / self.world_size())?;

@@ -272,6 +272,9 @@ pub(crate) fn all_gather_body<C: Communicator, E: Val>(comm: &mut C, counts: &[u
         comm.all_gather(&send, &mut recv).unwrap();
         let what = label::<C, E>(comm, &format!("all_gather c={c}"));
         assert_bits(&comm.download_vec(&recv).unwrap(), &want, &what);
+        // The owned-vector form (host buffers: the vector itself is sent).
+        let got = comm.all_gather_vec(values::<E>(me, c, salt)).unwrap();
+        assert_bits(&got, &want, &format!("{what}, all_gather_vec"));
 
         let mut buf_host = values::<E>(77 + me, n * c, salt + 2000);
         buf_host[me * c..(me + 1) * c].copy_from_slice(&values::<E>(me, c, salt));
