@@ -362,17 +362,11 @@ macro_rules! host_buffer_methods {
         }
 
         fn all_gather_host<E: Element>(&mut self, send: &[E]) -> Result<Vec<E>> {
-            let s = self.upload(send)?;
-            let mut r = self.alloc(send.len() * self.world_size())?;
-            self.all_gather(&s, &mut r)?;
-            Ok(r.into_vec())
+            self.all_gather_vec(send.to_vec())
         }
 
         fn reduce_scatter_host<E: Element>(&mut self, send: &[E], op: ReduceOp) -> Result<Vec<E>> {
-            let s = self.upload(send)?;
-            let mut r = self.alloc(send.len() / self.world_size())?;
-            self.reduce_scatter(&s, &mut r, op)?;
-            Ok(r.into_vec())
+            self.reduce_scatter_vec(send.to_vec(), op)
         }
 
         fn all_reduce_vec<E: Element>(&mut self, data: Vec<E>, op: ReduceOp) -> Result<Vec<E>> {
