@@ -314,17 +314,67 @@ pub(crate) fn read_tensors<M: Module>(model: &M, want: &HashMap<ParamId, usize>)
     r.out
 }
 
+/// Where a visit finds gradients: read (burn's container keeps its handle) or taken out of it
+/// (the only handle left, so burn hands over the memory without a copy).
+pub(crate) enum GradSource<'a> {
+    Read(&'a GradientsParams),
+    Take(&'a mut GradientsParams),
+}
+
+struct TakeTensors<'a> {
+    want: &'a HashMap<ParamId, usize>,
+    out: Vec<Option<Tensor<1>>>,
+}
+
+impl ModuleMapper for TakeTensors<'_> {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(&slot) = self.want.get(&p.id) else {
+            return p;
+        };
+        let (id, t, mapper) = p.consume();
+        let device = t.device();
+        let n = t.shape().num_elements();
+        self.out[slot] = Some(t.detach().reshape([n]));
+        Param::from_mapped_value(id, Tensor::empty([0; D], &device), mapper)
+    }
+}
+
+/// Takes the parameters in `want` (id → output slot) out of `model`, each as flat data, leaving
+/// tensors of no elements in their place until [`write_tensors`] puts values back. With the
+/// model's handle gone a parameter's memory is handed over, not copied, as [`read_data`] must.
+/// A slot not found in the module, or whose values do not cast to `f32`, is `None`.
+pub(crate) fn take_data<M: Module>(
+    model: &mut M,
+    want: &HashMap<ParamId, usize>,
+) -> Vec<Option<TensorData>> {
+    let mut t = TakeTensors {
+        want,
+        out: vec![None; want.len()],
+    };
+    // The clone shares every tensor; replacing the model drops its handles.
+    *model = model.clone().map(&mut t);
+    t.out
+        .into_iter()
+        .map(|t| t.and_then(|t| t.into_data().try_cast_as::<f32>().ok()))
+        .collect()
+}
+
 struct ReadGrads<'a, F> {
-    grads: &'a GradientsParams,
+    grads: GradSource<'a>,
     want: &'a HashMap<ParamId, usize>,
     sink: F,
 }
 
 impl<F: FnMut(usize, Tensor<1>)> ModuleVisitor for ReadGrads<'_, F> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        if let Some(&slot) = self.want.get(&p.id)
-            && let Some(g) = self.grads.get::<D>(p.id)
-        {
+        let Some(&slot) = self.want.get(&p.id) else {
+            return;
+        };
+        let g = match &mut self.grads {
+            GradSource::Read(g) => g.get::<D>(p.id),
+            GradSource::Take(g) => g.remove::<D>(p.id),
+        };
+        if let Some(g) = g {
             let n = g.shape().num_elements();
             (self.sink)(slot, g.reshape([n]));
         }
@@ -351,6 +401,16 @@ pub fn for_each_grad<M: Module>(
 pub fn for_each_grad_tensor<M: Module>(
     model: &M,
     grads: &GradientsParams,
+    want: &HashMap<ParamId, usize>,
+    sink: impl FnMut(usize, Tensor<1>),
+) {
+    visit_grads(model, GradSource::Read(grads), want, sink);
+}
+
+/// [`for_each_grad_tensor`] from gradients read or taken out of burn's container.
+pub(crate) fn visit_grads<M: Module>(
+    model: &M,
+    grads: GradSource<'_>,
     want: &HashMap<ParamId, usize>,
     sink: impl FnMut(usize, Tensor<1>),
 ) {

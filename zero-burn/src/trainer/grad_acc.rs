@@ -112,6 +112,8 @@ impl GradAcc {
     ) -> Result<()> {
         match (self, words) {
             (GradAcc::F32(s), Elems::F32(r)) if overwrite => s.write(off, &r),
+            // The first micro-step's sums land on the zeros `end_step` left.
+            (GradAcc::F32(s), Elems::F32(r)) if micro == 0 => s.add_to_zeros(off, &r),
             (GradAcc::F32(s), Elems::F32(r)) => s.add(off, &r),
             (GradAcc::Tree { acc, .. }, Elems::F32(r)) if overwrite => acc.write(off, &r),
             (GradAcc::Tree { acc, tree }, Elems::F32(r)) => tree.push(acc, micro, off, r),
@@ -373,5 +375,26 @@ mod tests {
             err.contains("16-bit elements") && err.contains("fp32"),
             "{err}"
         );
+    }
+
+    /// The first micro-step writes its sums over the zeroed fp32 accumulator and later ones add:
+    /// bit for bit what adding every micro-step into zeros gives, `-0.0` included (`0 + -0 = +0`).
+    #[test]
+    fn the_first_micro_step_writes_what_adding_into_zeros_gives() {
+        let steps = [[-0.0f32, 1.5, f32::MIN_POSITIVE], [-0.0, -1.5, 3.0]];
+        let mut acc = GradAcc::F32(Slab::Host(vec![0.0; 4]));
+        let mut oracle = [0.0f32; 4];
+        for (micro, r) in steps.iter().enumerate() {
+            acc.apply(1, Elems::<(), ()>::F32(r.to_vec()), false, micro as u32)
+                .unwrap();
+            for (o, v) in oracle[1..].iter_mut().zip(r) {
+                *o += v;
+            }
+            let Elems::F32(got) = acc.wire::<(), ()>(0..4) else {
+                panic!("fp32 training sends f32")
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&oracle), "after micro-step {micro}");
+        }
     }
 }

@@ -11,7 +11,7 @@ use zero_comm::Communicator;
 
 use super::{Pending, ZeroEngine, check_lr};
 use crate::error::{Error, Result};
-use crate::params;
+use crate::params::{self, GradSource};
 use crate::precision::StepInfo;
 use crate::segmented::Segmented;
 
@@ -40,7 +40,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
                 (0..t.plan.units().len()).map(|_| None).collect();
             for i in (0..segments).rev() {
-                t.collect_grads(i, grads, &mut pending)?;
+                t.collect_grads(i, GradSource::Read(grads), &mut pending)?;
             }
             // The loss is the caller's, so this rank's gradients stand in for `step`'s check of
             // it (the other ranks learn of it from this rank's dropped communicator).
@@ -105,12 +105,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(())
     }
 
-    /// Moves the gradients of segment `seg`'s trainable parameters in `gp` into their units'
+    /// Moves the gradients of segment `seg`'s trainable parameters in `gp` (taken out of it, so
+    /// that burn hands their memory over, where the caller owns it) into their units'
     /// buffers in `pending` (created on first use), on the device where the unit is packed there.
     pub(super) fn collect_grads(
         &mut self,
         seg: usize,
-        gp: &GradientsParams,
+        gp: GradSource<'_>,
         pending: &mut [Option<Pending<C::Buffer<f32>>>],
     ) -> Result<()> {
         let plan = self.plan.clone();
@@ -131,7 +132,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let hook = self.device_tensors.as_deref();
         let mut failed = None;
         let mut packed = 0u64;
-        params::for_each_grad_tensor(&self.model, gp, &want, |slot, g| {
+        params::visit_grads(&self.model, gp, &want, |slot, g| {
             let Some((u, off)) = plan.locate(slots[slot]) else {
                 return;
             };
@@ -169,7 +170,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let g = data.as_slice::<f32>().map_err(bad)?;
                     let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
                     if let Pending::Host(buf) = p {
-                        write_once(&mut buf[off..off + g.len()], g);
+                        super::slab::write_once(&mut buf[off..off + g.len()], g);
                     }
                     Ok(())
                 })(),
@@ -180,16 +181,5 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         });
         self.meter.device_grad_bytes += packed;
         failed.map_or(Ok(()), Err)
-    }
-}
-
-/// `dst = 0 + src`, bit for bit what adding `src` into a zeroed slot gives (`-0.0` becomes
-/// `+0.0`), without reading `dst`: a fresh buffer's pages are the kernel's shared zero page until
-/// written, and a read first makes every page fault twice, the second time with a TLB shootdown
-/// on every core the rank's threads run on. Each parameter lives in one segment, so its slot of
-/// a unit's gradient buffer is written once per micro-step.
-fn write_once(dst: &mut [f32], src: &[f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = s + 0.0;
     }
 }

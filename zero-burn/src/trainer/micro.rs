@@ -10,6 +10,7 @@ use super::sharded::Source;
 use super::{Pending, Ticket, ZeroEngine, words};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
+use crate::params::GradSource;
 use crate::reduction::Reduction;
 use crate::segmented::{Activation, SegmentOut, Segmented};
 
@@ -72,8 +73,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             if i > 0 && grad_out.is_none() {
                 return Err(Error::NoInputGradient { segment: i });
             }
-            let gp = GradientsParams::from_grads(grads, &self.model);
-            self.collect_grads(i, &gp, &mut pending)?;
+            let mut gp = GradientsParams::from_grads(grads, &self.model);
+            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending)?;
             drop(gp);
             if stage3 {
                 self.release_segment(i);
@@ -139,11 +140,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let loss = loss.ok_or_else(|| crate::segmented::wrong_output(0, segments, true))?;
         let value = crate::segmented::loss_value(loss.clone())?;
         let grads = loss.mul_scalar(scale).sum().backward();
-        let gp = GradientsParams::from_grads(grads, &self.model);
+        let mut gp = GradientsParams::from_grads(grads, &self.model);
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
             (0..plan.units().len()).map(|_| None).collect();
         for i in (0..segments).rev() {
-            self.collect_grads(i, &gp, &mut pending)?;
+            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending)?;
         }
         drop(gp);
         for i in (0..segments).rev() {

@@ -103,6 +103,15 @@ impl Slab {
         }
     }
 
+    /// [`Self::add`] into elements known to be zero: in host memory written as `0 + v` (the same
+    /// bits as the addition, `-0.0` becoming `+0.0`) without reading them first.
+    pub(super) fn add_to_zeros(&mut self, at: usize, values: &[f32]) {
+        match self {
+            Slab::Host(v) => write_once(&mut v[at..at + values.len()], values),
+            Slab::Device(_) => self.add(at, values),
+        }
+    }
+
     /// Divides every element by `d`, one IEEE division each, wherever it lives.
     pub(super) fn div(&mut self, d: f32) {
         match self {
@@ -258,6 +267,18 @@ impl Shard {
 
 /// Where the engine's state of `placement` lives for a model on `model`: `None` for host memory
 /// (a CPU backend's device is host memory too), else the model's device without autodiff.
+/// `dst = 0 + src`, bit for bit what adding `src` into a zeroed slot gives (`-0.0` becomes
+/// `+0.0`), without reading `dst`: a fresh buffer's pages are the kernel's shared zero page until
+/// written, and a read first makes every page fault twice, the second time with a TLB shootdown
+/// on every core the rank's threads run on; a reused one is read for nothing. Each parameter
+/// lives in one segment, and each unit's slot is reduced once, so a slot is written once per
+/// micro-step.
+pub(super) fn write_once(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s + 0.0;
+    }
+}
+
 pub(super) fn state_device(placement: Placement, model: &Device) -> Option<Device> {
     let inner = model.clone().inner();
     match placement {

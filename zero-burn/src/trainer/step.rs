@@ -15,7 +15,7 @@
 //!    (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered at
 //!    their next use).
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
@@ -34,8 +34,6 @@ use crate::segmented::Segmented;
 enum Publish<O> {
     /// Written into the model as it is (stage 0: the whole unit).
     Write(Vec<f32>),
-    /// [`Publish::Write`] parameter by parameter, as [`ZeroEngine::read_parts`] read them.
-    WriteParts(Vec<(usize, TensorData)>),
     /// [`Publish::Write`] of the unit as a tensor on the optimizer state's device.
     WriteTensor(Box<Tensor<1>>),
     /// The rank's updated fp32 chunk, all-gathered (stages 1–2, stage-3 persistent units): in
@@ -46,7 +44,7 @@ enum Publish<O> {
     Gather16(Half, Vec<u16>),
     /// Already gathered into the communicator's memory.
     Gathered(O),
-    /// Updated in place in the stage-3 shard.
+    /// Updated in place: in the stage-3 shard, or (stage 0) in the model's own tensors.
     InPlace,
 }
 
@@ -147,20 +145,30 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let g = grads.slice(off, len, coef);
             let publish = match (half, stage) {
                 (None, 0) if self.opt.device().is_none() => {
-                    // The state in host memory: each parameter is stepped in the vector it was
-                    // read into and written back in it (the same elementwise arithmetic as over
-                    // the unit; its padding, zero in the weights, gradients and moments, stays
-                    // so either way).
+                    // The state in host memory: each parameter is taken out of the model (so
+                    // burn hands its memory over), stepped there (the same elementwise arithmetic
+                    // as over the unit; its padding, zero in the weights, gradients and moments,
+                    // stays so either way) and put back before anything else reads the model.
                     let g = g.host();
-                    let mut parts = self.read_parts(u, 0..len)?;
-                    for (at, data) in &mut parts {
-                        let w = data
-                            .as_mut_slice::<f32>()
-                            .map_err(|e| Error::Tensor(format!("parameter values: {e:?}")))?;
-                        let grads = &g[*at..*at + w.len()];
-                        self.opt.step_host_part(u, lr, *at, grads, w);
+                    let (offsets, want) = self.parts_wanted(u, 0..len);
+                    let mut parts = params::take_data(&mut self.model, &want);
+                    // Every part is checked before any is stepped: a refusal leaves the unit as it was.
+                    let found: Option<Vec<&mut [f32]>> = parts
+                        .iter_mut()
+                        .map(|d| d.as_mut().and_then(|d| d.as_mut_slice::<f32>().ok()))
+                        .collect();
+                    let stepped = found.is_some();
+                    for (at, w) in offsets.into_iter().zip(found.unwrap_or_default()) {
+                        self.opt.step_host_part(u, lr, at, &g[at..at + w.len()], w);
                     }
-                    Publish::WriteParts(parts)
+                    let tensors = self.part_tensors(u, parts);
+                    self.model = params::write_tensors(self.model.clone(), tensors);
+                    if !stepped {
+                        return Err(Error::Internal(format!(
+                            "unit {u}: a parameter is not in the module, or not f32 values"
+                        )));
+                    }
+                    Publish::InPlace
                 }
                 (None, 0..=2) => {
                     // The weights are read where the optimizer's state lives: on its device from
@@ -250,7 +258,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 Publish::Write(full) | Publish::Gathered(Elems::F32(full)) => {
                     self.unit_values(u, &full, &mut values);
                 }
-                Publish::WriteParts(parts) => self.part_tensors(u, parts, &mut tensors),
                 Publish::WriteTensor(full) => self.unit_tensors(u, &full, &mut tensors),
                 Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
                 Publish::Gathered(Elems::DeviceWords(buf)) => self.install_words(u, &buf, None)?,

@@ -97,41 +97,46 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         u: usize,
         range: Range<usize>,
     ) -> Result<Vec<(usize, TensorData)>> {
-        let entries: Vec<_> = self
-            .plan
-            .unit_entries(u)
-            .iter()
-            .filter(|e| {
-                let (at, n) = (e.offset as usize, e.numel as usize);
-                n == 0 || (at < range.end && at + n > range.start)
-            })
-            .collect();
-        let want = entries
-            .iter()
-            .enumerate()
-            .map(|(k, e)| (self.params[e.param].id, k))
-            .collect();
+        let (offsets, want) = self.parts_wanted(u, range);
         let data = params::read_data(&self.model, &want)?;
-        Ok(entries
-            .iter()
-            .map(|e| e.offset as usize)
-            .zip(data)
-            .collect())
+        Ok(offsets.into_iter().zip(data).collect())
     }
 
-    /// Adds unit `u`'s parameters to `tensors`, made from `parts` as [`Self::read_parts`] returns
-    /// them for the whole unit (no copy on the CPU backend).
+    /// The offsets of unit `u`'s parameters that overlap elements `range` of it (and of any
+    /// without elements), in the unit's order, and their ids, each mapped to its place there.
+    pub(super) fn parts_wanted(
+        &self,
+        u: usize,
+        range: Range<usize>,
+    ) -> (Vec<usize>, HashMap<ParamId, usize>) {
+        let mut offsets = Vec::new();
+        let mut want = HashMap::new();
+        for e in self.plan.unit_entries(u) {
+            let (at, n) = (e.offset as usize, e.numel as usize);
+            if n == 0 || (at < range.end && at + n > range.start) {
+                want.insert(self.params[e.param].id, offsets.len());
+                offsets.push(at);
+            }
+        }
+        (offsets, want)
+    }
+
+    /// Unit `u`'s parameters, as [`params::take_data`] takes the whole unit out of the model (a
+    /// parameter that was not found stays as it is), made tensors of the model again (no copy
+    /// on the CPU backend), for [`params::write_tensors`].
     pub(super) fn part_tensors(
         &self,
         u: usize,
-        parts: Vec<(usize, TensorData)>,
-        tensors: &mut params::NewTensors,
-    ) {
-        for (e, (_, data)) in self.plan.unit_entries(u).iter().zip(parts) {
+        parts: Vec<Option<TensorData>>,
+    ) -> params::NewTensors {
+        let mut tensors = params::NewTensors::new();
+        for (e, data) in self.plan.unit_entries(u).iter().zip(parts) {
+            let Some(data) = data else { continue };
             let p = &self.params[e.param];
             let t = Tensor::<1>::from_data(data, &self.device);
             tensors.insert(p.id, (t, p.shape.clone(), p.trainable));
         }
+        tensors
     }
 
     /// Unit `u`'s flat fp32 values as a tensor on `device` (the optimizer state's), cut and
