@@ -22,6 +22,7 @@ use zero_core::{Plan, UnitKind};
 
 use super::sharded::Source;
 use super::slab::Slab;
+use super::weights::{cut_range, fill_parts};
 use super::words::{Words, words_device};
 use super::{HOME, ZeroEngine};
 use crate::comms::{Elems, Out};
@@ -44,7 +45,8 @@ enum Publish<O> {
     Gather16(Half, Vec<u16>),
     /// Already gathered into the communicator's memory.
     Gathered(O),
-    /// Updated in place: in the stage-3 shard, or (stage 0) in the model's own tensors.
+    /// Updated in place: in the stage-3 shard, or (stages 0–2 with the state in host memory) in
+    /// the model's own tensors.
     InPlace,
 }
 
@@ -168,6 +170,33 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                             "unit {u}: a parameter is not in the module, or not f32 values"
                         )));
                     }
+                    Publish::InPlace
+                }
+                (None, 1 | 2) if self.opt.device().is_none() && self.device_tensors.is_none() => {
+                    // The unit's parameters are taken out of the model (so burn hands their
+                    // memory over), the rank's chunk is cut from them, stepped and all-gathered,
+                    // and the gathered unit is written into the same memory and put back at
+                    // once: with the values they had if the gather fails.
+                    let (offsets, want) = self.parts_wanted(u, 0..unit.len as usize);
+                    let mut parts = params::take_data(&mut self.model, &want);
+                    let mine = self.rank * len..(self.rank + 1) * len;
+                    let at = offsets.iter().copied();
+                    let gathered = match cut_range(at.zip(parts.iter().map(Option::as_ref)), mine) {
+                        Some(mut w) => {
+                            self.opt.step_host_part(u, lr, 0, &g.host(), &mut w);
+                            let world = &mut self.comms.as_mut().expect(HOME).world;
+                            world.all_gather_vec(w).map_err(Error::from)
+                        }
+                        None => Err(Error::Internal(format!(
+                            "unit {u}: a parameter is not in the module, or not f32 values"
+                        ))),
+                    };
+                    if let Ok(full) = &gathered {
+                        fill_parts(&offsets, &mut parts, full);
+                    }
+                    let tensors = self.part_tensors(u, parts);
+                    self.model = params::write_tensors(self.model.clone(), tensors);
+                    gathered?;
                     Publish::InPlace
                 }
                 (None, 0..=2) => {

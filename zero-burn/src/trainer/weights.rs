@@ -76,18 +76,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Elements `range` of unit `u`'s flat values, zero where it has no parameter, reading from
     /// the model only the parameters that overlap them (a rank's chunk at stages 1–2).
     pub(super) fn read_unit_range(&self, u: usize, range: Range<usize>) -> Result<Vec<f32>> {
-        let mut out = vec![0.0; range.len()];
-        for (at, data) in self.read_parts(u, range.clone())? {
-            let v = data
-                .as_slice::<f32>()
-                .map_err(|e| Error::Tensor(format!("parameter values: {e:?}")))?;
-            // A parameter without elements may lie outside `range`: nothing to copy.
-            let (from, to) = (at.max(range.start), (at + v.len()).min(range.end));
-            if from < to {
-                out[from - range.start..to - range.start].copy_from_slice(&v[from - at..to - at]);
-            }
-        }
-        Ok(out)
+        let parts = self.read_parts(u, range.clone())?;
+        cut_range(parts.iter().map(|(at, d)| (*at, Some(d))), range)
+            .ok_or_else(|| Error::Tensor("parameter values are not f32".into()))
     }
 
     /// Unit `u`'s parameters that overlap elements `range` of it (and any without elements),
@@ -394,6 +385,34 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.meter.gathered_elems -= real;
                 self.meter.gathered_bytes -= std::mem::take(&mut self.meter.unit_gathered_bytes[u]);
             }
+        }
+    }
+}
+
+/// Elements `range` of a unit's flat values from its parameters' data, each at its offset in the
+/// unit, zero where it has no parameter; `None` if a part is missing or not `f32` values.
+pub(super) fn cut_range<'a>(
+    parts: impl IntoIterator<Item = (usize, Option<&'a TensorData>)>,
+    range: Range<usize>,
+) -> Option<Vec<f32>> {
+    let mut out = vec![0.0; range.len()];
+    for (at, data) in parts {
+        let v = data?.as_slice::<f32>().ok()?;
+        // A parameter without elements may lie outside `range`: nothing to copy.
+        let (from, to) = (at.max(range.start), (at + v.len()).min(range.end));
+        if from < to {
+            out[from - range.start..to - range.start].copy_from_slice(&v[from - at..to - at]);
+        }
+    }
+    Some(out)
+}
+
+/// Overwrites each parameter's data in `parts` (at its offset in the unit) with its elements of
+/// `full`, the unit's flat values; a part that is missing or not `f32` values is left as it is.
+pub(super) fn fill_parts(offsets: &[usize], parts: &mut [Option<TensorData>], full: &[f32]) {
+    for (&at, data) in offsets.iter().zip(parts) {
+        if let Some(w) = data.as_mut().and_then(|d| d.as_mut_slice::<f32>().ok()) {
+            w.copy_from_slice(&full[at..at + w.len()]);
         }
     }
 }
