@@ -416,3 +416,51 @@ pub(super) fn fill_parts(offsets: &[usize], parts: &mut [Option<TensorData>], fu
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A unit of 8 elements: a 3-element parameter at 0, one of no elements at 5, a 2-element
+    /// one at 6 (elements 3–4 are padding). Cutting a chunk reads only what overlaps it, zero in
+    /// the padding; writing a gathered unit back fills each parameter from its own offset.
+    #[test]
+    fn a_chunk_is_cut_from_parameters_and_a_unit_is_written_back_into_them() {
+        let offsets = [0, 5, 6];
+        let data = |v: &[f32]| Some(TensorData::new(v.to_vec(), [v.len()]));
+        let mut parts = vec![data(&[1.0, 2.0, 3.0]), data(&[]), data(&[7.0, 8.0])];
+        fn at<'a>(
+            offsets: &[usize],
+            parts: &'a [Option<TensorData>],
+        ) -> Vec<(usize, Option<&'a TensorData>)> {
+            let parts = parts.iter().map(Option::as_ref);
+            offsets.iter().copied().zip(parts).collect()
+        }
+        assert_eq!(
+            cut_range(at(&offsets, &parts), 2..6),
+            Some(vec![3.0, 0.0, 0.0, 0.0])
+        );
+        assert_eq!(cut_range(at(&offsets, &parts), 6..8), Some(vec![7.0, 8.0]));
+
+        let full: Vec<f32> = (10..18).map(|x| x as f32).collect();
+        fill_parts(&offsets, &mut parts, &full);
+        let values =
+            |d: &Option<TensorData>| d.as_ref().unwrap().as_slice::<f32>().unwrap().to_vec();
+        assert_eq!(values(&parts[0]), [10.0, 11.0, 12.0]);
+        assert!(values(&parts[1]).is_empty());
+        assert_eq!(values(&parts[2]), [16.0, 17.0]);
+
+        parts[2] = Some(TensorData::new(vec![1i32, 2], [2]));
+        assert_eq!(
+            cut_range(at(&offsets, &parts), 0..8),
+            None,
+            "not f32 values"
+        );
+        parts[2] = None;
+        assert_eq!(
+            cut_range(at(&offsets, &parts), 0..8),
+            None,
+            "a missing parameter"
+        );
+    }
+}
