@@ -154,7 +154,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let g = g.host();
                     let (offsets, want) = self.parts_wanted(u, 0..len);
                     let mut parts = params::take_data(&mut self.model, &want);
-                    // Every part is checked before any is stepped: a refusal leaves the unit as it was.
+                    // Every part is checked before any is stepped: a refusal leaves the unit as
+                    // it was.
                     let found: Option<Vec<&mut [f32]>> = parts
                         .iter_mut()
                         .map(|d| d.as_mut().and_then(|d| d.as_mut_slice::<f32>().ok()))
