@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use zero_core::{ModelDesc, ParamDesc};
 
 use crate::error::{Error, Result};
@@ -177,8 +177,7 @@ pub fn read_values<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> Resu
         .collect()
 }
 
-/// [`read_values`] as burn's flat `f32` data, one host copy of each parameter fewer: stepped in
-/// place and made a tensor again as it is.
+/// [`read_values`] as burn's flat `f32` data, without the copy into a `Vec`.
 pub(crate) fn read_data<M: Module>(
     model: &M,
     want: &HashMap<ParamId, usize>,
@@ -342,7 +341,8 @@ impl ModuleMapper for TakeTensors<'_> {
 /// Takes the parameters in `want` (id → output slot) out of `model`, each as flat data, leaving
 /// tensors of no elements in their place until [`write_tensors`] puts values back. With the
 /// model's handle gone a parameter's memory is handed over, not copied, as [`read_data`] must.
-/// A slot not found in the module, or whose values do not cast to `f32`, is `None`.
+/// A slot not found in the module is `None`; values that do not cast to `f32` come back as they
+/// are (and go back so).
 pub(crate) fn take_data<M: Module>(
     model: &mut M,
     want: &HashMap<ParamId, usize>,
@@ -355,7 +355,12 @@ pub(crate) fn take_data<M: Module>(
     *model = model.clone().map(&mut t);
     t.out
         .into_iter()
-        .map(|t| t.and_then(|t| t.into_data().try_cast_as::<f32>().ok()))
+        .map(|t| {
+            t.map(|t| match t.into_data() {
+                d if d.dtype() == DType::F32 => d,
+                d => d.clone().try_cast_as::<f32>().unwrap_or(d),
+            })
+        })
         .collect()
 }
 

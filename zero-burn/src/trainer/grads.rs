@@ -105,8 +105,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(())
     }
 
-    /// Moves the gradients of segment `seg`'s trainable parameters in `gp` (taken out of it, so
-    /// that burn hands their memory over, where the caller owns it) into their units'
+    /// Moves the gradients of segment `seg`'s trainable parameters in `gp` (read, or taken out of
+    /// it where the engine owns it, so that burn hands their memory over) into their units'
     /// buffers in `pending` (created on first use), on the device where the unit is packed there.
     pub(super) fn collect_grads(
         &mut self,

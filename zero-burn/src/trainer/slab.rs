@@ -265,8 +265,6 @@ impl Shard {
     }
 }
 
-/// Where the engine's state of `placement` lives for a model on `model`: `None` for host memory
-/// (a CPU backend's device is host memory too), else the model's device without autodiff.
 /// `dst = 0 + src`, bit for bit what adding `src` into a zeroed slot gives (`-0.0` becomes
 /// `+0.0`), without reading `dst`: a fresh buffer's pages are the kernel's shared zero page until
 /// written, and a read first makes every page fault twice, the second time with a TLB shootdown
@@ -279,6 +277,8 @@ pub(super) fn write_once(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// Where the engine's state of `placement` lives for a model on `model`: `None` for host memory
+/// (a CPU backend's device is host memory too), else the model's device without autodiff.
 pub(super) fn state_device(placement: Placement, model: &Device) -> Option<Device> {
     let inner = model.clone().inner();
     match placement {

@@ -13,7 +13,8 @@
 //!    rounding is the new working weights).
 //! 4. **Publish**: write the unit into the model (stage 0), all-gather the updated chunks
 //!    (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered at
-//!    their next use).
+//!    their next use). With the state in host memory, stages 0–2 step the unit's parameters in
+//!    burn's own memory, taken out of the model and put back at once (stages 1–2 gather there).
 
 use burn::tensor::Tensor;
 
@@ -272,7 +273,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // hpZ secondary shards never outlive a weight update.
             self.sharded.clear_secondaries();
         }
-        // Every unit written back in one pass over the model.
+        // The units not yet in the model written back in one pass over it.
         let mut values = params::NewValues::new();
         let mut tensors = params::NewTensors::new();
         for (u, publish) in updates {
