@@ -209,6 +209,21 @@ mod tests {
         Tensor::from_data(TensorData::new(x.to_vec(), [x.len()]), &Device::flex())
     }
 
+    /// Every optimizer, weight decay on in one.
+    fn optimizers() -> [Optimizer; 4] {
+        [
+            Optimizer::default(),
+            Optimizer::AdamW {
+                beta1: 0.8,
+                beta2: 0.95,
+                eps: 1e-6,
+                weight_decay: 0.1,
+            },
+            Optimizer::Sgd { momentum: 0.9 },
+            Optimizer::Sgd { momentum: 0.0 },
+        ]
+    }
+
     fn host(t: &Tensor<1>) -> Vec<u32> {
         t.clone()
             .into_data()
@@ -233,17 +248,7 @@ mod tests {
         };
         let mut w0: Vec<f32> = (0..n).map(|_| next()).collect();
         w0[..4].copy_from_slice(&[0.0, -0.0, 1e-30, -3e30]);
-        for opt in [
-            Optimizer::default(),
-            Optimizer::AdamW {
-                beta1: 0.8,
-                beta2: 0.95,
-                eps: 1e-6,
-                weight_decay: 0.1,
-            },
-            Optimizer::Sgd { momentum: 0.9 },
-            Optimizer::Sgd { momentum: 0.0 },
-        ] {
+        for opt in optimizers() {
             let k = opt.state_buffers();
             let mut w = w0.clone();
             let (mut m, mut v) = (
@@ -286,15 +291,7 @@ mod tests {
         let n = 1037;
         let g: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.37).sin() * 1e-2).collect();
         let w0: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.11).cos()).collect();
-        for opt in [
-            Optimizer::AdamW {
-                beta1: 0.8,
-                beta2: 0.95,
-                eps: 1e-6,
-                weight_decay: 0.1,
-            },
-            Optimizer::Sgd { momentum: 0.9 },
-        ] {
+        for opt in optimizers() {
             let (mut a, mut b) = (w0.clone(), w0.clone());
             let (mut ma, mut va) = (vec![0.0; n], vec![0.0; n]);
             let (mut mb, mut vb) = (vec![0.0; n], vec![0.0; n]);
