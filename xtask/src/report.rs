@@ -169,6 +169,16 @@ fn print_report(r: &RunReport) {
         "throughput: {:.0} tokens/s over {:.1} s",
         r.tokens_per_sec, r.wall_secs
     );
+    for p in &r.shared {
+        println!(
+            "shared: `{}` ({} elements) owned by {}, read by {} too: one parameter, its gradients \
+             summed",
+            p.name,
+            p.numel,
+            p.owner,
+            p.readers.join(", ")
+        );
+    }
     if r.job.zero.precision == Precision::Fp16 {
         println!(
             "fp16 loss scale: {} -> {}; skipped steps (overflow, every rank together): {}",

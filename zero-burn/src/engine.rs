@@ -49,6 +49,7 @@ pub struct EngineBuilder<C: Communicator, M: Segmented> {
     device_quant: Option<Arc<dyn DeviceQuant<C>>>,
     seed: u64,
     buffers: BufferSync,
+    recompute_check: bool,
 }
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
@@ -67,6 +68,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             device_quant: None,
             seed: 0,
             buffers: BufferSync::default(),
+            recompute_check: true,
         }
     }
 }
@@ -115,6 +117,15 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
     /// [`BufferSync::Broadcast`] (rank 0's, as DDP's `broadcast_buffers`) by default.
     pub fn buffers(mut self, sync: BufferSync) -> Self {
         self.buffers = sync;
+        self
+    }
+
+    /// Whether activation checkpointing's recompute of every segment is compared with its first
+    /// forward (the loss bit for bit, every other output by a crc32c of its bytes), failing the
+    /// step with [`Error::RecomputeMismatch`] when they differ. On by default; its cost is in
+    /// BENCHMARKS.md (a copy of each output activation to host memory, twice).
+    pub fn recompute_check(mut self, on: bool) -> Self {
+        self.recompute_check = on;
         self
     }
 
@@ -170,6 +181,7 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
             reduction,
             seed: self.seed,
             buffers: self.buffers,
+            recompute_check: self.recompute_check,
         };
         let mut engine = ZeroEngine::new(plan, self.comm, self.model, options)?;
         if let Some(hook) = self.device_tensors {

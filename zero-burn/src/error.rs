@@ -193,17 +193,23 @@ pub enum Error {
         /// The other failing ranks' errors, `(rank, message)`, in rank order.
         consequences: Vec<(usize, String)>,
     },
-    /// One parameter is reachable from two places in the module (tied weights).
+    /// A segment read a parameter of another segment without visiting it (a tied weight not
+    /// declared): its gradient would be lost, or at stage 3 it was released.
     #[error(
-        "parameter `{path}` is also visited as `{again}` (tied weights); the engine shards, \
-         gathers and reduces each parameter once, so a tied parameter is refused: untie it (two \
-         parameters) or share it outside the module's visit"
+        "segment {reader} reads parameter `{path}` of segment {owner} without visiting it \
+         ({found}); make `visit_segment({reader})` visit it too: a parameter may be visited by \
+         several segments, and the engine then gathers it for each and sums their gradients"
     )]
-    TiedParameter {
-        /// The first path it is visited by.
+    UndeclaredRead {
+        /// The parameter's dotted path.
         path: String,
-        /// The second.
-        again: String,
+        /// The segment that owns it (the first that visits it).
+        owner: usize,
+        /// The segment that read it.
+        reader: usize,
+        /// How it showed: a gradient from the reader's backward, or a read of the released
+        /// parameter (stage 3).
+        found: &'static str,
     },
     /// The model is on a device without autodiff, so nothing in it can be trained.
     #[error(
@@ -217,8 +223,8 @@ pub enum Error {
     /// A segment's recompute (activation checkpointing) did not reproduce its forward: the
     /// gradients would belong to neither.
     #[error(
-        "step {step}, micro-step {micro} on rank {rank}: the recomputed loss {recomputed:e} differs \
-         from the forward's {forward:e}; the model draws randomness the engine cannot replay or \
+        "step {step}, micro-step {micro} on rank {rank}: the recompute of segment {segment} did not \
+         reproduce its forward ({what}); the model draws randomness the engine cannot replay or \
          computes nondeterministically (see `zero_burn::rng`)"
     )]
     RecomputeMismatch {
@@ -228,10 +234,10 @@ pub enum Error {
         micro: u32,
         /// The rank.
         rank: usize,
-        /// The forward's loss.
-        forward: f32,
-        /// The recompute's.
-        recomputed: f32,
+        /// The segment.
+        segment: usize,
+        /// What differs: the loss, or a checksum of the output activation.
+        what: String,
     },
 }
 

@@ -4,14 +4,18 @@
 //! burn's `GradientsParams::get::<D>` panics on a wrong rank `D`, so every read happens inside a
 //! visitor where `D` is the parameter's own rank.
 
-use std::collections::HashMap;
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId, ParamMapper};
 use burn::tensor::{DType, Tensor, TensorData};
 use zero_core::{ModelDesc, ParamDesc};
 
 use crate::error::{Error, Result};
+
+mod grads;
+pub(crate) use grads::{GradSource, visit_grads};
+pub use grads::{for_each_grad, for_each_grad_tensor};
 
 /// One parameter of a burn module.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +46,7 @@ impl ParamInfo {
 struct Describe {
     path: Vec<String>,
     out: Vec<ParamInfo>,
+    seen: HashSet<ParamId>,
 }
 
 impl ModuleVisitor for Describe {
@@ -52,6 +57,10 @@ impl ModuleVisitor for Describe {
         self.path.pop();
     }
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        // A parameter held by two fields (a tied weight) is one parameter, named by the first.
+        if !self.seen.insert(p.id) {
+            return;
+        }
         let t = p.val();
         self.out.push(ParamInfo {
             id: p.id,
@@ -75,7 +84,9 @@ impl ModuleMapper for RequireGrad {
     }
 }
 
-/// The module's float parameters (and buffers) in visit order.
+/// The module's float parameters (and buffers) in visit order, each once: a parameter held by
+/// two fields (a tied weight: the same [`ParamId`]) is one parameter, with the first field's
+/// path.
 ///
 /// burn visits a buffer (`RunningState`) like a parameter that needs no gradient; it differs from
 /// a frozen parameter in that it cannot be made to need one. On an autodiff device every float
@@ -99,21 +110,6 @@ pub fn describe<M: Module>(model: &M) -> Vec<ParamInfo> {
     out
 }
 
-/// Refuses a parameter the module visits twice (tied weights: one `Param` reachable from two
-/// fields, e.g. an embedding shared with the output head), naming both paths.
-pub fn check_untied(params: &[ParamInfo]) -> Result<()> {
-    let mut first: HashMap<ParamId, &str> = HashMap::with_capacity(params.len());
-    for p in params {
-        if let Some(path) = first.insert(p.id, &p.path) {
-            return Err(Error::TiedParameter {
-                path: path.to_string(),
-                again: p.path.clone(),
-            });
-        }
-    }
-    Ok(())
-}
-
 /// A zero-core model description. `group_of(i)` names the unit parameter `i` is gathered with at
 /// stage 3 (e.g. its segment).
 pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(usize) -> String) -> Result<ModelDesc> {
@@ -134,19 +130,21 @@ pub fn model_desc(params: &[ParamInfo], group_of: impl Fn(usize) -> String) -> R
     Ok(m)
 }
 
-struct ValuesCrc(u32);
+struct ValuesCrc(u32, HashSet<ParamId>);
 
 impl ModuleVisitor for ValuesCrc {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        let data = p.val().into_data();
-        self.0 = crc32c::crc32c_append(self.0, data.as_bytes());
+        if self.1.insert(p.id) {
+            let data = p.val().into_data();
+            self.0 = crc32c::crc32c_append(self.0, data.as_bytes());
+        }
     }
 }
 
 /// A crc32c of every float parameter's bytes in visit order (a host read of each, once): equal
 /// models, equal values.
 pub fn values_crc<M: Module>(model: &M) -> u64 {
-    let mut v = ValuesCrc(0);
+    let mut v = ValuesCrc(0, HashSet::new());
     model.visit(&mut v);
     u64::from(v.0)
 }
@@ -158,7 +156,9 @@ struct ReadValues<'a> {
 
 impl ModuleVisitor for ReadValues<'_> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        if let Some(&slot) = self.want.get(&p.id) {
+        if let Some(&slot) = self.want.get(&p.id)
+            && self.out[slot].is_none()
+        {
             let t = p.val();
             let n = t.shape().num_elements();
             self.out[slot] = t.reshape([n]).into_data().try_cast_as::<f32>().ok();
@@ -196,12 +196,52 @@ pub(crate) fn read_data<M: Module>(
         .collect()
 }
 
+/// The tensors a mapper has written, by parameter: a parameter held by two fields (a tied
+/// weight) gets the same tensor in both, so burn's autodiff sees one leaf and sums its gradient.
+#[derive(Default)]
+struct Written(HashMap<ParamId, Box<dyn Any>>);
+
+impl Written {
+    /// The tensor written for `p` earlier in this map, put in this field too.
+    fn again<const D: usize>(
+        &self,
+        p: Param<Tensor<D>>,
+    ) -> std::result::Result<Param<Tensor<D>>, Param<Tensor<D>>> {
+        match self
+            .0
+            .get(&p.id)
+            .and_then(|t| t.downcast_ref::<Tensor<D>>())
+        {
+            Some(t) => {
+                let (id, _, mapper) = p.consume();
+                Ok(Param::from_mapped_value(id, t.clone(), mapper))
+            }
+            None => Err(p),
+        }
+    }
+
+    fn put<const D: usize>(
+        &mut self,
+        id: ParamId,
+        t: Tensor<D>,
+        mapper: ParamMapper<Tensor<D>>,
+    ) -> Param<Tensor<D>> {
+        self.0.insert(id, Box::new(t.clone()));
+        Param::from_mapped_value(id, t, mapper)
+    }
+}
+
 struct WriteValues<'a> {
     values: &'a mut NewValues,
+    written: Written,
 }
 
 impl ModuleMapper for WriteValues<'_> {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let p = match self.written.again(p) {
+            Ok(p) => return p,
+            Err(p) => p,
+        };
         let Some((v, shape, require_grad)) = self.values.remove(&p.id) else {
             return p;
         };
@@ -211,16 +251,21 @@ impl ModuleMapper for WriteValues<'_> {
         if require_grad {
             nt = nt.require_grad();
         }
-        Param::from_mapped_value(id, nt, mapper)
+        self.written.put(id, nt, mapper)
     }
 }
 
 struct WriteTensors<'a> {
     values: &'a mut NewTensors,
+    written: Written,
 }
 
 impl ModuleMapper for WriteTensors<'_> {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let p = match self.written.again(p) {
+            Ok(p) => return p,
+            Err(p) => p,
+        };
         let Some((t, shape, require_grad)) = self.values.remove(&p.id) else {
             return p;
         };
@@ -232,7 +277,7 @@ impl ModuleMapper for WriteTensors<'_> {
         if require_grad {
             nt = nt.require_grad();
         }
-        Param::from_mapped_value(id, nt, mapper)
+        self.written.put(id, nt, mapper)
     }
 }
 
@@ -244,6 +289,7 @@ pub type NewTensors = HashMap<ParamId, (Tensor<1>, Vec<usize>, bool)>;
 pub fn write_tensors<M: Module>(model: M, mut values: NewTensors) -> M {
     model.map(&mut WriteTensors {
         values: &mut values,
+        written: Written::default(),
     })
 }
 
@@ -255,6 +301,7 @@ pub type NewValues = HashMap<ParamId, (Vec<f32>, Vec<usize>, bool)>;
 pub fn write_values<M: Module>(model: M, mut values: NewValues) -> M {
     model.map(&mut WriteValues {
         values: &mut values,
+        written: Written::default(),
     })
 }
 
@@ -293,7 +340,7 @@ struct ReadTensors<'a> {
 
 impl ModuleVisitor for ReadTensors<'_> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        if self.want.contains_key(&p.id) {
+        if self.want.contains_key(&p.id) && !self.out.contains_key(&p.id) {
             let t = p.val();
             let shape = t.dims().to_vec();
             let n: usize = shape.iter().product();
@@ -313,13 +360,6 @@ pub(crate) fn read_tensors<M: Module>(model: &M, want: &HashMap<ParamId, usize>)
     r.out
 }
 
-/// Where a visit finds gradients: read (burn's container keeps its handle) or taken out of it
-/// (the only handle left, so burn hands over the memory without a copy).
-pub(crate) enum GradSource<'a> {
-    Read(&'a GradientsParams),
-    Take(&'a mut GradientsParams),
-}
-
 struct TakeTensors<'a> {
     want: &'a HashMap<ParamId, usize>,
     out: Vec<Option<Tensor<1>>>,
@@ -333,7 +373,10 @@ impl ModuleMapper for TakeTensors<'_> {
         let (id, t, mapper) = p.consume();
         let device = t.device();
         let n = t.shape().num_elements();
-        self.out[slot] = Some(t.detach().reshape([n]));
+        // A second field of a tied weight holds the same tensor: its placeholder too.
+        if self.out[slot].is_none() {
+            self.out[slot] = Some(t.detach().reshape([n]));
+        }
         Param::from_mapped_value(id, Tensor::empty([0; D], &device), mapper)
     }
 }
@@ -364,87 +407,37 @@ pub(crate) fn take_data<M: Module>(
         .collect()
 }
 
-struct ReadGrads<'a, F> {
-    grads: GradSource<'a>,
-    want: &'a HashMap<ParamId, usize>,
-    sink: F,
-}
-
-impl<F: FnMut(usize, Tensor<1>)> ModuleVisitor for ReadGrads<'_, F> {
-    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        let Some(&slot) = self.want.get(&p.id) else {
-            return;
-        };
-        let g = match &mut self.grads {
-            GradSource::Read(g) => g.get::<D>(p.id),
-            GradSource::Take(g) => g.remove::<D>(p.id),
-        };
-        if let Some(g) = g {
-            let n = g.shape().num_elements();
-            (self.sink)(slot, g.reshape([n]));
-        }
-    }
-}
-
-/// Hands the gradient of every parameter in `want` that has one to `sink(slot, values)`, one
-/// parameter at a time (no more than one gradient is copied out at once).
-pub fn for_each_grad<M: Module>(
-    model: &M,
-    grads: &GradientsParams,
-    want: &HashMap<ParamId, usize>,
-    mut sink: impl FnMut(usize, Vec<f32>),
-) {
-    for_each_grad_tensor(model, grads, want, |slot, g| {
-        if let Ok(v) = g.into_data().try_into_vec_as::<f32>() {
-            sink(slot, v);
-        }
-    });
-}
-
-/// [`for_each_grad`] with each gradient as a flat burn tensor where it lives (on a GPU backend:
-/// in device memory, for the zero-copy bridge).
-pub fn for_each_grad_tensor<M: Module>(
-    model: &M,
-    grads: &GradientsParams,
-    want: &HashMap<ParamId, usize>,
-    sink: impl FnMut(usize, Tensor<1>),
-) {
-    visit_grads(model, GradSource::Read(grads), want, sink);
-}
-
-/// [`for_each_grad_tensor`] from gradients read or taken out of burn's container.
-pub(crate) fn visit_grads<M: Module>(
-    model: &M,
-    grads: GradSource<'_>,
-    want: &HashMap<ParamId, usize>,
-    sink: impl FnMut(usize, Tensor<1>),
-) {
-    model.visit(&mut ReadGrads { grads, want, sink });
-}
-
 struct CountResident {
     elems: u64,
+    seen: HashSet<ParamId>,
 }
 
 impl ModuleVisitor for CountResident {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        self.elems += p.val().shape().num_elements() as u64;
+        if self.seen.insert(p.id) {
+            self.elems += p.val().shape().num_elements() as u64;
+        }
     }
 }
 
 /// Elements of parameter storage the module currently holds (released parameters count 0).
 pub fn resident_elems<M: Module>(model: &M) -> u64 {
-    let mut c = CountResident { elems: 0 };
+    let mut c = CountResident {
+        elems: 0,
+        seen: HashSet::new(),
+    };
     model.visit(&mut c);
     c.elems
 }
 
-/// The ids of the float parameters a visit reaches, in order.
+/// The ids of the float parameters a visit reaches, in order, each once.
 #[derive(Default)]
 pub(crate) struct Ids(pub(crate) Vec<ParamId>);
 
 impl ModuleVisitor for Ids {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        self.0.push(p.id);
+        if !self.0.contains(&p.id) {
+            self.0.push(p.id);
+        }
     }
 }

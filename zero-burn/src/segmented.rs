@@ -34,6 +34,9 @@ pub trait Activation: Clone + Send + 'static {
     fn dot(self, g: &Self) -> Tensor<1>;
     /// Zeros of the same shape, without autodiff (the gradient of a part nothing reached).
     fn zeros(&self) -> Self;
+    /// A crc32c of the values' bytes, appended to `crc`: the recompute guard compares the
+    /// recompute's output with the forward's by it.
+    fn checksum(&self, crc: u32) -> u32;
 }
 
 impl<const D: usize> Activation for Tensor<D> {
@@ -48,6 +51,9 @@ impl<const D: usize> Activation for Tensor<D> {
     }
     fn zeros(&self) -> Self {
         self.zeros_like()
+    }
+    fn checksum(&self, crc: u32) -> u32 {
+        crc32c::crc32c_append(crc, self.clone().into_data().as_bytes())
     }
 }
 
@@ -69,6 +75,9 @@ impl<A: Activation, B: Activation> Activation for (A, B) {
     }
     fn zeros(&self) -> Self {
         (self.0.zeros(), self.1.zeros())
+    }
+    fn checksum(&self, crc: u32) -> u32 {
+        self.1.checksum(self.0.checksum(crc))
     }
 }
 
@@ -99,6 +108,9 @@ impl<A: Activation> Activation for Vec<A> {
     fn zeros(&self) -> Self {
         self.iter().map(Activation::zeros).collect()
     }
+    fn checksum(&self, crc: u32) -> u32 {
+        self.iter().fold(crc, |c, a| a.checksum(c))
+    }
 }
 
 /// The activation of a model with a single segment: there is none.
@@ -113,6 +125,9 @@ impl Activation for Infallible {
         match self {}
     }
     fn zeros(&self) -> Self {
+        match *self {}
+    }
+    fn checksum(&self, _: u32) -> u32 {
         match *self {}
     }
 }
@@ -137,9 +152,14 @@ pub enum SegmentOut<A, O = ()> {
 ///
 /// Segments follow the module's parameter visit order: the engine groups parameters by the
 /// segment whose [`visit_segment`](Segmented::visit_segment) visits them, and every float
-/// parameter must be visited by exactly one segment, once (a parameter reachable twice, tied
-/// weights, is refused naming it). At stage 3 each segment's parameters form
-/// its gather group: gathered before the segment runs, released after.
+/// parameter must be visited by at least one segment. A segment visits every parameter its
+/// forward reads: a parameter that several segments read (tied weights, e.g. a GPT head that
+/// reads the token embedding) is visited by each of them. It is still one parameter, owned by the
+/// first segment that visits it: the engine gathers it for every reader, sums their gradients
+/// and reduces it once. A segment that reads a parameter it does not visit fails the step with
+/// [`Error::UndeclaredRead`](crate::Error::UndeclaredRead). At stage 3 each segment's parameters
+/// form its gather group: gathered before the segment runs, released after (a shared one when the
+/// backward is done with it).
 pub trait Segmented: Module + 'static {
     /// One rank's micro-batch: any type (burn-train's `TrainStep::Input`, a `Batcher`'s output).
     type Batch;
@@ -290,37 +310,27 @@ where
     }
 }
 
-/// The segment of every parameter in `params` (visit order): the segment whose
-/// [`Segmented::visit_segment`] visits it. Every parameter must be visited exactly once.
-pub(crate) fn param_segments<M: Segmented>(
+/// The segments that visit every parameter in `params` (visit order), ascending: the first is
+/// its owner, the others read it too (tied weights). Every parameter must be visited by at
+/// least one segment.
+pub(crate) fn param_readers<M: Segmented>(
     model: &M,
     params: &[crate::params::ParamInfo],
-) -> crate::Result<Vec<usize>> {
+) -> crate::Result<Vec<Vec<usize>>> {
     use std::collections::HashMap;
-    let mut seen: HashMap<burn::module::ParamId, usize> = HashMap::new();
+    let mut readers: HashMap<burn::module::ParamId, Vec<usize>> = HashMap::new();
     for i in 0..model.num_segments() {
         let mut ids = crate::params::Ids::default();
         model.visit_segment(i, &mut ids);
         for id in ids.0 {
-            if let Some(first) = seen.insert(id, i)
-                && first != i
-            {
-                let path = params
-                    .iter()
-                    .find(|p| p.id == id)
-                    .map_or_else(|| format!("{id}"), |p| p.path.clone());
-                return Err(crate::Error::Segmentation {
-                    path,
-                    detail: format!("is visited by segments {first} and {i}"),
-                });
-            }
+            readers.entry(id).or_default().push(i);
         }
     }
     params
         .iter()
         .map(|p| {
-            seen.get(&p.id)
-                .copied()
+            readers
+                .remove(&p.id)
                 .ok_or_else(|| crate::Error::Segmentation {
                     path: p.path.clone(),
                     detail: format!(

@@ -28,3 +28,37 @@ fn default_job_loss_trajectory() {
     let again = run_job(&job, &|_, _| {}).unwrap();
     assert_eq!(report.loss, again.loss);
 }
+
+/// The default job with its head tied to the token embedding (`--tie-embeddings`): ZeRO-3 with
+/// qwZ, hpZ and qgZ and activation checkpointing, the embedding gathered for the head too. Its
+/// report lists the shared parameter, its bytes equal the plan, and it learns.
+#[test]
+fn the_default_job_with_a_tied_head_trains_as_planned() {
+    let job = JobConfig {
+        steps: 6,
+        tie_embeddings: true,
+        ..JobConfig::default_job()
+    };
+    let report = run_job(&job, &|_, _| {}).unwrap();
+    assert!(report.comm_matches_plan, "traffic differs from the plan");
+    assert!(report.memory_matches_plan, "model-state bytes differ");
+    let shared: Vec<(&str, &str, &[String])> = report
+        .shared
+        .iter()
+        .map(|p| (p.name.as_str(), p.owner.as_str(), p.readers.as_slice()))
+        .collect();
+    assert_eq!(
+        shared,
+        [("wte.weight", "segment.0", &["segment.5".to_string()][..])]
+    );
+    assert!(report.loss[5] < report.loss[0], "{:?}", report.loss);
+    let untied = run_job(
+        &JobConfig {
+            steps: 1,
+            ..JobConfig::default_job()
+        },
+        &|_, _| {},
+    )
+    .unwrap();
+    assert!(untied.shared.is_empty());
+}

@@ -231,12 +231,14 @@ impl Plan {
                         true,
                     ));
                 }
+                let order = self.gather_order();
                 for (i, u) in self.units().iter().enumerate().rev() {
                     match u.kind {
                         UnitKind::Gather => {
                             // Without activation checkpointing the forward's gathers stay for
-                            // the backward.
-                            if c.recompute() {
+                            // the backward; with it, shared units stay too, and the modules
+                            // before the first that takes a gradient run no backward.
+                            if c.recompute() && order.backward_gather(i) {
                                 let (group, count) = match self.hpz() {
                                     Some(h) => (GroupKind::Hpz, u.len / h.size as u64),
                                     None => (GroupKind::World, u.len / n),

@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod comm_model;
 pub mod config;
 pub mod error;
+pub mod gather;
 pub mod memory;
 pub mod model;
 pub mod plan;
@@ -34,9 +35,10 @@ pub use config::{
     Precision, RunBatch, RunValues, ZeroConfig,
 };
 pub use error::{CheckpointError, Error, Result};
+pub use gather::GatherOrder;
 pub use memory::MemoryModel;
 pub use model::{DType, MAX_MODEL_PARAMS, ModelDesc, ParamDesc};
 pub use plan::{Entry, Fragment, HpzLayout, Plan, Unit, UnitKind};
-pub use report::PlanReport;
+pub use report::{PlanReport, SharedParam};
 pub use topology::{LinkClass, MAX_WORLD_SIZE, Topology};
 pub use traffic::{Collective, CollectiveTraffic, GroupView, LinkBytes, TrafficTable};

@@ -13,8 +13,9 @@
 //!   state. Zero in fp32, where the weight is the master.
 //! - `hpz_secondary`: stage 3 with hpZ: `len/hpz` elements of every gather unit (2Ψ/hpz for 16-bit
 //!   weights).
-//! - `gathered_working_set`: stage 3: the peak of gathered units alive at once (the current unit
-//!   plus one prefetched unit when `prefetch_bucket_size` and `max_live_parameters` allow it).
+//! - `gathered_working_set`: stage 3: the peak of gathered units alive at once: a module's units,
+//!   the shared units (tied weights) still kept, and one prefetched unit when
+//!   `prefetch_bucket_size` and `max_live_parameters` allow it (see [`crate::GatherOrder`]).
 //! - `communication_buffers`: the flat gradient buffer a bucket or unit is reduced from (doubled
 //!   with `overlap_comm`), and the int8/int4 wire buffers of qwZ/qgZ.
 //!
@@ -189,35 +190,6 @@ impl Plan {
         }
         m.device_bytes = m.total_bytes - m.host_bytes;
         m
-    }
-
-    /// Peak gathered elements at stage 3 (0 otherwise): with activation checkpointing, the current
-    /// gather unit plus the next one when it may be prefetched (`len ≤ prefetch_bucket_size` and
-    /// the pair fits in `max_live_parameters`); without, every gather unit (the forward's gathers
-    /// stay for the backward).
-    pub fn peak_gathered(&self) -> u64 {
-        if self.stage() != 3 {
-            return 0;
-        }
-        let g: Vec<u64> = self
-            .units()
-            .iter()
-            .filter(|u| u.kind == UnitKind::Gather)
-            .map(|u| u.len)
-            .collect();
-        if !self.config().recompute() {
-            // Every unit gathered by the forward stays until the backward is done.
-            return g.iter().sum();
-        }
-        let mut peak = 0;
-        for i in 0..g.len() {
-            let mut live = g[i];
-            if i + 1 < g.len() && self.may_prefetch(g[i], g[i + 1]) {
-                live += g[i + 1];
-            }
-            peak = peak.max(live);
-        }
-        peak
     }
 
     /// Whether a gather unit of `next` elements may be prefetched while one of `current` is live.

@@ -54,8 +54,14 @@ pub struct ParamDesc {
     /// the engine.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub buffer: bool,
-    /// The module the parameter belongs to; stage 3 gathers per module.
+    /// The module the parameter belongs to (its owner); stage 3 gathers per module.
     pub module: String,
+    /// Other modules whose forward reads the parameter too (a tied weight: a GPT head that reads
+    /// the token embedding). It is still one parameter: one unit, one gradient (the sum of every
+    /// reader's), reduced once. Stage 3 gathers it at its first reader's forward and keeps it
+    /// until the backward is done with it (see [`crate::GatherOrder`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub readers: Vec<String>,
 }
 
 impl ParamDesc {
@@ -68,7 +74,14 @@ impl ParamDesc {
             trainable: true,
             buffer: false,
             module: module.into(),
+            readers: Vec::new(),
         }
+    }
+
+    /// Marks the parameter read by the forward of `modules` too (besides its own module's).
+    pub fn read_by<S: Into<String>>(mut self, modules: impl IntoIterator<Item = S>) -> Self {
+        self.readers.extend(modules.into_iter().map(Into::into));
+        self
     }
 
     /// Marks the parameter frozen.
@@ -100,12 +113,39 @@ pub const MAX_MODEL_PARAMS: u64 = 1 << 50;
 pub struct ModelDesc {
     /// Parameters in the order the forward pass first uses them.
     pub params: Vec<ParamDesc>,
+    /// The modules in the order the forward runs them. Empty: the order in which the parameters
+    /// first name them as their `module`. A module that owns no parameter and only reads
+    /// another's (see [`ParamDesc::readers`]) needs this list.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub modules: Vec<String>,
 }
 
 impl ModelDesc {
     /// A model from a parameter list.
     pub fn new(params: Vec<ParamDesc>) -> Self {
-        ModelDesc { params }
+        ModelDesc {
+            params,
+            modules: Vec::new(),
+        }
+    }
+
+    /// The modules in the order the forward runs them: [`ModelDesc::modules`], or the order in
+    /// which the parameters first name them.
+    pub fn module_order(&self) -> Vec<&str> {
+        if !self.modules.is_empty() {
+            return self.modules.iter().map(String::as_str).collect();
+        }
+        let mut seen = HashSet::new();
+        self.params
+            .iter()
+            .map(|p| p.module.as_str())
+            .filter(|m| seen.insert(*m))
+            .collect()
+    }
+
+    /// Parameters read by modules other than their own (tied weights), with their readers.
+    pub fn shared(&self) -> impl Iterator<Item = &ParamDesc> {
+        self.params.iter().filter(|p| !p.readers.is_empty())
     }
 
     /// Total elements.
@@ -179,6 +219,7 @@ impl ModelDesc {
                 )));
             }
         }
+        self.validate_modules()?;
         let total = self
             .params
             .iter()
@@ -189,6 +230,44 @@ impl ModelDesc {
                  that every byte count fits in 64 bits",
                 total.map_or_else(|| "over 2^64".to_string(), |t| t.to_string())
             )));
+        }
+        Ok(())
+    }
+
+    /// The module order names every module once, and every reader is a module of it.
+    fn validate_modules(&self) -> Result<()> {
+        let mut order = HashSet::new();
+        for m in &self.modules {
+            if !order.insert(m.as_str()) {
+                return Err(Error::Model(format!(
+                    "module `{m}` is listed twice in `modules`; each runs once"
+                )));
+            }
+        }
+        let order: HashSet<&str> = self.module_order().into_iter().collect();
+        for p in &self.params {
+            if !order.contains(p.module.as_str()) {
+                return Err(Error::Model(format!(
+                    "parameter `{}` belongs to module `{}`, which `modules` does not list",
+                    p.name, p.module
+                )));
+            }
+            let mut seen = HashSet::new();
+            for r in &p.readers {
+                if *r == p.module || !seen.insert(r.as_str()) {
+                    return Err(Error::Model(format!(
+                        "parameter `{}` lists reader `{r}` twice, or its own module as a reader",
+                        p.name
+                    )));
+                }
+                if !order.contains(r.as_str()) {
+                    return Err(Error::Model(format!(
+                        "parameter `{}` is read by module `{r}`, which owns no parameter; list \
+                         the modules in the order the forward runs them (`modules`)",
+                        p.name
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -235,7 +314,7 @@ impl ModelDesc {
                 )
             })
             .collect();
-        Ok(ModelDesc { params })
+        Ok(ModelDesc::new(params))
     }
 
     /// A named preset: `gpt2-small`, `gpt2-medium`, `llama-7b`, `llama-70b`.
@@ -295,7 +374,7 @@ fn gpt2(d: usize, layers: usize) -> ModelDesc {
     }
     p.push(ParamDesc::new("ln_f.weight", &[d], "ln_f"));
     p.push(ParamDesc::new("ln_f.bias", &[d], "ln_f"));
-    ModelDesc { params: p }
+    ModelDesc::new(p)
 }
 
 fn llama(d: usize, layers: usize, ffn: usize, kv: usize) -> ModelDesc {
@@ -322,7 +401,7 @@ fn llama(d: usize, layers: usize, ffn: usize, kv: usize) -> ModelDesc {
     }
     p.push(ParamDesc::new("norm.weight", &[d], "norm"));
     p.push(ParamDesc::new("lm_head.weight", &[vocab, d], "lm_head"));
-    ModelDesc { params: p }
+    ModelDesc::new(p)
 }
 
 #[cfg(test)]

@@ -62,6 +62,10 @@ pub struct Unit {
     pub trainable: bool,
     /// The module of a gather group; the first parameter's module otherwise.
     pub module: String,
+    /// Stage 3: the other modules that read a gather group's parameters (tied weights, see
+    /// [`crate::ParamDesc::readers`]); its parameters all have these readers. Empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub readers: Vec<String>,
     /// Range of this unit's entries in [`Plan::entries`].
     pub entries: Range<usize>,
     /// Offset of the unit in the global flat buffer (elements).
@@ -175,14 +179,16 @@ impl Plan {
                 }
             }
             let mut cur: Vec<usize> = Vec::new();
-            let mut key: Option<(&str, bool)> = None;
+            let mut key: Option<(&str, bool, &[String])> = None;
             for (i, p) in model.params.iter().enumerate() {
                 // Buffers, like persistent parameters, are in no gather unit; they are in no
                 // unit at all (replicated on every rank, at every stage).
                 if persistent[i] || p.buffer {
                     continue;
                 }
-                let k = (p.module.as_str(), p.trainable);
+                // A gather group: consecutive parameters of one module, one trainable flag and
+                // one set of other readers (a tied weight gets a unit of its own).
+                let k = (p.module.as_str(), p.trainable, p.readers.as_slice());
                 if key != Some(k) && !cur.is_empty() {
                     b.push(
                         model,
@@ -194,7 +200,7 @@ impl Plan {
                 key = Some(k);
                 cur.push(i);
             }
-            if let Some((_, t)) = key.filter(|_| !cur.is_empty()) {
+            if let Some((_, t, _)) = key.filter(|_| !cur.is_empty()) {
                 b.push(model, UnitKind::Gather, t, cur);
             }
             for trainable in [true, false] {
@@ -416,10 +422,15 @@ impl Builder {
             off += k;
         }
         let len = off.div_ceil(self.align) * self.align;
+        let first = &model.params[params[0]];
         self.units.push(Unit {
             kind,
             trainable,
-            module: model.params[params[0]].module.clone(),
+            module: first.module.clone(),
+            readers: match kind {
+                UnitKind::Gather => first.readers.clone(),
+                UnitKind::Bucket | UnitKind::Persistent => Vec::new(),
+            },
             entries: start..self.entries.len(),
             flat_offset: self.flat,
             numel: off,

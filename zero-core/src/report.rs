@@ -50,6 +50,22 @@ pub struct PlanReport {
     pub memory: MemoryModel,
     /// Communication model.
     pub comm: CommModel,
+    /// Parameters read by modules other than their own (tied weights), with their readers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shared: Vec<SharedParam>,
+}
+
+/// A parameter that several modules read (a tied weight): one parameter, one unit, one gradient.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SharedParam {
+    /// Its name.
+    pub name: String,
+    /// Its elements.
+    pub numel: u64,
+    /// The module that owns it.
+    pub owner: String,
+    /// The other modules whose forward reads it.
+    pub readers: Vec<String>,
 }
 
 impl Plan {
@@ -77,7 +93,21 @@ impl Plan {
             },
             memory: self.memory(),
             comm: self.comm(rank),
+            shared: self.shared_params(),
         }
+    }
+
+    /// The parameters that several modules read (tied weights), with their owners and readers.
+    pub fn shared_params(&self) -> Vec<SharedParam> {
+        self.model()
+            .shared()
+            .map(|p| SharedParam {
+                name: p.name.clone(),
+                numel: p.numel(),
+                owner: p.module.clone(),
+                readers: p.readers.clone(),
+            })
+            .collect()
     }
 }
 
@@ -155,6 +185,22 @@ impl fmt::Display for PlanReport {
                 f,
                 "buffers: {} elements stay whole on every rank, kept equal by the engine",
                 l.buffer_elems
+            )?;
+        }
+        for p in &self.shared {
+            writeln!(
+                f,
+                "shared: `{}` ({} elements) owned by {}, read by {} too: one parameter, its \
+                 gradients summed{}",
+                p.name,
+                p.numel,
+                p.owner,
+                p.readers.join(", "),
+                if c.stage == 3 {
+                    "; gathered once and kept until the backward is done with it"
+                } else {
+                    ""
+                },
             )?;
         }
         writeln!(f, "\nmemory per rank")?;

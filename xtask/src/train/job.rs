@@ -105,6 +105,7 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     let mut job = JobConfig::default_job();
     job.backend = backend;
     job.model = model_preset(&a.model)?;
+    job.tie_embeddings = a.tie_embeddings;
     // The synthetic language has the model's vocabulary (a --data file brings its own).
     job.data = DataSource::Markov {
         vocab: job.model.vocab,

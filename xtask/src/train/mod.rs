@@ -78,6 +78,10 @@ pub(crate) struct TrainArgs {
     /// stages 0–2 (one autodiff graph); off at stage 3 keeps the gathered weights for the backward.
     #[arg(long)]
     checkpoint_activations: Option<bool>,
+    /// Tie the output layer to the token embedding (GPT-2's weight tying): the head reads the
+    /// embedding's weight, one parameter shared by the first segment and the last.
+    #[arg(long)]
+    tie_embeddings: bool,
     /// Offload the optimizer: its moments and fp32 master weights live in host memory and are
     /// stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`). Default off: they
     /// live on the model's device (host memory on the host backend). Or the config file's.

@@ -52,6 +52,8 @@ pub enum Backend {
 pub struct JobConfig {
     /// Model size (its vocabulary is overridden by the data's).
     pub model: GptConfig,
+    /// The head reuses the token embedding (weight tying; [`GptConfig::init_tied`]).
+    pub tie_embeddings: bool,
     /// The ZeRO configuration.
     pub zero: ZeroConfig,
     /// World size.
@@ -93,6 +95,7 @@ impl JobConfig {
                 heads: 4,
                 layers: 4,
             },
+            tie_embeddings: false,
             zero: ZeroConfig {
                 stage: 3,
                 quantized_weights: true,

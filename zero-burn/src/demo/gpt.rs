@@ -50,14 +50,23 @@ impl GptConfig {
             wpe: EmbeddingConfig::new(self.context, self.d_model).init(device),
             blocks,
             ln_f: LayerNormConfig::new(self.d_model).init(device),
-            head: LinearConfig::new(self.d_model, self.vocab).init(device),
+            head: Some(LinearConfig::new(self.d_model, self.vocab).init(device)),
         };
         deterministic_init(gpt, seed)
+    }
+
+    /// [`Self::init`] with the output layer tied to the token embedding (`logits = ln_f(h)·wteᵀ`,
+    /// GPT-2's weight tying): no head of its own; the last segment reads `wte` too.
+    pub fn init_tied(&self, device: &Device, seed: u64) -> Gpt {
+        let mut gpt = self.init(device, seed);
+        gpt.head = None;
+        gpt
     }
 }
 
 /// A GPT-style decoder: token and position embeddings, pre-norm blocks (causal self-attention and
-/// a GELU MLP), a final norm and an untied head.
+/// a GELU MLP), a final norm and a head of its own or (tied, [`GptConfig::init_tied`]) the token
+/// embedding transposed.
 #[derive(Module, Debug)]
 pub struct Gpt {
     /// Token embedding.
@@ -68,8 +77,8 @@ pub struct Gpt {
     pub blocks: Vec<Block>,
     /// Final norm.
     pub ln_f: LayerNorm,
-    /// Output head.
-    pub head: Linear,
+    /// Output head; `None`: tied to the token embedding.
+    pub head: Option<Linear>,
 }
 
 /// One pre-norm decoder block.
@@ -124,7 +133,8 @@ impl Segmented for Gpt {
     type Act = Tensor<3>;
     type Output = ();
 
-    /// The embeddings, each block, and the head with the loss.
+    /// The embeddings, each block, and the head with the loss (which reads the token embedding
+    /// too when tied).
     fn num_segments(&self) -> usize {
         self.blocks.len() + 2
     }
@@ -138,7 +148,10 @@ impl Segmented for Gpt {
             i if i <= self.blocks.len() => self.blocks[i - 1].visit(visitor),
             _ => {
                 self.ln_f.visit(visitor);
-                self.head.visit(visitor);
+                match &self.head {
+                    Some(head) => head.visit(visitor),
+                    None => self.wte.visit(visitor),
+                }
             }
         }
     }
@@ -149,7 +162,7 @@ impl Segmented for Gpt {
         batch: &TokenBatch,
         x: Option<Tensor<3>>,
     ) -> SegmentOut<Tensor<3>> {
-        let device = self.head.weight.val().device();
+        let device = self.wte.weight.val().device();
         if i == 0 {
             return SegmentOut::Next(self.embed(batch, &device));
         }
@@ -158,7 +171,11 @@ impl Segmented for Gpt {
             return SegmentOut::Next(self.blocks[i - 1].forward(x));
         }
         let [b, t, d] = x.dims();
-        let logits = self.head.forward(self.ln_f.forward(x).reshape([b * t, d]));
+        let h = self.ln_f.forward(x).reshape([b * t, d]);
+        let logits = match &self.head {
+            Some(head) => head.forward(h),
+            None => h.matmul(self.wte.weight.val().transpose()),
+        };
         let targets =
             Tensor::<1, Int>::from_data(TensorData::new(batch.targets.clone(), [b * t]), &device);
         let loss = CrossEntropyLossConfig::new()

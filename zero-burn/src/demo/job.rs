@@ -157,7 +157,10 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
         ..job.zero.clone()
     };
     let compute = Compute::of(job.backend)?;
-    let mut model = model_cfg.init(&compute.device(), job.seed);
+    let mut model = match job.tie_embeddings {
+        true => model_cfg.init_tied(&compute.device(), job.seed),
+        false => model_cfg.init(&compute.device(), job.seed),
+    };
     if let Some(path) = &job.init {
         let bytes = std::fs::read(path).map_err(|e| Error::Init {
             file: path.display().to_string(),

@@ -68,6 +68,9 @@ pub struct RunReport {
     /// rank's figure is the whole device's. Empty (and not written) on flex.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub device_peak_per_rank: Vec<u64>,
+    /// The parameters several segments read (the tied head's token embedding), from the plan.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shared: Vec<zero_core::SharedParam>,
 }
 
 /// The run report of `job` from every rank's summary.
@@ -158,6 +161,7 @@ pub(crate) fn report(
             .map(|r| r.device_peak_bytes)
             .collect::<Option<Vec<u64>>>()
             .unwrap_or_default(),
+        shared: plan.shared_params(),
         job: JobConfig {
             model: model_cfg,
             zero,

@@ -70,25 +70,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 expected: "at least one parameter".into(),
             })?;
         let params = params::describe(&model);
-        params::check_untied(&params)?;
-
-        let desc = &plan.model().params;
-        if desc.len() != params.len()
-            || desc.iter().zip(&params).any(|(d, p)| {
-                d.name != p.path
-                    || d.shape != p.shape
-                    || d.trainable != p.trainable
-                    || d.buffer != p.buffer
-            })
-        {
-            return Err(Error::PlanMismatch {
-                what: "the plan was made for a different model (names, shapes, trainable flags \
-                       or buffers differ)"
-                    .into(),
-            });
-        }
-        let param_segment = crate::segmented::param_segments(&model, &params)?;
-        let layout = RankLayout::new(&plan, model.num_segments(), param_segment)?;
+        let readers = crate::segmented::param_readers(&model, &params)?;
+        check_plan_describes(&plan, &crate::describe_model(&model)?)?;
+        let layout = RankLayout::new(&plan, model.num_segments(), readers)?;
         // Every local check is done: now every rank must agree before anything moves.
         check_ranks_agree(&mut world, &plan, &options, &model)?;
         let units = plan.units();
@@ -245,6 +229,46 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             .locate(i)
             .is_some_and(|(u, _)| self.plan.units()[u].kind == UnitKind::Gather)
     }
+}
+
+/// Refuses a plan made for another model: other names, shapes, trainable flags or buffers, or
+/// other segments (the parameters' owners and readers, the segments' order).
+fn check_plan_describes(plan: &Plan, model: &zero_core::ModelDesc) -> Result<()> {
+    let desc = &plan.model().params;
+    let mismatch = |what: String| Err(Error::PlanMismatch { what });
+    if desc.len() != model.params.len()
+        || desc.iter().zip(&model.params).any(|(d, p)| {
+            d.name != p.name
+                || d.shape != p.shape
+                || d.trainable != p.trainable
+                || d.buffer != p.buffer
+        })
+    {
+        return mismatch(
+            "the plan was made for a different model (names, shapes, trainable flags or buffers \
+             differ)"
+                .into(),
+        );
+    }
+    if let Some((d, p)) = desc
+        .iter()
+        .zip(&model.params)
+        .find(|(d, p)| d.module != p.module || (!d.buffer && d.readers != p.readers))
+    {
+        return mismatch(format!(
+            "the plan puts `{}` in module `{}` read by {:?}, the model's segments in `{}` read by \
+             {:?} (make the plan with `plan_for`)",
+            d.name, d.module, d.readers, p.module, p.readers
+        ));
+    }
+    if plan.model().module_order() != model.module_order() {
+        return mismatch(format!(
+            "the plan runs the modules {:?}, the model the segments {:?}",
+            plan.model().module_order(),
+            model.module_order()
+        ));
+    }
+    Ok(())
 }
 
 /// What [`Reduction::CanonicalTree`] needs: a communicator that sums in the pairwise-tree order,

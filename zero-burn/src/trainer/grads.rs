@@ -9,6 +9,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use zero_comm::Communicator;
 
+use super::micro::Stash;
 use super::{Pending, ZeroEngine, check_lr};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
@@ -40,7 +41,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
                 (0..t.plan.units().len()).map(|_| None).collect();
             for i in (0..segments).rev() {
-                t.collect_grads(i, GradSource::Read(grads), &mut pending)?;
+                t.collect_grads(i, GradSource::Read(grads), &mut pending, None)?;
             }
             // The loss is the caller's, so this rank's gradients stand in for `step`'s check of
             // it (the other ranks learn of it from this rank's dropped communicator).
@@ -108,19 +109,30 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Moves the gradients of segment `seg`'s trainable parameters in `gp` (read, or taken out of
     /// it where the engine owns it, so that burn hands their memory over) into their units'
     /// buffers in `pending` (created on first use), on the device where the unit is packed there.
+    ///
+    /// With a `stash` (activation checkpointing: one backward per segment), the segment's part
+    /// of a shared parameter it reads but does not own is added to the stash, and the owner's
+    /// backward adds its own part to what the readers left there (burn's order: earlier
+    /// backward first). Without (one backward over every segment, or the caller's gradients),
+    /// burn has summed the readers' parts already and the owner alone collects them.
     pub(super) fn collect_grads(
         &mut self,
         seg: usize,
         gp: GradSource<'_>,
         pending: &mut [Option<Pending<C::Buffer<f32>>>],
+        mut stash: Option<&mut Stash>,
     ) -> Result<()> {
         let plan = self.plan.clone();
         let mut want = HashMap::new();
         let mut slots = Vec::new();
+        let mut owned = Vec::new();
         for (i, p) in self.params.iter().enumerate() {
-            if self.layout.param_segment[i] == seg && p.trainable {
+            let own = self.layout.param_segment[i] == seg;
+            let read = stash.is_some() && self.layout.param_readers[i].contains(&seg);
+            if p.trainable && (own || read) {
                 want.insert(p.id, slots.len());
                 slots.push(i);
+                owned.push(own);
             }
         }
         let device: Vec<bool> = (0..plan.units().len())
@@ -130,55 +142,88 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             .map(|u| self.packs_words_on_device(u))
             .collect();
         let hook = self.device_tensors.as_deref();
+        let params = &self.params;
         let mut failed = None;
         let mut packed = 0u64;
-        params::visit_grads(&self.model, gp, &want, |slot, g| {
-            let Some((u, off)) = plan.locate(slots[slot]) else {
+        let mut put = |i: usize, g: Tensor<1>| {
+            let Some((u, off)) = plan.locate(i) else {
                 return;
             };
             let (len, off) = (plan.units()[u].len as usize, off as usize);
-            let r = match (hook, device[u]) {
-                // Each parameter lives in one segment, so its slot is written once: a copy.
-                (Some(hook), true) => (|| {
-                    if pending[u].is_none() {
-                        pending[u] = Some(Pending::Device(hook.zeros(len)?));
+            let n = g.shape().num_elements();
+            let r = if n != params[i].numel() {
+                Err(Error::Tensor(format!(
+                    "the gradient of `{}` has {n} elements, expected {}: a segment read it \
+                     while it was released (stage 3); visit it from every segment that reads it",
+                    params[i].path,
+                    params[i].numel()
+                )))
+            } else {
+                match (hook, device[u]) {
+                    // Each parameter is collected once, by its owner: a copy.
+                    (Some(hook), true) => (|| {
+                        if pending[u].is_none() {
+                            pending[u] = Some(Pending::Device(hook.zeros(len)?));
+                        }
+                        packed += 4 * n as u64;
+                        match &mut pending[u] {
+                            Some(Pending::Device(buf)) => hook.copy_in(buf, off, &g),
+                            _ => Ok(()),
+                        }
+                    })(),
+                    // Placed in the unit's f32 tensor on the device as `0 + g` (as in host memory).
+                    _ if words[u] => {
+                        let p = pending[u].get_or_insert_with(|| {
+                            Pending::Tensor(Box::new(Tensor::zeros([len], &g.device())))
+                        });
+                        if let Pending::Tensor(t) = p {
+                            // Taken out so the tensor is the only handle: burn writes in place.
+                            let unit = std::mem::replace(&mut **t, Tensor::empty([0], &g.device()));
+                            **t = unit.slice_assign(off..off + n, g.add_scalar(0.0));
+                        }
+                        packed += 2 * n as u64;
+                        Ok(())
                     }
-                    packed += 4 * g.shape().num_elements() as u64;
-                    match &mut pending[u] {
-                        Some(Pending::Device(buf)) => hook.copy_in(buf, off, &g),
-                        _ => Ok(()),
-                    }
-                })(),
-                // Placed in the unit's f32 tensor on the device as `0 + g` (as in host memory).
-                _ if words[u] => {
-                    let n = g.dims()[0];
-                    let p = pending[u].get_or_insert_with(|| {
-                        Pending::Tensor(Box::new(Tensor::zeros([len], &g.device())))
-                    });
-                    if let Pending::Tensor(t) = p {
-                        // Taken out so the tensor is the only handle: burn writes in place.
-                        let unit = std::mem::replace(&mut **t, Tensor::empty([0], &g.device()));
-                        **t = unit.slice_assign(off..off + n, g.add_scalar(0.0));
-                    }
-                    packed += 2 * n as u64;
-                    Ok(())
+                    // Read where burn's data lies (a Vec of it would be one more copy).
+                    _ => (|| {
+                        let bad = |e| Error::Tensor(format!("gradient: {e:?}"));
+                        let data = g.into_data().try_cast_as::<f32>().map_err(bad)?;
+                        let g = data.as_slice::<f32>().map_err(bad)?;
+                        let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
+                        if let Pending::Host(buf) = p {
+                            super::slab::write_once(&mut buf[off..off + g.len()], g);
+                        }
+                        Ok(())
+                    })(),
                 }
-                // Read where burn's data lies (a Vec of it would be one more copy).
-                _ => (|| {
-                    let bad = |e| Error::Tensor(format!("gradient: {e:?}"));
-                    let data = g.into_data().try_cast_as::<f32>().map_err(bad)?;
-                    let g = data.as_slice::<f32>().map_err(bad)?;
-                    let p = pending[u].get_or_insert_with(|| Pending::Host(vec![0.0; len]));
-                    if let Pending::Host(buf) = p {
-                        super::slab::write_once(&mut buf[off..off + g.len()], g);
-                    }
-                    Ok(())
-                })(),
             };
             if let Err(e) = r {
                 failed.get_or_insert(e);
             }
+        };
+        params::visit_grads(&self.model, gp, &want, |slot, g| {
+            let i = slots[slot];
+            let Some(stash) = stash.as_deref_mut() else {
+                return put(i, g);
+            };
+            let g = match stash.remove(&i) {
+                Some(earlier) => earlier + g,
+                None => g,
+            };
+            if owned[slot] {
+                put(i, g);
+            } else {
+                stash.insert(i, g);
+            }
         });
+        // An owned parameter whose gradient came only from the segments that read it.
+        if let Some(stash) = stash {
+            for (&i, _) in slots.iter().zip(&owned).filter(|(_, own)| **own) {
+                if let Some(g) = stash.remove(&i) {
+                    put(i, g);
+                }
+            }
+        }
         self.meter.device_grad_bytes += packed;
         failed.map_or(Ok(()), Err)
     }

@@ -2,20 +2,25 @@
 //! plan (its units and its schedule) and the model's segments: pure (no burn, no communicator)
 //! and immutable after the engine is built.
 
-use zero_core::{Collective, GroupKind, Phase, Plan, UnitKind};
+use zero_core::{Collective, GatherOrder, GroupKind, Phase, Plan, UnitKind};
 
 use crate::error::{Error, Result};
 
 /// One rank's layout of the plan's units over the model's segments and its flat buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct RankLayout {
-    /// Segment of every parameter (indexed like the plan's model).
+    /// The segment that owns every parameter (indexed like the plan's model): the first that
+    /// visits it.
     pub(crate) param_segment: Vec<usize>,
+    /// The segments that visit every parameter, ascending (the owner first; more than one for a
+    /// tied weight).
+    pub(crate) param_readers: Vec<Vec<usize>>,
     /// Units completed by each segment's backward (the lowest segment of their parameters), in
     /// plan order: their reductions are submitted once that segment's backward is done.
     pub(crate) completes_at: Vec<Vec<usize>>,
-    /// Stage-3 gather units used by each segment, in plan order.
-    pub(crate) seg_units: Vec<Vec<usize>>,
+    /// The plan's order of the segments: the stage-3 gather units each needs
+    /// (`order.needs`), which run a backward, how long shared units stay.
+    pub(crate) order: GatherOrder,
     /// Offset of each trainable unit in the gradient accumulator (whole units at stage 0 and at
     /// stage 1 with `accumulate_before_reduce`, the rank's chunk otherwise).
     pub(crate) acc_offset: Vec<Option<usize>>,
@@ -46,16 +51,35 @@ pub(crate) enum ReduceBy {
 }
 
 impl RankLayout {
-    /// The layout of `plan` for a model of `segments` segments whose parameter `i` runs in
-    /// segment `param_segment[i]`. A stage-3 gather unit must lie within one segment.
-    pub(crate) fn new(plan: &Plan, segments: usize, param_segment: Vec<usize>) -> Result<Self> {
+    /// The layout of `plan` for a model of `segments` segments whose parameter `i` is visited
+    /// by segments `param_readers[i]` (ascending). A stage-3 gather unit must lie within one
+    /// segment, and the plan's modules must be the segments.
+    pub(crate) fn new(
+        plan: &Plan,
+        segments: usize,
+        param_readers: Vec<Vec<usize>>,
+    ) -> Result<Self> {
         let units = plan.units();
         let stage = plan.stage();
         let n = plan.world_size();
         let full_acc = stage == 0 || (stage == 1 && plan.config().accumulate_before_reduce);
+        let order = plan.gather_order();
+        if order.modules.len() != segments {
+            return Err(Error::PlanMismatch {
+                what: format!(
+                    "the plan runs {} modules, the model has {segments} segments",
+                    order.modules.len()
+                ),
+            });
+        }
+        let param_segment = param_readers
+            .iter()
+            .map(|r| r.first().copied().unwrap_or(usize::MAX))
+            .collect();
         let mut l = RankLayout {
             completes_at: vec![Vec::new(); segments],
-            seg_units: vec![Vec::new(); segments],
+            param_readers,
+            order,
             acc_offset: vec![None; units.len()],
             opt_offset: vec![None; units.len()],
             acc_len: 0,
@@ -83,17 +107,25 @@ impl RankLayout {
                 l.opt_offset[u] = Some(l.opt_len);
                 l.opt_len += if stage == 0 { len } else { len / n };
             }
-            if unit.kind == UnitKind::Gather {
-                if lo != hi {
-                    return Err(Error::PlanMismatch {
-                        what: format!(
-                            "gather unit {u} spans segments {lo}..={hi}; group parameters by \
-                             segment"
-                        ),
-                    });
-                }
-                l.seg_units[lo].push(u);
+            if unit.kind == UnitKind::Gather && lo != hi {
+                return Err(Error::PlanMismatch {
+                    what: format!(
+                        "gather unit {u} spans segments {lo}..={hi}; group parameters by segment"
+                    ),
+                });
             }
+        }
+        // A unit is reduced after the backward of its lowest segment, which must run one.
+        if let Some(s) =
+            (0..l.order.backward_from.min(segments)).find(|&s| !l.completes_at[s].is_empty())
+        {
+            return Err(Error::PlanMismatch {
+                what: format!(
+                    "segment {s} owns trainable units but runs no backward (the plan's backward \
+                     starts at segment {})",
+                    l.order.backward_from
+                ),
+            });
         }
         l.read_schedule(plan)?;
         Ok(l)
@@ -110,6 +142,12 @@ impl RankLayout {
                 (Phase::GradReduce, Collective::ReduceScatter) => ReduceBy::ReduceScatter,
                 (Phase::GradReduce, Collective::AllToAll) => ReduceBy::Qgz,
                 (Phase::Backward, Collective::AllGather) => {
+                    if !self.order.backward_gather(u) {
+                        return mismatch(format!(
+                            "the schedule gathers unit {u} for the backward, which keeps it from \
+                             the forward or runs no backward for its segment"
+                        ));
+                    }
                     self.backward_gather[u] = Some(op.group);
                     continue;
                 }
@@ -166,6 +204,11 @@ mod tests {
         ])
     }
 
+    /// Every parameter visited by one segment, `segment[i]`.
+    fn owners(segment: &[usize]) -> Vec<Vec<usize>> {
+        segment.iter().map(|&s| vec![s]).collect()
+    }
+
     fn plan(cfg: ZeroConfig) -> Plan {
         Plan::new(&model(), Topology::single_node(2).unwrap(), &cfg).unwrap()
     }
@@ -185,7 +228,7 @@ mod tests {
                 reduce_bucket_size: 8,
                 ..Default::default()
             });
-            let l = RankLayout::new(&p, 2, vec![0, 0, 1, 1]).unwrap();
+            let l = RankLayout::new(&p, 2, owners(&[0, 0, 1, 1])).unwrap();
             let (mut acc, mut opt) = (0, 0);
             for (u, unit) in p.units().iter().enumerate() {
                 let len = unit.len as usize;
@@ -212,8 +255,8 @@ mod tests {
             param_persistence_threshold: 0,
             ..Default::default()
         });
-        let l = RankLayout::new(&p, 2, vec![0, 0, 1, 1]).unwrap();
-        for (s, units) in l.seg_units.iter().enumerate() {
+        let l = RankLayout::new(&p, 2, owners(&[0, 0, 1, 1])).unwrap();
+        for (s, units) in l.order.needs.iter().enumerate() {
             assert!(!units.is_empty(), "segment {s} has gather units");
             for &u in units {
                 assert_eq!(p.units()[u].kind, UnitKind::Gather);
@@ -243,7 +286,7 @@ mod tests {
                 param_persistence_threshold: 0,
                 ..Default::default()
             });
-            let l = RankLayout::new(&p, 2, vec![0, 0, 1, 1]).unwrap();
+            let l = RankLayout::new(&p, 2, owners(&[0, 0, 1, 1])).unwrap();
             for (u, unit) in p.units().iter().enumerate() {
                 let reduce = unit.trainable.then_some(want);
                 assert_eq!(l.reduce[u], reduce, "stage {stage} unit {u}");
@@ -264,8 +307,8 @@ mod tests {
             param_persistence_threshold: 0,
             ..Default::default()
         });
-        // One segment per parameter: some gather unit holds parameters of two segments.
-        let err = RankLayout::new(&p, 4, vec![0, 1, 2, 3]).unwrap_err();
+        // `a.b` in segment 1: the gather unit of module `a` holds parameters of two segments.
+        let err = RankLayout::new(&p, 2, owners(&[0, 1, 1, 1])).unwrap_err();
         assert!(
             matches!(&err, Error::PlanMismatch { what } if what.contains("spans segments")),
             "{err}"

@@ -47,44 +47,55 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if !plan.config().recompute() {
             return self.micro_step_one_graph(exec, batch, scale, max_reduces);
         }
-        let (loss, acts, _) = self.forward(exec, batch, true)?;
+        let fwd = self.forward(exec, batch, true)?;
         // The buffers as the forward left them: the recompute updates them again.
         let buffers = self.has_buffers().then(|| self.snapshot_buffers());
-        // Backward, recomputing each segment.
+        // Backward, recomputing each segment from the first that takes a gradient on (the
+        // segments before it are neither recomputed nor back-propagated: their outputs are kept).
+        let from = self.layout.order.backward_from;
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
             (0..plan.units().len()).map(|_| None).collect();
+        let mut stash = Stash::new();
         let mut grad_out: Option<M::Act> = None;
-        for i in (0..segments).rev() {
+        for i in (from..segments).rev() {
             if stage3 {
                 self.gather_segment(exec, i, true)?;
             }
-            let x = (i > 0).then(|| acts[i - 1].leaf());
-            let out = self.seeded_forward(&self.model, i, true, batch, x.clone());
+            // The first segment that runs a backward needs no gradient for its input.
+            let x = (i > 0).then(|| match i > from {
+                true => fwd.acts[i - 1].leaf(),
+                false => fwd.acts[i - 1].clone(),
+            });
+            let out = self.seeded_forward(&self.model, i, true, batch, x.clone())?;
             let surrogate = match (out, &grad_out) {
                 (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), None) => {
-                    self.check_recomputed_loss(loss, l.clone())?;
+                    self.check_recomputed_loss(i, fwd.loss, l.clone())?;
                     l.mul_scalar(scale).sum()
                 }
-                (SegmentOut::Next(y), Some(g)) => y.dot(g),
+                (SegmentOut::Next(y), Some(g)) => {
+                    self.check_recomputed_output(i, fwd.sums[i], &y)?;
+                    y.dot(g)
+                }
                 (_, g) => return Err(crate::segmented::wrong_output(i, segments, g.is_none())),
             };
             let grads = surrogate.backward();
-            grad_out = x.as_ref().and_then(|x| x.grad(&grads));
-            if i > 0 && grad_out.is_none() {
+            grad_out = x.as_ref().filter(|_| i > from).and_then(|x| x.grad(&grads));
+            if i > from && grad_out.is_none() {
                 return Err(Error::NoInputGradient { segment: i });
             }
             let mut gp = GradientsParams::from_grads(grads, &self.model);
-            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending)?;
+            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending, Some(&mut stash))?;
+            self.check_no_stray_grads(i, &gp)?;
             drop(gp);
             if stage3 {
-                self.release_segment(i);
+                self.release_where(i, |o, u| o.released_after_backward(u, i));
             }
             self.reduce_completed(exec, i, &mut pending, max_reduces)?;
         }
         if let Some(b) = buffers {
             self.restore_buffers(b);
         }
-        Ok(loss)
+        Ok(fwd.loss)
     }
 
     /// Submits the reductions of the units segment `i`'s backward completed, keeping at most
@@ -129,7 +140,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.gather_segment(exec, i, false)?;
             }
             match (
-                self.seeded_forward(&self.model, i, true, batch, x.take()),
+                self.seeded_forward(&self.model, i, true, batch, x.take())?,
                 i + 1 == segments,
             ) {
                 (SegmentOut::Loss(l) | SegmentOut::LossAnd(l, _), true) => loss = Some(l),
@@ -143,13 +154,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let mut gp = GradientsParams::from_grads(grads, &self.model);
         let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
             (0..plan.units().len()).map(|_| None).collect();
+        // One graph: burn summed the gradients of a shared parameter over its readers; its owner
+        // collects them.
         for i in (0..segments).rev() {
-            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending)?;
+            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending, None)?;
         }
         drop(gp);
         for i in (0..segments).rev() {
             if stage3 {
-                self.release_segment(i);
+                self.release_where(i, |o, u| o.released_after_backward(u, i));
             }
             self.reduce_completed(exec, i, &mut pending, max_reduces)?;
         }
@@ -157,13 +170,14 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// The forward pass segment by segment (stage 3: gathered before, released after), keeping
-    /// only the activations between segments. Returns the loss and those activations.
+    /// only the activations between segments.
     ///
     /// `train`: the first forward of activation checkpointing, in training mode exactly as the
     /// recompute will run it (BatchNorm on batch statistics, updating its running statistics;
     /// Dropout drawing from the seeded generator), on the autodiff device with no parameter
-    /// requiring a gradient, so no graph is kept. Otherwise an evaluation: the model made
-    /// `valid()` (inference mode, no autodiff).
+    /// requiring a gradient, so no graph is kept; shared units stay gathered for the backward,
+    /// and the outputs the recompute will reproduce are checksummed for its guard. Otherwise an
+    /// evaluation: the model made `valid()` (inference mode, no autodiff).
     pub(super) fn forward(
         &mut self,
         exec: &mut Exec<C, Ticket>,
@@ -172,9 +186,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     ) -> Result<Forward<M>> {
         let stage3 = self.plan.stage() == 3;
         let segments = self.model.num_segments();
-        let mut acts: Vec<M::Act> = Vec::with_capacity(segments);
-        let mut loss = 0.0f32;
-        let mut output = None;
+        let guard = train && self.recompute_guarded();
+        let mut fwd: Forward<M> = Forward {
+            loss: 0.0,
+            acts: Vec::with_capacity(segments),
+            output: None,
+            sums: vec![None; segments],
+        };
         for i in 0..segments {
             if stage3 {
                 self.gather_segment(exec, i, false)?;
@@ -182,27 +200,34 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // No parameter requires a gradient: a graph recorded here would never be consumed,
             // and it would keep the released weights alive. The backward recomputes the segment
             // with gradients.
-            let x = (i > 0).then(|| acts[i - 1].clone());
+            let x = (i > 0).then(|| fwd.acts[i - 1].clone());
             let out = if train {
                 let model = self.model.clone().no_grad();
-                self.seeded_forward(&model, i, false, batch, x)
+                self.seeded_forward(&model, i, false, batch, x)?
             } else {
-                self.model.valid().forward_segment(i, batch, x)
+                let model = self.model.valid();
+                self.guarded(i, batch, x, |x| model.forward_segment(i, batch, x))?
             };
             match (out, i + 1 == segments) {
-                (SegmentOut::Loss(l), true) => loss = crate::segmented::loss_value(l)?,
+                (SegmentOut::Loss(l), true) => fwd.loss = crate::segmented::loss_value(l)?,
                 (SegmentOut::LossAnd(l, o), true) => {
-                    loss = crate::segmented::loss_value(l)?;
-                    output = Some(o);
+                    fwd.loss = crate::segmented::loss_value(l)?;
+                    fwd.output = Some(o);
                 }
-                (SegmentOut::Next(y), false) => acts.push(y),
+                (SegmentOut::Next(y), false) => {
+                    // Recomputed (and so checked) from the first segment that runs a backward.
+                    if guard && i >= self.layout.order.backward_from {
+                        fwd.sums[i] = Some(y.checksum(0));
+                    }
+                    fwd.acts.push(y);
+                }
                 (_, last) => return Err(crate::segmented::wrong_output(i, segments, last)),
             }
             if stage3 {
-                self.release_segment(i);
+                self.release_where(i, |o, u| o.released_after_forward(u, i, train));
             }
         }
-        Ok((loss, acts, output))
+        Ok(fwd)
     }
 
     /// Submits the reduction of unit `u`'s gradients `g` of this micro-step (stage 0: an
@@ -409,16 +434,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         Ok(())
     }
 
-    /// Makes segment `seg`'s gather units resident, then submits the prefetch of the next gather
-    /// unit in execution order when the plan allows it (with `overlap_comm` it arrives while the
-    /// segment computes).
+    /// Makes the gather units segment `seg` needs resident (its own, and the shared units it
+    /// reads), then submits the prefetch of the next gather unit in execution order when the plan
+    /// allows it (with `overlap_comm` it arrives while the segment computes; see
+    /// [`zero_core::GatherOrder::prefetch`]).
     pub(super) fn gather_segment(
         &mut self,
         exec: &mut Exec<C, Ticket>,
         seg: usize,
         backward: bool,
     ) -> Result<()> {
-        let units = self.layout.seg_units[seg].clone();
+        let units = self.layout.order.needs[seg].clone();
         for &u in &units {
             self.submit_gather(exec, u, backward)?;
         }
@@ -427,24 +453,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.complete_one(exec)?;
             }
         }
-        let next_seg = if backward {
-            seg.checked_sub(1)
-        } else {
-            Some(seg + 1)
-        };
-        if let (Some(&last), Some(ns)) = (units.last(), next_seg) {
-            let next = self
-                .layout
-                .seg_units
-                .get(ns)
-                .and_then(|v| if backward { v.last() } else { v.first() })
-                .copied();
-            if let Some(v) = next {
-                let plan = self.plan.clone();
-                if plan.may_prefetch(plan.units()[last].len, plan.units()[v].len) {
-                    self.submit_gather(exec, v, backward)?;
-                }
-            }
+        if let Some(v) = self.layout.order.prefetch(&self.plan, seg, backward) {
+            self.submit_gather(exec, v, backward)?;
         }
         self.sample_memory();
         Ok(())
@@ -461,10 +471,20 @@ fn reductions_in_flight<C: Communicator>(exec: &Exec<C, Ticket>) -> (usize, u64)
         .fold((0, 0), |(n, b), x| (n + 1, b + x))
 }
 
-/// What the forward pass keeps: the loss, the activations between segments, and the last
-/// segment's output when it returned one.
-type Forward<M> = (
-    f32,
-    Vec<<M as Segmented>::Act>,
-    Option<<M as Segmented>::Output>,
-);
+/// What the forward pass keeps.
+pub(super) struct Forward<M: Segmented> {
+    /// The loss.
+    pub(super) loss: f32,
+    /// The activations between segments.
+    pub(super) acts: Vec<M::Act>,
+    /// The last segment's output, when it returned one.
+    pub(super) output: Option<M::Output>,
+    /// Per segment: the checksum of its output activation, for the recompute guard (`None` where
+    /// it is not checked).
+    pub(super) sums: Vec<Option<u32>>,
+}
+
+/// Gradients of shared parameters (tied weights) from the segments that read them but do not own
+/// them, summed in backward order, until the owner's backward adds its own (activation
+/// checkpointing); by parameter index.
+pub(super) type Stash = std::collections::HashMap<usize, burn::tensor::Tensor<1>>;

@@ -53,6 +53,7 @@ mod build;
 mod ckpt;
 mod grad_acc;
 mod grads;
+mod guard;
 mod layout;
 mod memory;
 mod micro;
@@ -81,6 +82,8 @@ pub(crate) struct EngineOptions {
     pub(crate) seed: u64,
     /// How buffers are kept equal across ranks.
     pub(crate) buffers: BufferSync,
+    /// Whether recomputes are compared with their forwards (see `guard`).
+    pub(crate) recompute_check: bool,
 }
 
 /// What one optimizer step did.
@@ -293,8 +296,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub fn eval_output(&mut self, batch: &M::Batch) -> Result<(f32, Option<M::Output>)> {
         self.untracked(|e| {
             let r = e.with_exec(false, |e, exec| {
-                e.forward(exec, batch, false)
-                    .map(|(loss, _, out)| (loss, out))
+                e.forward(exec, batch, false).map(|f| (f.loss, f.output))
             });
             // Nothing of an eval's gathers outlives it: no hpZ secondary (kept for a backward).
             e.sharded.clear_secondaries();

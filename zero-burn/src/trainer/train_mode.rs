@@ -23,7 +23,7 @@ use serde::Serialize;
 use zero_comm::{Communicator, ReduceOp};
 
 use super::ZeroEngine;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::params;
 use crate::segmented::{SegmentOut, Segmented};
 
@@ -44,7 +44,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// segment and rank (see [`crate::rng`]): the first forward, the recompute and the forward
     /// without checkpointing draw the same numbers. `graph`: whether the forward records a graph
     /// (not the checkpointed first forward); forwards that draw nothing run unseeded, in parallel
-    /// with the other in-process ranks (`crate::rng::Draws`).
+    /// with the other in-process ranks (`crate::rng::Draws`). It runs under the read guard
+    /// ([`Self::guarded`]).
     pub(super) fn seeded_forward(
         &self,
         model: &M,
@@ -52,7 +53,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         graph: bool,
         batch: &M::Batch,
         x: Option<M::Act>,
-    ) -> SegmentOut<M::Act, M::Output> {
+    ) -> Result<SegmentOut<M::Act, M::Output>> {
         let seed = crate::rng::segment_seed(
             self.options.seed,
             self.clock.step,
@@ -60,34 +61,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             i,
             self.rank,
         );
-        self.draws.run(&self.device, seed, i, graph, || {
-            model.forward_segment(i, batch, x)
-        })
-    }
-
-    /// Fails the step unless the recompute's loss equals the forward's bit for bit: otherwise
-    /// the gradients would belong to neither forward. With qwZ and hpZ the backward re-gathers
-    /// the weights from the hpZ group through the int8 codec again, so the recompute runs on
-    /// weights quantized twice (ZeRO++'s trade, within qwZ's bound) and is not compared.
-    pub(super) fn check_recomputed_loss(
-        &self,
-        forward: f32,
-        recomputed: burn::tensor::Tensor<1>,
-    ) -> Result<()> {
-        let c = self.plan.config();
-        if self.plan.stage() == 3 && c.quantized_weights && c.hpz() {
-            return Ok(());
-        }
-        let recomputed = crate::segmented::loss_value(recomputed)?;
-        if recomputed.to_bits() == forward.to_bits() {
-            return Ok(());
-        }
-        Err(Error::RecomputeMismatch {
-            step: self.clock.step + 1,
-            micro: self.clock.micro,
-            rank: self.rank,
-            forward,
-            recomputed,
+        self.guarded(i, batch, x, |x| {
+            self.draws.run(&self.device, seed, i, graph, || {
+                model.forward_segment(i, batch, x)
+            })
         })
     }
 

@@ -6,6 +6,7 @@ use std::ops::Range;
 use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use zero_comm::Communicator;
+use zero_core::GatherOrder;
 
 use super::sharded::Source;
 use super::slab::Slab;
@@ -376,9 +377,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
     }
 
-    pub(super) fn release_segment(&mut self, seg: usize) {
-        for u in self.layout.seg_units[seg].clone() {
-            if self.gathered[u] {
+    /// Releases the gathered units segment `seg` needs for which `done(order, u)` holds (see
+    /// [`zero_core::GatherOrder`]: after a forward, or after a backward).
+    pub(super) fn release_where(&mut self, seg: usize, done: impl Fn(&GatherOrder, usize) -> bool) {
+        for u in self.layout.order.needs[seg].clone() {
+            if self.gathered[u] && done(&self.layout.order, u) {
                 self.release(u);
                 self.gathered[u] = false;
                 let real: u64 = self.plan.unit_entries(u).iter().map(|e| e.numel).sum();
