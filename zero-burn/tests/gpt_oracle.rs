@@ -2,7 +2,8 @@
 //! batch of each step (every rank's micro-batches, in their global order) through the model's
 //! forward (its segments chained, as a burn user would call them), burn's backward and burn's
 //! own SGD or AdamW; no sharding, reduction, accumulation or optimizer of zero-rs on the path.
-//! zero-rs at stages 0–3 (2 ranks, 2 micro-steps each) must land on the same losses and weights
+//! zero-rs at stages 0–3 (2 ranks, 2 micro-steps each; untied, and with the head tied to the
+//! token embedding) must land on the same losses and weights
 //! after 20 steps: within 1e-6 relative for SGD, 1e-4 for AdamW (whose weight decay burn applies
 //! first, `p·(1 − lr·wd) − lr·u`, and zero-rs with the update, `p − lr·(u + wd·p)`; the attention
 //! key biases, whose gradient is rounding noise, are compared under SGD only: see `key_biases`).
@@ -134,8 +135,18 @@ fn without(params: &[Vec<f32>], skip: &[bool]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn against_plain_burn(optimizer: Optimizer, mut burn_optim: ModuleOptimizer, tol: f32) {
-    let (model, corpus) = common::tiny();
+fn against_plain_burn(optimizer: Optimizer, burn_optim: ModuleOptimizer, tol: f32) {
+    let (model, _) = common::tiny();
+    against_plain_burn_with(model, optimizer, burn_optim, tol);
+}
+
+fn against_plain_burn_with(
+    model: Gpt,
+    optimizer: Optimizer,
+    mut burn_optim: ModuleOptimizer,
+    tol: f32,
+) {
+    let (_, corpus) = common::tiny();
     let adam = matches!(optimizer, Optimizer::AdamW { .. });
     let keys = key_biases(&model);
     assert_eq!(
@@ -174,4 +185,19 @@ fn gpt_sgd_matches_plain_burn() {
 fn gpt_adamw_matches_plain_burn() {
     let (ours, burns) = adamw_pair(0.01);
     against_plain_burn(ours, burns, 1e-4);
+}
+
+/// The GPT with its head tied to the token embedding (`init_tied`): the last segment reads the
+/// embedding that segment 0 owns, and stage 3 recomputes with activation checkpointing (its
+/// default), where a reader's gradient must not be lost.
+#[test]
+fn gpt_with_a_tied_head_matches_plain_burn() {
+    let cfg = common::tiny_config();
+    let model = cfg.init_tied(&burn::tensor::Device::flex().autodiff(), 42);
+    against_plain_burn_with(
+        model,
+        Optimizer::Sgd { momentum: 0.0 },
+        SgdConfig::new().init(),
+        1e-6,
+    );
 }
