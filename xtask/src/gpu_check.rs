@@ -291,14 +291,14 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
     };
 
     // 4. Tests, with the cookie as proof that the GPU ones ran.
-    let cookie = work.join(".gpu_tests_ran");
+    let cookie = work.join(zero_testkit::cookie::FILE);
     let _ = std::fs::remove_file(&cookie);
     let program_cmd = |exe: &Path| {
         let mut c = Command::new(exe);
         c.current_dir(&root)
             .env("LD_LIBRARY_PATH", &ld_path)
-            .env("ZERO_GPU_TESTS", "1")
-            .env("ZERO_GPU_COOKIE", &cookie);
+            .env(zero_testkit::cookie::GPU_TESTS, "1")
+            .env(zero_testkit::cookie::VAR, &cookie);
         c
     };
     let mut quant_figures = Vec::new();

@@ -9,6 +9,8 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use zero_testkit::gate::Device;
+
 fn xtask() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
     // The test build trains as it is (no release rebuild).
@@ -32,21 +34,6 @@ fn ok(out: Output, what: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// Records that `test` did not run (`$ZERO_SKIP_LOG`, counted by `cargo xtask test`).
-fn record_skip(test: &str, reason: &str) {
-    let name = format!("xtask/cli::{test}");
-    eprintln!("did not run {name}: {reason}");
-    if let Some(path) = std::env::var_os("ZERO_SKIP_LOG") {
-        let line = format!("{name}\t{reason}\n");
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
-            .unwrap_or_else(|e| panic!("cannot append to ZERO_SKIP_LOG={path:?}: {e}"));
-    }
 }
 
 /// `report.json`'s losses as bits, whether traffic and memory equal the plan, each rank
@@ -77,11 +64,11 @@ fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
     let name = "the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads";
     if !cfg!(feature = "mpi") {
         // Without the feature the command would rebuild itself in release first.
-        return record_skip(name, "xtask was built without its `mpi` feature");
+        return zero_testkit::record_skip!(name, "xtask was built without its `mpi` feature");
     }
-    // `ZERO_SIMULATE_NO_MPI=1`: as on a machine without mpirun (`cargo xtask test`'s check).
-    let simulated = std::env::var("ZERO_SIMULATE_NO_MPI").as_deref() == Ok("1");
-    let has_mpirun = !simulated
+    // As on a machine without mpirun when simulated (`cargo xtask test`'s check).
+    let simulated = Device::Mpi.simulated();
+    let has_mpirun = simulated.is_none()
         && Command::new("mpirun")
             .arg("--version")
             .stdout(Stdio::null())
@@ -89,16 +76,8 @@ fn the_mpi_launcher_from_the_command_line_gives_the_bits_of_threads() {
             .status()
             .is_ok_and(|s| s.success());
     if !has_mpirun {
-        let why = if simulated {
-            "no mpirun (simulated by ZERO_SIMULATE_NO_MPI=1)"
-        } else {
-            "no mpirun on PATH"
-        };
-        assert!(
-            std::env::var("ZERO_REQUIRE_MPI").as_deref() != Ok("1"),
-            "ZERO_REQUIRE_MPI=1 but {why}"
-        );
-        return record_skip(name, why);
+        let why = simulated.unwrap_or_else(|| "not on PATH".into());
+        return Device::Mpi.missing(zero_testkit::binary!(), name, &why);
     }
     let tmp = temp("mpi");
     let root = tmp.path().to_path_buf();

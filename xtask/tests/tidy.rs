@@ -18,14 +18,25 @@ fn cargo() -> Command {
 }
 
 /// The allowed edges between workspace crates (normal and dev dependencies alike).
+/// The test kit is a dev-dependency of the libraries (checked below), and xtask's own.
 const ALLOWED: &[(&str, &[&str])] = &[
-    ("zero-core", &[]),
-    ("zero-quant", &[]),
-    ("zero-comm", &["zero-core", "zero-quant"]),
-    ("zero-burn", &["zero-core", "zero-quant", "zero-comm"]),
+    ("zero-testkit", &[]),
+    ("zero-core", &["zero-testkit"]),
+    ("zero-quant", &["zero-testkit"]),
+    ("zero-comm", &["zero-core", "zero-quant", "zero-testkit"]),
+    (
+        "zero-burn",
+        &["zero-core", "zero-quant", "zero-comm", "zero-testkit"],
+    ),
     (
         "xtask",
-        &["zero-core", "zero-quant", "zero-comm", "zero-burn"],
+        &[
+            "zero-core",
+            "zero-quant",
+            "zero-comm",
+            "zero-burn",
+            "zero-testkit",
+        ],
     ),
 ];
 
@@ -69,6 +80,12 @@ fn dependency_graph_is_one_way() {
                 assert!(
                     ok.contains(dep),
                     "{name} must not depend on {dep}: the graph is one-way (see ARCHITECTURE.md)"
+                );
+            }
+            if dep == "zero-testkit" && name != "xtask" {
+                assert_eq!(
+                    d["kind"], "dev",
+                    "{name} may use the test kit in tests only"
                 );
             }
         }
@@ -191,6 +208,8 @@ fn no_ignored_or_should_panic_tests() {
 /// The longest a Markdown table cell may be: a table is for scanning, and evidence that needs more
 /// words goes in bullets (STATUS.md) or prose.
 const MAX_TABLE_CELL: usize = 300;
+/// The longest a bullet may be: one claim and its test; more goes to sub-bullets.
+const MAX_BULLET: usize = 300;
 /// README is the front door: it fits a few screens.
 const README_MAX_LINES: usize = 200;
 const README_MAX_CHARS: usize = 12_000;
@@ -286,6 +305,14 @@ fn doc_problems(name: &str, text: &str) -> Vec<String> {
             in_code = !in_code;
         }
         if !in_code {
+            let item = line.trim_start();
+            let len = item.chars().count();
+            if (item.starts_with("- ") || item.starts_with("* ")) && len > MAX_BULLET {
+                problems.push(format!(
+                    "{name}:{n}: a bullet of {len} characters (at most {MAX_BULLET}): split it \
+                     into sub-bullets"
+                ));
+            }
             for cell in table_cells(line) {
                 let len = cell.chars().count();
                 if len > MAX_TABLE_CELL {
@@ -397,6 +424,16 @@ fn the_doc_checks_find_what_they_look_for() {
         doc_problems("T.md", &text).len(),
         1,
         "a cell in a code block is not a cell"
+    );
+    let bullet = format!(
+        "- {}\n  * {}\n",
+        "b".repeat(MAX_BULLET - 2),
+        "c".repeat(MAX_BULLET)
+    );
+    assert_eq!(
+        doc_problems("T.md", &bullet).len(),
+        1,
+        "only the second bullet is too long"
     );
     let outside = format!("see `{}.md`", OUTSIDE_FILES[0]);
     assert_eq!(doc_problems("T.md", &outside).len(), 1);

@@ -7,7 +7,8 @@ use zero_comm::quantized::DeviceCodec;
 use crate::error::{Error, Result};
 
 /// Moves burn tensors to and from the communicator's own memory without a host round trip (the
-/// wgpu path's hook is `bridge::BridgeTensors`, over the zero-copy bridge). Gradients: packed
+/// wgpu path's hook is `bridge::BridgeTensors`, over the zero-copy bridge; burn-cuda's is
+/// `cuda::CudaTensors`, over NCCL's or the CUDA loopback's buffers). Gradients: packed
 /// into their unit's buffer, for fp32 units reduced every micro-step (through qgZ only with
 /// [`DeviceQuant`] codecs; the other paths round or quantize on the host). Weights: units
 /// all-gathered into the communicator's memory (stage 3's gathers, through qwZ only with

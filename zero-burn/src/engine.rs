@@ -129,9 +129,10 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
         self
     }
 
-    /// Moves fp32 gradients and gathered weights between burn and the communicator's memory
-    /// through `hook` instead of through host memory (the wgpu path's zero-copy bridge). The
-    /// arithmetic is the same, so are the bits.
+    /// Moves gradients and gathered weights (fp32, and 16-bit words where the hook moves them)
+    /// between burn and the communicator's memory through `hook` instead of through host memory
+    /// (the wgpu path's zero-copy bridge, or burn-cuda's `cuda::CudaTensors`). The arithmetic is
+    /// the same, so are the bits.
     pub fn device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
         self.device_tensors = Some(hook);
         self

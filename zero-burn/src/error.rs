@@ -46,7 +46,7 @@ pub enum Error {
         /// What is wrong with it.
         detail: String,
     },
-    /// The caller's own error, returned from a rank's closure (see [`crate::launch`]); build it
+    /// The caller's own error, returned from a rank's closure (see [`crate::Launch::run`]); build it
     /// with [`Error::other`].
     #[error(transparent)]
     Other(Box<dyn std::error::Error + Send + Sync + 'static>),
@@ -271,7 +271,7 @@ impl From<zero_core::CheckpointError> for Error {
 
 impl Error {
     /// Wraps the caller's own error (like [`std::io::Error::other`]), e.g. to return it from a
-    /// rank's closure in [`crate::launch`].
+    /// rank's closure in [`crate::Launch::run`].
     pub fn other(e: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
         Error::Other(e.into())
     }

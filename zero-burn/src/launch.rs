@@ -184,15 +184,6 @@ impl<M: Module> Clones<M> {
     }
 }
 
-/// Shorthand for `Launch::new(topology).run(f)`.
-pub fn launch<T, F>(topology: Topology, f: F) -> Result<Vec<T>>
-where
-    T: Send,
-    F: Fn(HostComm) -> Result<T> + Sync,
-{
-    Launch::new(topology).run(f)
-}
-
 /// The ranks' results in rank order, or [`Error::RankFailed`] with the root cause: the first
 /// error in rank order that is not a consequence of another rank's failure (a rank whose peer
 /// failed first fails with a communication error naming that peer; see

@@ -12,17 +12,19 @@
 //! - [`ZeroEngine::step`] runs one optimizer step over this rank's micro-batches;
 //!   [`ZeroEngine::eval`] a forward pass; [`ZeroEngine::consolidated_model`] gathers the full
 //!   model; [`ZeroEngine::report`] compares measured traffic and memory with the plan.
-//! - [`Launch`] runs one closure per rank on threads of this process (host loopback; wgpu
-//!   loopback with feature `wgpu`); a failing rank fails the others fast.
+//! - [`Launch`] runs one closure per rank on threads of this process (host loopback; the wgpu
+//!   loopback with feature `wgpu`, `Launch::run_wgpu`; the CUDA loopback with feature `cuda`,
+//!   `Launch::run_cuda`); a failing rank fails the others fast.
 //! - With feature `burn-train`, `learner::Sharded` lets burn-train's `Learner` and
 //!   `SupervisedTraining` drive the loop (metrics, validation, early stopping, checkpoints) while
 //!   the engine runs the sharded optimizer step ([`ZeroEngine::step_grads`]; stages 0–2).
 //!
 //! The demo (a GPT-style decoder, corpora and the job `cargo xtask train` runs) lives in
-//! [`demo`] and uses this API alone.
+//! [`demo`] and uses this API, plus the crate's per-rank model copies behind
+//! `Launch::run_with`.
 //!
 //! A user's loop needs one import, [`prelude`]. README's snippet is the middle of this example,
-//! line for line (`zero-burn/tests/source_layout.rs` checks it):
+//! line for line (`zero-burn/tests/engine/source_layout.rs` checks it):
 //!
 //! ```
 //! use burn::nn::loss::CrossEntropyLossConfig;
@@ -65,6 +67,39 @@
 //!
 //! **May depend on:** zero-core, zero-comm, zero-quant and burn. It is the only library crate that
 //! names burn types. What works and what does not is in STATUS.md.
+//!
+//! # Modules
+//!
+//! `demo` sits on top; `engine`, `checkpoint` and `learner` build on `trainer`, which builds on
+//! the rest; `error` is at the bottom. They import each other one way, with no circle
+//! (`module_folders_import_one_way` in `xtask/tests/tidy.rs`).
+//!
+//! - `segmented`: the model contract (`Segmented`, `Whole`, `Activation`, `SegmentOut`).
+//! - `engine.rs`: `EngineBuilder` (every check, once, in `build`), `RankReport`, `report()` and
+//!   `consolidated_model()`.
+//! - `trainer`: `ZeroEngine` and its parts; its module docs list its files.
+//! - `comms`: the executor (`Comms`, `Job`, `Exec`): a micro-step's collectives, inline or on a
+//!   communication thread of the rank's own (`overlap_comm`).
+//! - `device`: the `DeviceTensors` and `DeviceQuant` hooks, which keep burn tensors and ZeRO++'s
+//!   codecs in the communicator's own memory; `WordBuffer` for 16-bit words.
+//! - `params` (and `params/grads.rs`): burn's `ModuleVisitor`/`ModuleMapper` glue: describe a
+//!   module's parameters, read values and gradients into flat `f32` slices, write values back.
+//! - `precision`: 16-bit working weights and gradients, fp16 loss scaling.
+//! - `reduction`: how gradients are summed over micro-steps and ranks (`Reduction`).
+//! - `rng`: the segments' seeds, so a recompute replays its forward.
+//! - `optim`: AdamW and SGD over flat `f32` buffers, on the host or as device tensors.
+//! - `checkpoint`: sharded, crash-safe, verified checkpoints and safetensors export and import;
+//!   its module docs list its files.
+//! - `launch.rs`: `Launch`, `deep_copy` and `WgpuShared` (feature `wgpu`): ranks as threads of
+//!   this process; `local_rank`: a process's rank on its node, which picks its GPU.
+//! - `error`: the crate's `Error`.
+//! - `bridge` (feature `wgpu`): the zero-copy bridge between burn-wgpu tensors and the wgpu
+//!   loopback's buffers, and the `DeviceTensors` hook over it.
+//! - `cuda` (feature `cuda`): a burn-cuda device, or an error naming what is missing, and
+//!   `CudaTensors`, the `DeviceTensors` hook over NCCL's or the CUDA loopback's buffers.
+//! - `learner` (feature `burn-train`): `Sharded`, burn-train's `Learner` over `step_grads`.
+//! - `demo`: the GPT, the corpora, the launchers and the job `cargo xtask train` runs; its
+//!   module docs list its files.
 
 #[cfg(feature = "wgpu")]
 pub mod bridge;
@@ -92,7 +127,7 @@ pub use engine::{EngineBuilder, RankReport};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]
 pub use launch::WgpuShared;
-pub use launch::{LOCAL_RANK_VARS, Launch, deep_copy, launch, local_rank};
+pub use launch::{LOCAL_RANK_VARS, Launch, deep_copy, local_rank};
 pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;

@@ -32,7 +32,7 @@ fn driver_present() -> bool {
 #[test]
 fn no_cuda_driver_is_a_clear_error_not_a_panic() {
     if driver_present() {
-        common::record_skip(
+        zero_testkit::record_skip!(
             "no_cuda_driver_is_a_clear_error_not_a_panic",
             "this machine has a CUDA driver",
         );
@@ -65,7 +65,7 @@ fn cuda_job(stage: u8, steps: u64) -> JobConfig {
 #[test]
 fn a_cuda_job_without_a_driver_fails_naming_it() {
     if driver_present() {
-        common::record_skip(
+        zero_testkit::record_skip!(
             "a_cuda_job_without_a_driver_fails_naming_it",
             "this machine has a CUDA driver",
         );
@@ -81,23 +81,12 @@ fn a_cuda_job_without_a_driver_fails_naming_it() {
     assert_eq!(check.to_string(), msg);
 }
 
-/// Appends `<name> ok` to `ZERO_GPU_COOKIE` (what `cargo xtask gpu-check` counts).
 #[cfg(feature = "gpu-tests")]
-fn cookie(name: &str) {
-    if let Some(path) = std::env::var_os("ZERO_GPU_COOKIE") {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .expect("the cookie");
-        writeln!(f, "{name} ok").expect("the cookie");
-    }
-}
+use zero_testkit::cookie::passed as cookie;
 
 #[cfg(feature = "gpu-tests")]
 fn gpu_gate(name: &str) -> bool {
-    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
+    if !zero_testkit::cookie::gpu_tests() {
         eprintln!("skip {name}: needs ZERO_GPU_TESTS=1 and a GPU");
         return false;
     }

@@ -15,7 +15,6 @@
 
 mod common;
 
-use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,17 +32,7 @@ use zero_core::{Plan, Topology, ZeroConfig};
 
 const STEPS: u64 = 20;
 
-fn cookie(test: &str) {
-    let Some(path) = std::env::var_os("ZERO_GPU_COOKIE") else {
-        return;
-    };
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .unwrap();
-    writeln!(f, "{test} ok").unwrap();
-}
+use zero_testkit::cookie::passed as cookie;
 
 fn gpu_ready(test: &str) -> bool {
     if !cfg!(feature = "gpu-tests") {

@@ -27,6 +27,12 @@
 //!   over any communicator, and their device forms over a backend's
 //!   [`DeviceCodec`](quantized::DeviceCodec) (WGSL, CUDA, or the host codecs).
 //!
+//! What the backends share, once: `validate.rs` (the call descriptors, the cross-rank checks
+//! every backend runs before anything moves, the all-reduce chunking, the traffic of a call),
+//! `wire.rs` (the 64-byte descriptor encoding of the process-separated backends, NCCL and MPI),
+//! `tally.rs` (the bytes handed to MPI or NCCL, per peer) and `uninhabited.rs` (the one
+//! `Communicator` impl of every backend stand-in that is not compiled in).
+//!
 //! **May depend on:** zero-core (topology, traffic accounting), zero-quant (codecs), half, bytemuck
 //! and thiserror; wgpu/pollster, cudarc and rsmpi (`mpi`) only behind their features.
 //!

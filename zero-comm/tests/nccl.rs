@@ -496,8 +496,8 @@ static GPU: Mutex<()> = Mutex::new(());
 /// count of `cargo xtask test`).
 #[cfg(feature = "gpu-tests")]
 fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
-    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
-        common::record_skip(
+    if !zero_testkit::cookie::gpu_tests() {
+        zero_testkit::record_skip!(
             test,
             "ZERO_GPU_TESTS=1 is not set (cargo xtask gpu-check sets it)",
         );
@@ -513,44 +513,15 @@ fn gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
     }
 }
 
-/// `$ZERO_GPU_COOKIE`, else `<target dir>/.gpu_tests_ran`: `$CARGO_TARGET_DIR`, else three
-/// levels above this test binary (`target/<profile>/deps/nccl-…`).
 #[cfg(feature = "gpu-tests")]
-fn cookie_path() -> std::path::PathBuf {
-    if let Some(p) = std::env::var_os("ZERO_GPU_COOKIE") {
-        return std::path::PathBuf::from(p);
-    }
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        return std::path::PathBuf::from(dir).join(".gpu_tests_ran");
-    }
-    let exe = std::env::current_exe().unwrap();
-    exe.ancestors()
-        .nth(3)
-        .unwrap_or_else(|| exe.parent().unwrap())
-        .join(".gpu_tests_ran")
-}
-
-#[cfg(feature = "gpu-tests")]
-fn passed(test: &str) {
-    cookie_line(&format!("{test} ok"));
-}
+use zero_testkit::cookie::passed;
 
 /// A GPU test that cannot run on this machine's library (a missing capability): the cookie says
 /// so, and `cargo xtask gpu-check` fails naming the reason.
 #[cfg(feature = "gpu-tests")]
 fn skipped(test: &str, reason: &str) {
     eprintln!("{test} did not run: {reason}");
-    cookie_line(&format!("{test} skipped: {reason}"));
-}
-
-#[cfg(feature = "gpu-tests")]
-fn cookie_line(line: &str) {
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(cookie_path())
-        .unwrap();
-    writeln!(f, "{line}").unwrap();
+    zero_testkit::cookie::write(&format!("{test} skipped: {reason}"));
 }
 
 #[cfg(feature = "gpu-tests")]
@@ -803,7 +774,7 @@ fn gpu_init_times_out_when_a_peer_never_joins() {
 #[test]
 fn gpu_bandwidth_report() {
     if std::env::var("ZERO_GPU_BENCH").as_deref() != Ok("1") {
-        common::record_skip(
+        zero_testkit::record_skip!(
             "gpu_bandwidth_report",
             "ZERO_GPU_BENCH=1 is not set (a benchmark: gpu-check's bench step sets it)",
         );

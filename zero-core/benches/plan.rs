@@ -4,34 +4,14 @@
 //! Run: `cargo bench -p zero-core --bench plan`. Target: 100,000 tensors at 16,384 ranks in under
 //! 1 s and under 256 MiB.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use zero_core::{ModelDesc, ParamDesc, Plan, Topology, ZeroConfig};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator and only adds relaxed counters.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-        PEAK.fetch_max(live, Ordering::Relaxed);
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(p, l) }
-    }
-}
+use zero_testkit::alloc::{LIVE, PEAK};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: zero_testkit::alloc::Counting = zero_testkit::alloc::Counting;
 
 fn model(tensors: usize) -> ModelDesc {
     // A transformer-like mix: per block, 4 large matrices and 4 small vectors, 1000 blocks per

@@ -14,6 +14,28 @@
 //! thread, a file or the network; everything here is pure and deterministic.
 //!
 //! Sibling crates: `zero-quant` (codecs), `zero-comm` (communicators), `zero-burn` (the trainer).
+//!
+//! # Modules
+//!
+//! - `model`, `topology`, `config`: the inputs (`ModelDesc`, `Topology`, `ZeroConfig`; DeepSpeed
+//!   JSON imported with unknown keys reported, its `"auto"` values resolved).
+//! - `plan`: units (buckets, gather groups, persistent groups), entries, fragments on demand.
+//! - `memory`: bytes per rank by category.
+//! - `gather`: `GatherOrder`: the modules' order, what each needs at stage 3, which run a
+//!   backward, how long shared units stay gathered; `Plan::peak_gathered` replays it.
+//! - `comm_model`: `Plan::schedule()`, every collective of one optimizer step, and
+//!   `Plan::comm(rank)`, its bytes per collective and link class.
+//! - `traffic`: the accounting convention and `TrafficTable`, shared with zero-comm so that
+//!   prediction and measurement compare with `==`.
+//! - `quant_wire`: the wire sizes of zero-quant's codecs, for the byte predictions.
+//! - `checkpoint`: the manifest, rank-file header and `LATEST` types, the parameter → unit →
+//!   offset table (`CkptLayout`), the plan fingerprint, and the reshard map (`copies`,
+//!   `loose_copies`: O(P log P) per rank, by binary search over unit entries). No IO and no
+//!   hashing crate: checksums are plain `u32` values computed by zero-burn.
+//! - `sim`: the simulator (step time, throughput, memory fit on a modelled GPU cluster); its
+//!   module docs give the cost model.
+//! - `report`: a plan's summary for one rank, what `cargo xtask plan` prints.
+//! - `error`: the crate's errors.
 
 pub mod checkpoint;
 pub mod comm_model;

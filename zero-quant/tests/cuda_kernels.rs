@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::io::Write;
 use std::sync::OnceLock;
 
 use common::Rng;
@@ -18,13 +17,14 @@ use common::device::{self, DeviceCodec};
 use half::{bf16, f16};
 use zero_quant::cuda::CudaElement;
 use zero_quant::{BlockCodec, Codec, CudaQuantizer, Error, Identity, Int4Block, Int8Block};
+use zero_testkit::cookie::passed;
 
 /// One quantizer on device 0, shared by every test of this binary. With `ZERO_GPU_TESTS=1` a
 /// missing driver or device is a failure; without it the test records that it did not run.
 fn gpu(test: &str) -> Option<&'static CudaQuantizer> {
     static Q: OnceLock<Result<CudaQuantizer, String>> = OnceLock::new();
-    if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
-        common::record_skip(
+    if !zero_testkit::cookie::gpu_tests() {
+        zero_testkit::record_skip!(
             test,
             "ZERO_GPU_TESTS=1 is not set (cargo xtask gpu-check sets it)",
         );
@@ -34,26 +34,6 @@ fn gpu(test: &str) -> Option<&'static CudaQuantizer> {
         Ok(q) => Some(q),
         Err(e) => panic!("ZERO_GPU_TESTS=1 but CUDA device 0 cannot be used: {e}"),
     }
-}
-
-/// Records that `test` ran and passed on the GPU (see the module docs).
-fn passed(test: &str) {
-    let path = match std::env::var_os("ZERO_GPU_COOKIE") {
-        Some(p) => std::path::PathBuf::from(p),
-        None => match std::env::var_os("CARGO_TARGET_DIR") {
-            Some(d) => std::path::PathBuf::from(d).join(".gpu_tests_ran"),
-            None => {
-                let exe = std::env::current_exe().unwrap();
-                exe.ancestors().nth(3).unwrap().join(".gpu_tests_ran")
-            }
-        },
-    };
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .unwrap();
-    writeln!(f, "{test} ok").unwrap();
 }
 
 impl DeviceCodec for CudaQuantizer {

@@ -15,11 +15,7 @@ use std::sync::OnceLock;
 use common::device::{self, DeviceCodec};
 use zero_quant::wgpu_kernels::wgpu;
 use zero_quant::{Codec, Error, Identity, Int8Block, WgpuQuantizer};
-
-/// Turns a missing adapter into a failure (`cargo xtask test` and CI set it).
-const REQUIRE: &str = "ZERO_REQUIRE_WGPU";
-/// Behaves as a machine without an adapter (tests the not-run accounting).
-const SIMULATE_NO_ADAPTER: &str = "ZERO_SIMULATE_NO_ADAPTER";
+use zero_testkit::gate::Device;
 
 /// One quantizer (one device) shared by every test of this binary, or `None` when there is no
 /// adapter (recorded as a test that did not run; a failure with `ZERO_REQUIRE_WGPU=1`). Only a
@@ -39,14 +35,8 @@ fn gpu(test: &str) -> Option<&'static WgpuQuantizer> {
     });
     match q {
         Ok(q) => Some(q),
-        Err(why) if std::env::var(REQUIRE).as_deref() == Ok("1") => {
-            panic!("{REQUIRE}=1 but there is no wgpu adapter: {why}")
-        }
         Err(why) => {
-            common::record_skip(
-                test,
-                &format!("no wgpu adapter ({why}); install mesa-vulkan-drivers for lavapipe"),
-            );
+            Device::Wgpu.missing(zero_testkit::binary!(), test, why);
             None
         }
     }
@@ -54,8 +44,8 @@ fn gpu(test: &str) -> Option<&'static WgpuQuantizer> {
 
 /// The default adapter (as [`WgpuQuantizer::new_default`] requests it), or why there is none.
 fn adapter() -> Result<wgpu::Adapter, String> {
-    if std::env::var(SIMULATE_NO_ADAPTER).as_deref() == Ok("1") {
-        return Err(format!("simulated by {SIMULATE_NO_ADAPTER}=1"));
+    if let Some(why) = Device::Wgpu.simulated() {
+        return Err(why);
     }
     let instance =
         wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());

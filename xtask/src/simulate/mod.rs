@@ -449,7 +449,8 @@ mod tests {
     /// `simulate --validate-host` as a smoke test, with a wide band: the replay runs every
     /// collective of the default job's plan (its traffic checked against the plan inside), and
     /// for the whole step the calibrated prediction (B) lands within 5x of the measurement,
-    /// either way (BENCHMARKS.md records 1.22x from a quiet run; tests run beside others here).
+    /// either way (docs/benchmarks-history.md records 1.22x from a quiet run; tests run beside
+    /// others here).
     #[cfg(feature = "engine")]
     #[test]
     fn the_calibrated_prediction_is_within_a_wide_band_of_the_replay() {

@@ -40,6 +40,20 @@
 //! partly restored: build a fresh engine. A checkpoint of another plan is refused with
 //! [`zero_core::CheckpointError::PlanMismatch`] unless the load asks to reshard
 //! ([`ZeroEngine::load_resharded`]).
+//!
+//! # Files
+//!
+//! - `storage.rs`: the `Storage` seam (a few operations on paths under a root), `DirStorage`
+//!   (POSIX directories) and the crash-safe `put`.
+//! - `mem.rs`: `MemStorage`, which models the page cache for crash tests.
+//! - `save.rs` and `load.rs`: the collective save and the verified load (same plan or
+//!   resharded).
+//! - `resolve.rs`: the commit record (`LATEST` or a tag's `COMMIT`), the manifest checked against
+//!   it, and each saved rank's file located and checked.
+//! - `shard.rs`: one rank file: header, f32 tensors, block checksums; verified decoding.
+//! - `ranged.rs`: a rank file read in verified pieces (`Ranged`).
+//! - `export.rs` and `import.rs`: safetensors out (`export_safetensors`, offline, streamed) and in
+//!   (`init_from_safetensors`).
 
 mod export;
 mod import;

@@ -1,7 +1,8 @@
 //! The demo's launchers: N ranks in one process training a token model on a [`Corpus`] on the
 //! host loopback ([`train_host`]), and one rank of a job whose ranks are processes
 //! ([`train_rank`]); `demo::wgpu_run` runs them on burn's wgpu backend. Built on the public API
-//! alone ([`crate::Launch`], [`crate::EngineBuilder`], [`crate::ZeroEngine::step`]).
+//! ([`crate::Launch`], [`crate::EngineBuilder`], [`crate::ZeroEngine::step`]) and the
+//! crate-private `launch::Clones`, each rank's deep copy of the model.
 
 use std::sync::Arc;
 use std::time::Duration;

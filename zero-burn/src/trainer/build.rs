@@ -12,7 +12,7 @@ use zero_quant::{Int4Block, Int8Block};
 use super::grad_acc::GradAcc;
 use super::layout::RankLayout;
 use super::opt_state::OptState;
-use super::sharded::Sharded;
+use super::sharded::Stage3Weights;
 use super::slab;
 use super::{Clock, EngineOptions, Meter, ZeroEngine};
 use crate::comms::Comms;
@@ -135,7 +135,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             params,
             layout,
             half,
-            sharded: Sharded::empty(half, units.len()),
+            sharded: Stage3Weights::empty(half, units.len()),
             acc: GradAcc::new(&plan, half, options.reduction, acc_len, &device),
             opt: OptState::new(
                 options.optimizer,

@@ -1,6 +1,8 @@
 //! The rank's gradient accumulator: where reduced gradients add up between optimizer steps, in
-//! the precision the plan asks for and where it asks for it (with the optimizer's state). One type owns it, so a state the
-//! plan cannot reach (16-bit gradients in an fp32 buffer) is not a state the code can be in.
+//! the precision the plan asks for and where it asks for it (with the optimizer's state). One
+//! type owns it, its variant fixed by the plan when the engine is built. A reduction whose
+//! elements do not fit that variant (16-bit gradients in an fp32 run) is a bug the plan
+//! cannot cause: `GradAcc::apply` returns `Error::Internal` for it rather than guess.
 
 use std::borrow::Cow;
 use std::ops::Range;

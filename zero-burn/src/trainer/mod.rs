@@ -20,15 +20,45 @@
 //!    and the post-step all-gathers (stages 1–2: every bucket; stage 3: persistent units).
 //!
 //! In bf16/fp16 (see [`crate::precision`]) the gathered and reduced elements are 16-bit, the
-//! accumulator is 16-bit, and step 3 widens the gradients, unscales them (fp16), checks for
-//! overflow (fp16: every rank skips the step together) and steps the fp32 master, whose rounding
-//! is the new working weights.
+//! accumulator is 16-bit (or f32 with `grad_accum_dtype = fp32`, the reduced words widened into
+//! it), and step 3 widens the gradients, unscales them (fp16), checks for overflow (fp16: every
+//! rank skips the step together) and steps the fp32 master, whose rounding is the new working
+//! weights.
 //!
 //! With the same checkpointing choice every stage performs the same floating-point operations in
-//! the same order; only where the bytes live changes. With fp32 and the host loopback's rank-ordered reduction, stages 0–3 are
-//! bit-identical (invariant I1). With [`Reduction::CanonicalTree`] the micro-step gradients are
-//! summed unscaled over the canonical pairwise tree instead, and divided once by `N·A` before
-//! step 3, which makes the bits independent of the world size too (see [`crate::reduction`]).
+//! the same order; only where the bytes live changes. With fp32 and the host loopback's
+//! rank-ordered reduction, stages 0–3 are bit-identical (invariant I1). With
+//! [`Reduction::CanonicalTree`] the micro-step gradients are summed unscaled over the canonical
+//! pairwise tree instead, and divided once by `N·A` before step 3, which makes the bits
+//! independent of the world size too (see [`crate::reduction`]).
+//!
+//! # Files
+//!
+//! - `mod.rs`: the `ZeroEngine` state, its accessors, `step`, `eval`; `Clock` (steps,
+//!   micro-steps, the last step's losses, a failed load).
+//! - `build.rs`: every check, once; the cross-rank agreement; the initial shards and master.
+//! - `layout.rs`: `RankLayout`: each parameter's segment, each segment's units, the accumulator
+//!   and optimizer offsets, each unit's reduction (all-reduce, reduce-scatter or qgZ) and
+//!   backward gather group, read from `Plan::schedule()`. Pure and immutable once built.
+//! - `micro.rs`: the micro-step driver (forward, backward, gathers and prefetch, reductions),
+//!   the only code that talks to the executor.
+//! - `step.rs`: one optimizer step for fp32, bf16 and fp16: finish the gradients, the global
+//!   norm, the update of each unit's fp32 master wherever it lives, publish.
+//! - `grads.rs`: a segment's gradients from burn into the units' buffers (a shared parameter's
+//!   parts summed over its readers), and `step_grads`.
+//! - `guard.rs`: the recompute guard and the read guard around the user's forwards.
+//! - `grad_acc.rs`: `GradAcc`, the one owner of the reduced gradients (a variant per precision
+//!   and reduction), and `GradView`, what the optimizer step reads of it.
+//! - `weights.rs`: reading, writing, installing and releasing units of the model.
+//! - `train_mode.rs`: the seeded forwards and the model's buffers (snapshot, restore, sync).
+//! - `opt_state.rs`: the optimizer's state per trainable unit, in host memory or on the device.
+//! - `slab.rs`: `Slab`, a flat fp32 buffer in host memory or a device tensor: the optimizer's
+//!   state, stage 3's fp32 `Shard`, the fp32 hpZ slices and the fp32 accumulator.
+//! - `words.rs`: `Words`, a flat 16-bit buffer: stage 3's 16-bit shard and hpZ slices, the
+//!   16-bit accumulator.
+//! - `sharded.rs`: `Stage3Weights`, the one owner of stage 3's weights between uses.
+//! - `memory.rs`: `Meter`, the one owner of every counter, and `MeasuredMemory`.
+//! - `ckpt.rs`: the `ckpt_*` methods, the only internals `checkpoint` reaches.
 
 use std::sync::Arc;
 
@@ -47,7 +77,7 @@ use crate::segmented::Segmented;
 use grad_acc::GradAcc;
 use layout::RankLayout;
 use opt_state::{OptState, Part};
-use sharded::Sharded;
+use sharded::Stage3Weights;
 
 mod build;
 mod ckpt;
@@ -122,8 +152,8 @@ enum Ticket {
     },
 }
 
-/// The communicators are away only inside [`ZeroEngine::micro_step`], which always takes them
-/// back, so every other method finds them home.
+/// The communicators are away only inside `ZeroEngine::with_exec` (a micro-step, `eval_output`,
+/// `step_grads`), which always takes them back, so every other method finds them home.
 const HOME: &str = "the communicators are home between micro-steps";
 
 /// One rank's engine: executes a [`Plan`] for a [`Segmented`] burn model over one communicator.
@@ -134,12 +164,12 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
     /// Packs gradients in, and installs gathered weights from, the communicator's memory (the
-    /// wgpu path's zero-copy bridge).
+    /// wgpu path's zero-copy bridge, or burn-cuda's `cuda::CudaTensors`).
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
     /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
     device_quant: bool,
-    /// The rank's communicators: away on the communication thread during an overlapped
-    /// micro-step, home otherwise (see [`crate::comms`]).
+    /// The rank's communicators: lent to the executor inside `with_exec` (to the communication
+    /// thread when overlapped), home otherwise (see [`crate::comms`]).
     comms: Option<Comms<C>>,
     model: M,
     /// The model's device: the one whose generator the segments' forwards seed.
@@ -153,7 +183,7 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     half: Option<Half>,
     /// Stage 3: the rank's shard of every unit and the hpZ secondary slices, in the working
     /// precision.
-    sharded: Sharded,
+    sharded: Stage3Weights,
     /// The reduced gradients, in the plan's precision and where the plan puts them.
     acc: GradAcc,
     /// The optimizer's state (master weights, moments), the loss scaler and the step count.
@@ -171,9 +201,9 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
 }
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
-    /// Moves fp32 gradients and gathered weights between burn and the communicator's memory
-    /// through `hook` (see [`DeviceTensors`]) instead of through host memory. The arithmetic is
-    /// the same, so are the bits.
+    /// Moves gradients and gathered weights (fp32, and 16-bit words where the hook moves them)
+    /// between burn and the communicator's memory through `hook` (see [`DeviceTensors`]) instead
+    /// of through host memory. The arithmetic is the same, so are the bits.
     pub fn with_device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
         self.device_tensors = Some(hook);
         self
@@ -255,7 +285,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.meter.skipped
     }
 
-    /// Traffic of collectives outside training steps ([`Self::eval`], consolidation).
+    /// Traffic of collectives outside the plan's schedule: [`Self::eval`], consolidation,
+    /// checkpoints and the buffer sync.
     pub fn other_traffic(&self) -> &TrafficTable {
         &self.meter.other_traffic
     }
@@ -304,7 +335,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         })
     }
 
-    /// Traffic measured on every communicator of this rank since the trainer was built.
+    /// Training traffic measured on every communicator of this rank: what moved since the
+    /// engine was built, less the build's own collectives and [`Self::other_traffic`] (eval,
+    /// consolidation, checkpoints, buffer sync).
     pub fn traffic(&self) -> TrafficTable {
         let c = self.comms_ref();
         let mut t = c.world.traffic().clone();
@@ -333,8 +366,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.opt.scaler.as_ref().map(LossScaler::scale)
     }
 
-    /// bf16/fp16: a host copy of this rank's fp32 master weights (its part of every trainable
-    /// unit, laid out like the optimizer state); empty in fp32.
+    /// Testing aid (hidden from the docs): bf16/fp16: a host copy of this rank's fp32 master
+    /// weights (its part of every trainable unit, laid out like the optimizer state); empty in
+    /// fp32.
+    #[doc(hidden)]
     pub fn master_weights(&self) -> Vec<f32> {
         let l = &self.layout;
         self.opt.flat(Part::Master, &l.opt_offset, l.opt_len)
@@ -342,7 +377,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Testing aid (fp16): makes the first element of this rank's reduced gradient shard inf at
     /// the next optimizer step, as an overflow confined to one rank would. Every rank must then
-    /// skip that step together.
+    /// skip that step together. Hidden from the docs.
+    #[doc(hidden)]
     pub fn inject_overflow_next_step(&mut self) {
         self.opt.inject_overflow = true;
     }
@@ -354,20 +390,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.opt.device()
     }
 
-    /// A host copy of this rank's optimizer state: first and second moment (empty when the
-    /// optimizer has none), laid out like [`Self::master_weights`].
+    /// Testing aid (hidden from the docs): a host copy of this rank's optimizer state: first and
+    /// second moment (empty when the optimizer has none), laid out like the master weights.
+    #[doc(hidden)]
     pub fn optimizer_state(&self) -> (Vec<f32>, Vec<f32>) {
         let l = &self.layout;
         (
             self.opt.flat(Part::M, &l.opt_offset, l.opt_len),
             self.opt.flat(Part::V, &l.opt_offset, l.opt_len),
         )
-    }
-
-    /// The loss of each micro-step of the last optimizer step (this rank's micro-batches, in
-    /// order), unscaled: what [`crate::demo::run::global_losses`] sums over the canonical tree.
-    pub fn last_micro_losses(&self) -> &[f32] {
-        &self.clock.micro_losses
     }
 
     /// One optimizer step at learning rate `lr` over this rank's `gradient_accumulation_steps`

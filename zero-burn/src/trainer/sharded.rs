@@ -11,7 +11,7 @@ use crate::precision::Half;
 
 /// The rank's stage-3 shards.
 #[derive(Debug)]
-pub(super) enum Sharded {
+pub(super) enum Stage3Weights {
     /// fp32: the shard is the fp32 master (the optimizer steps it in place), one slab per unit on
     /// the model's device; the secondary slices live beside it.
     F32 {
@@ -36,15 +36,15 @@ pub(super) enum Source<'a> {
     Half(Half, &'a Words),
 }
 
-impl Sharded {
+impl Stage3Weights {
     /// Empty shards of `units` units in the working precision (`half`, if any).
-    pub(super) fn empty(half: Option<Half>, units: usize) -> Sharded {
+    pub(super) fn empty(half: Option<Half>, units: usize) -> Stage3Weights {
         match half {
-            None => Sharded::F32 {
+            None => Stage3Weights::F32 {
                 shard: Shard::default(),
                 secondary: (0..units).map(|_| None).collect(),
             },
-            Some(half) => Sharded::Half {
+            Some(half) => Stage3Weights::Half {
                 half,
                 shard: Vec::new(),
                 secondary: (0..units).map(|_| None).collect(),
@@ -58,8 +58,8 @@ impl Sharded {
     /// the device lacks the 16-bit type).
     pub(super) fn fill(&mut self, chunks: Vec<Vec<f32>>, device: Option<Device>) {
         match self {
-            Sharded::F32 { shard, .. } => *shard = Shard::new(chunks, device),
-            Sharded::Half {
+            Stage3Weights::F32 { shard, .. } => *shard = Shard::new(chunks, device),
+            Stage3Weights::Half {
                 half,
                 shard,
                 device: at,
@@ -83,22 +83,22 @@ impl Sharded {
             ))
         };
         Ok(match self {
-            Sharded::F32 { secondary, .. } if hpz => {
+            Stage3Weights::F32 { secondary, .. } if hpz => {
                 Source::F32(secondary[u].as_ref().ok_or_else(none)?)
             }
-            Sharded::F32 { shard, .. } => Source::F32(shard.unit(u)),
-            Sharded::Half {
+            Stage3Weights::F32 { shard, .. } => Source::F32(shard.unit(u)),
+            Stage3Weights::Half {
                 half, secondary, ..
             } if hpz => Source::Half(*half, secondary[u].as_ref().ok_or_else(none)?),
-            Sharded::Half { half, shard, .. } => Source::Half(*half, &shard[u]),
+            Stage3Weights::Half { half, shard, .. } => Source::Half(*half, &shard[u]),
         })
     }
 
     /// Unit `u`'s fp32 shard, to step in place.
     pub(super) fn f32_mut(&mut self, u: usize) -> Result<&mut Slab> {
         match self {
-            Sharded::F32 { shard, .. } => Ok(shard.unit_mut(u)),
-            Sharded::Half { .. } => Err(mismatch("an fp32 shard", "16-bit")),
+            Stage3Weights::F32 { shard, .. } => Ok(shard.unit_mut(u)),
+            Stage3Weights::Half { .. } => Err(mismatch("an fp32 shard", "16-bit")),
         }
     }
 
@@ -106,7 +106,7 @@ impl Sharded {
     /// working weights): on the device where both live there.
     pub(super) fn round_master(&mut self, u: usize, master: &Slab) -> Result<()> {
         match self {
-            Sharded::Half {
+            Stage3Weights::Half {
                 half,
                 shard,
                 device,
@@ -115,23 +115,23 @@ impl Sharded {
                 shard[u] = Words::round_slab(*half, master, device.as_ref());
                 Ok(())
             }
-            Sharded::F32 { .. } => Err(mismatch("a 16-bit shard", "fp32")),
+            Stage3Weights::F32 { .. } => Err(mismatch("a 16-bit shard", "fp32")),
         }
     }
 
     /// Writes fp32 `values` into unit `u`'s chunk from element `at` (rounded in bf16/fp16).
     pub(super) fn write(&mut self, u: usize, at: usize, values: &[f32]) {
         match self {
-            Sharded::F32 { shard, .. } => shard.unit_mut(u).write(at, values),
-            Sharded::Half { half, shard, .. } => shard[u].write(*half, at, values),
+            Stage3Weights::F32 { shard, .. } => shard.unit_mut(u).write(at, values),
+            Stage3Weights::Half { half, shard, .. } => shard[u].write(*half, at, values),
         }
     }
 
     /// Zeros unit `u`'s chunk.
     pub(super) fn zero(&mut self, u: usize) {
         match self {
-            Sharded::F32 { shard, .. } => shard.unit_mut(u).zero(),
-            Sharded::Half { half, shard, .. } => shard[u].zero(*half),
+            Stage3Weights::F32 { shard, .. } => shard.unit_mut(u).zero(),
+            Stage3Weights::Half { half, shard, .. } => shard[u].zero(*half),
         }
     }
 
@@ -139,22 +139,22 @@ impl Sharded {
     /// the shard lives.
     pub(super) fn keep_f32(&mut self, u: usize, values: Vec<f32>) -> Result<()> {
         match self {
-            Sharded::F32 { shard, secondary } => {
+            Stage3Weights::F32 { shard, secondary } => {
                 secondary[u] = Some(shard.slab(values));
                 Ok(())
             }
-            Sharded::Half { .. } => Err(mismatch("fp32 weights", "16-bit")),
+            Stage3Weights::Half { .. } => Err(mismatch("fp32 weights", "16-bit")),
         }
     }
 
     /// Keeps `t` (a tensor on the model's device) as unit `u`'s hpZ secondary slice.
     pub(super) fn keep_tensor(&mut self, u: usize, t: Tensor<1>) -> Result<()> {
         match self {
-            Sharded::F32 { secondary, .. } => {
+            Stage3Weights::F32 { secondary, .. } => {
                 secondary[u] = Some(Slab::Device(Box::new(t)));
                 Ok(())
             }
-            Sharded::Half { .. } => Err(mismatch("fp32 weights", "16-bit")),
+            Stage3Weights::Half { .. } => Err(mismatch("fp32 weights", "16-bit")),
         }
     }
 
@@ -162,7 +162,7 @@ impl Sharded {
     /// shard lives.
     pub(super) fn keep_half(&mut self, u: usize, values: Vec<u16>) -> Result<()> {
         match self {
-            Sharded::Half {
+            Stage3Weights::Half {
                 half,
                 secondary,
                 device,
@@ -171,7 +171,7 @@ impl Sharded {
                 secondary[u] = Some(Words::from_bits(*half, values, device.as_ref()));
                 Ok(())
             }
-            Sharded::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
+            Stage3Weights::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
         }
     }
 
@@ -179,19 +179,19 @@ impl Sharded {
     /// secondary slice.
     pub(super) fn keep_words(&mut self, u: usize, words: Words) -> Result<()> {
         match self {
-            Sharded::Half { secondary, .. } => {
+            Stage3Weights::Half { secondary, .. } => {
                 secondary[u] = Some(words);
                 Ok(())
             }
-            Sharded::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
+            Stage3Weights::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),
         }
     }
 
     /// Drops every hpZ secondary slice (they never outlive a weight update).
     pub(super) fn clear_secondaries(&mut self) {
         match self {
-            Sharded::F32 { secondary, .. } => secondary.iter_mut().for_each(|s| *s = None),
-            Sharded::Half { secondary, .. } => secondary.iter_mut().for_each(|s| *s = None),
+            Stage3Weights::F32 { secondary, .. } => secondary.iter_mut().for_each(|s| *s = None),
+            Stage3Weights::Half { secondary, .. } => secondary.iter_mut().for_each(|s| *s = None),
         }
     }
 
@@ -199,11 +199,11 @@ impl Sharded {
     /// their elements.
     pub(super) fn bytes(&self) -> (u64, u64) {
         match self {
-            Sharded::F32 { shard, secondary } => (
+            Stage3Weights::F32 { shard, secondary } => (
                 shard.bytes(),
                 secondary.iter().flatten().map(Slab::bytes).sum(),
             ),
-            Sharded::Half {
+            Stage3Weights::Half {
                 shard, secondary, ..
             } => (
                 shard.iter().map(Words::bytes).sum(),

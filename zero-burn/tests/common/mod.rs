@@ -166,9 +166,10 @@ pub(crate) fn assert_model_states(plan: &Plan, res: &[RankResult<Gpt>]) {
 #[cfg(feature = "wgpu")]
 pub(crate) fn shared(test: &str) -> Option<zero_burn::WgpuShared> {
     static NO_ADAPTER: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    use zero_testkit::gate::Device;
     let no_adapter = NO_ADAPTER.get_or_init(|| {
-        if std::env::var("ZERO_SIMULATE_NO_ADAPTER").as_deref() == Ok("1") {
-            Some("simulated by ZERO_SIMULATE_NO_ADAPTER=1".to_string())
+        if let Some(why) = Device::Wgpu.simulated() {
+            Some(why)
         } else {
             zero_comm::wgpu_loopback::WgpuDevice::default_adapter()
                 .err()
@@ -180,36 +181,9 @@ pub(crate) fn shared(test: &str) -> Option<zero_burn::WgpuShared> {
             zero_burn::WgpuShared::get()
                 .unwrap_or_else(|e| panic!("there is a wgpu adapter but the device failed: {e}")),
         ),
-        Some(why) if std::env::var("ZERO_REQUIRE_WGPU").as_deref() == Ok("1") => {
-            panic!("ZERO_REQUIRE_WGPU=1 but there is no wgpu adapter: {why}")
-        }
         Some(why) => {
-            record_skip(
-                test,
-                &format!("no wgpu adapter ({why}); install mesa-vulkan-drivers for lavapipe"),
-            );
+            Device::Wgpu.missing(zero_testkit::binary!(), test, why);
             None
         }
-    }
-}
-
-/// Records that `test` did not run and why: a line on stderr, and one line
-/// `<crate>/<test binary>::<test>\t<reason>` appended to `$ZERO_SKIP_LOG` when set, which
-/// `cargo xtask test` counts and prints (the format xtask/src/test.rs reads).
-pub(crate) fn record_skip(test: &str, reason: &str) {
-    let name = format!(
-        "{}/{}::{test}",
-        env!("CARGO_PKG_NAME"),
-        env!("CARGO_CRATE_NAME")
-    );
-    eprintln!("did not run {name}: {reason}");
-    if let Some(path) = std::env::var_os("ZERO_SKIP_LOG") {
-        let line = format!("{name}\t{}\n", reason.replace(['\t', '\n'], " "));
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
-            .unwrap_or_else(|e| panic!("cannot append to ZERO_SKIP_LOG={path:?}: {e}"));
     }
 }

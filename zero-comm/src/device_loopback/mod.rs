@@ -1,7 +1,8 @@
 //! The device loopbacks: N ranks, one thread each, on **one** device with one in-order queue (a
 //! wgpu queue, a CUDA stream), with data in device buffers. The collective algorithms are written
 //! here once, over the device's [`Memory`]: copies from peers' buffers and rank-ordered
-//! reductions. The devices add only their memory and kernels (`wgpu_loopback`, `nccl::loopback`).
+//! reductions. The devices add only their memory and kernels (`wgpu_loopback`,
+//! `nccl::backend::loopback`, whose `CudaWorld`, `CudaComm` and `CudaDevice` `nccl` re-exports).
 //!
 //! The contract, the validation, the failure behaviour and the byte accounting are the host
 //! loopback's ([`crate::host`]), which is the oracle: results are bit-identical to it (see

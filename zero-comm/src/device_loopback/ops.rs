@@ -220,6 +220,7 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
                 // ranges we read except us, at exactly our input `me`, which `reduce` allows (it
                 // reads every input before writing).
                 let out = loc(view, off, es);
+                // SAFETY: as above.
                 unsafe { reduce_all::<M, E>(batch, calls, (off, cl), out, op, reads, me) };
             } else {
                 // All-gather half: copy each peer's reduced chunk into ours.

@@ -59,10 +59,11 @@ pub(crate) unsafe fn reduce<E: Element>(
         match order {
             ReduceOrder::RankSequential => {
                 for (k, &p) in inputs.iter().enumerate() {
-                    // SAFETY: `p` is valid for `len` reads and `start + b <= len`.
                     if k == 0 {
+                        // SAFETY: `p` is valid for `len` reads and `start + b <= len`.
                         unsafe { load(p, start, acc) };
                     } else {
+                        // SAFETY: as for `load`.
                         unsafe { add(p, start, acc) };
                     }
                 }

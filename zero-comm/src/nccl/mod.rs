@@ -149,31 +149,6 @@ mod options;
 #[cfg(feature = "nccl")]
 mod backend;
 
-/// Test support: records that GPU test `name` ran, in `cargo xtask gpu-check`'s cookie
-/// (`$ZERO_GPU_COOKIE`, else `.gpu_tests_ran` in the target directory).
-#[cfg(all(test, feature = "gpu-tests"))]
-pub(crate) fn gpu_test_ran(name: &str) {
-    use std::io::Write;
-    let cookie = std::env::var_os("ZERO_GPU_COOKIE")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("CARGO_TARGET_DIR")
-                .map(|d| std::path::PathBuf::from(d).join(".gpu_tests_ran"))
-        })
-        .or_else(|| {
-            std::env::current_exe()
-                .ok()
-                .and_then(|e| e.ancestors().nth(3).map(|p| p.join(".gpu_tests_ran")))
-        });
-    if let Some(path) = cookie {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .unwrap();
-        writeln!(f, "{name} ok").unwrap();
-    }
-}
 #[cfg(feature = "nccl")]
 mod quantized;
 #[cfg(not(feature = "nccl"))]

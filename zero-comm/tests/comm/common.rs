@@ -16,42 +16,6 @@ pub(crate) type Factory<C> = fn(Topology) -> Vec<C>;
 /// Timeout for tests that must not time out.
 pub(crate) const SAFE_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Records that the calling test did not run and why: a line on stderr, and one line
-/// `<crate>/<test binary>::<test>\t<reason>` appended to `$ZERO_SKIP_LOG` when it is set, which
-/// `cargo xtask test` counts and prints (xtask/src/test.rs reads that format). `test` is the
-/// test's name when the caller knows it, else the test thread's name is used.
-#[track_caller]
-#[allow(dead_code)] // the wgpu and nccl binaries use it
-pub(crate) fn record_skip(test: &str, reason: &str) {
-    let thread = thread::current();
-    let name = match thread.name() {
-        Some(n) if test.is_empty() => n,
-        _ => test,
-    };
-    let name = format!(
-        "{}/{}::{name}",
-        env!("CARGO_PKG_NAME"),
-        env!("CARGO_CRATE_NAME")
-    );
-    eprintln!(
-        "did not run {name} (at {}): {reason}",
-        std::panic::Location::caller()
-    );
-    if let Some(path) = std::env::var_os(SKIP_LOG) {
-        let line = format!("{name}\t{}\n", reason.replace(['\t', '\n'], " "));
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
-            .unwrap_or_else(|e| panic!("cannot append to {SKIP_LOG}={path:?}: {e}"));
-    }
-}
-
-/// The file [`record_skip`] appends to.
-#[allow(dead_code)]
-pub(crate) const SKIP_LOG: &str = "ZERO_SKIP_LOG";
-
 /// A one-shot event that orders ranks in failure tests instead of sleeps: one rank `set`s it when
 /// something has happened (its timeout fired, say), the others `wait` for it. A wait gives up
 /// after [`SAFE_TIMEOUT`] with a panic, so a broken test fails instead of hanging.

@@ -5,16 +5,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use zero_comm::mpi::{ENV_RANKS_PER_NODE, ENV_TIMEOUT, MpiComm, MpiOptions, mpirun};
-
-use crate::common::record_skip;
+use zero_testkit::gate::Device;
 
 /// Set in the ranks of a job [`launch`] starts.
 const ROLE: &str = "ZERO_MPI_TEST_RANK";
-/// `1`: a missing `mpirun` fails the tests instead of skipping them.
-const REQUIRE: &str = "ZERO_REQUIRE_MPI";
-/// `1`: behave as on a machine without `mpirun` (`cargo xtask test`'s check of the not-run
-/// accounting).
-const SIMULATE: &str = "ZERO_SIMULATE_NO_MPI";
 
 /// What a finished job printed, and how it ended.
 pub(crate) struct Job {
@@ -65,21 +59,10 @@ pub(crate) fn launch(
     env: &[(&str, String)],
     limit: Duration,
 ) -> Option<Job> {
-    let simulated = std::env::var(SIMULATE).as_deref() == Ok("1");
-    let Some(mut cmd) = mpirun(n).filter(|_| !simulated) else {
-        let why = if simulated {
-            format!("no mpirun (simulated by {SIMULATE}=1)")
-        } else {
-            "no mpirun on PATH".to_string()
-        };
-        assert!(
-            std::env::var(REQUIRE).as_deref() != Ok("1"),
-            "{REQUIRE}=1 but {why}: install openmpi-bin and libopenmpi-dev"
-        );
-        record_skip(
-            name,
-            &format!("{why}; install openmpi-bin, or set {REQUIRE}=1 to fail instead"),
-        );
+    let simulated = Device::Mpi.simulated();
+    let Some(mut cmd) = mpirun(n).filter(|_| simulated.is_none()) else {
+        let why = simulated.unwrap_or_else(|| "not on PATH".to_string());
+        Device::Mpi.missing(zero_testkit::binary!(), name, &why);
         return None;
     };
     let mut vars: Vec<(&str, String)> = vec![

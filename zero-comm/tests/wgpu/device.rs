@@ -4,24 +4,19 @@ use std::sync::{Arc, OnceLock};
 
 use zero_comm::wgpu_loopback::{WgpuComm, WgpuDevice, WgpuWorld};
 use zero_core::Topology;
+use zero_testkit::gate::Device;
 
-use crate::common::{SAFE_TIMEOUT, record_skip};
-
-/// The environment variable that turns a missing adapter into a test failure (`cargo xtask test`
-/// sets it unless `--allow-device-skips`; so does CI).
-pub(crate) const REQUIRE: &str = "ZERO_REQUIRE_WGPU";
-/// Behaves as a machine without an adapter (tests the not-run accounting of `cargo xtask test`).
-pub(crate) const SIMULATE_NO_ADAPTER: &str = "ZERO_SIMULATE_NO_ADAPTER";
+use crate::common::SAFE_TIMEOUT;
 
 static DEVICE: OnceLock<Result<Arc<WgpuDevice>, String>> = OnceLock::new();
 
 /// The process's device, opened once. `Err` (why) if there is no adapter; panics if there is one
-/// but the device or its kernels fail, or if there is none and [`REQUIRE`] is `1`.
+/// but the device or its kernels fail, or if there is none and `ZERO_REQUIRE_WGPU` is `1`.
 pub(crate) fn shared() -> Result<Arc<WgpuDevice>, String> {
     DEVICE
         .get_or_init(|| {
-            if std::env::var(SIMULATE_NO_ADAPTER).is_ok_and(|v| v == "1") {
-                return Err(format!("simulated by {SIMULATE_NO_ADAPTER}=1"));
+            if let Some(why) = Device::Wgpu.simulated() {
+                return Err(why);
             }
             match WgpuDevice::default_adapter() {
                 Ok(adapter) => Ok(WgpuDevice::from_adapter(&adapter)
@@ -30,31 +25,21 @@ pub(crate) fn shared() -> Result<Arc<WgpuDevice>, String> {
             }
         })
         .clone()
-        .map_err(|why| {
-            if std::env::var(REQUIRE).is_ok_and(|v| v == "1") {
-                panic!(
-                    "{REQUIRE}=1 but there is no wgpu adapter: {why}; install \
-                     mesa-vulkan-drivers, or run `cargo xtask test --allow-device-skips`"
-                );
+        .inspect_err(|why| {
+            if Device::Wgpu.required() {
+                Device::Wgpu.missing(zero_testkit::binary!(), "", why);
             }
-            why
         })
 }
 
 /// The device, or `None` after recording that the calling test did not run and why
-/// ([`record_skip`]: stderr and `$ZERO_SKIP_LOG`, which `cargo xtask test` counts).
+/// (stderr and `$ZERO_SKIP_LOG`, which `cargo xtask test` counts).
 #[track_caller]
 pub(crate) fn or_skip() -> Option<Arc<WgpuDevice>> {
     match shared() {
         Ok(d) => Some(d),
         Err(why) => {
-            record_skip(
-                "",
-                &format!(
-                    "no wgpu adapter ({why}); install mesa-vulkan-drivers, or set {REQUIRE}=1 to \
-                     fail instead"
-                ),
-            );
+            Device::Wgpu.missing(zero_testkit::binary!(), "", &why);
             None
         }
     }

@@ -132,8 +132,8 @@ fn nccl_protocols() -> Vec<Protocol> {
     ]
 }
 
-/// zero-quant's CUDA codecs on an H200 (BENCHMARKS.md: int8 1042/1284, int4 812/1032 GB/s of
-/// f32 tensor bytes) over its 4,800 GB/s of HBM.
+/// zero-quant's CUDA codecs on an H200 (the first H200 run, docs/benchmarks-history.md: int8
+/// 1042/1284, int4 812/1032 GB/s of f32 tensor bytes) over its 4,800 GB/s of HBM.
 const CODEC: Codec = Codec {
     int8_encode: 1042.0 / 4800.0,
     int8_decode: 1284.0 / 4800.0,

@@ -6,28 +6,6 @@ pub(crate) mod device;
 
 use std::fmt::Write as _;
 
-/// Records that `test` did not run and why: a line on stderr, and one line
-/// `<crate>/<test binary>::<test>\t<reason>` appended to `$ZERO_SKIP_LOG` when set, which
-/// `cargo xtask test` counts and prints (the format xtask/src/test.rs reads). The test names
-/// itself: under `--test-threads=1` every test's thread is `main`.
-pub(crate) fn record_skip(test: &str, reason: &str) {
-    let name = format!(
-        "{}/{}::{test}",
-        env!("CARGO_PKG_NAME"),
-        env!("CARGO_CRATE_NAME"),
-    );
-    eprintln!("did not run {name}: {reason}");
-    if let Some(path) = std::env::var_os("ZERO_SKIP_LOG") {
-        let line = format!("{name}\t{}\n", reason.replace(['\t', '\n'], " "));
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()))
-            .unwrap_or_else(|e| panic!("cannot append to ZERO_SKIP_LOG={path:?}: {e}"));
-    }
-}
-
 /// splitmix64: small, fast, deterministic; good enough for test data.
 #[derive(Debug, Clone)]
 pub(crate) struct Rng(u64);

@@ -240,6 +240,6 @@ mod tests {
                 u32::from(v.to_bits())
             });
         }
-        crate::nccl::gpu_test_ran(name);
+        zero_testkit::cookie::passed(name);
     }
 }

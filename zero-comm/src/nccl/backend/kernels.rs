@@ -1,5 +1,7 @@
-//! The one device kernel of the backend: `x[i] = x[i] / n` in place, which turns NCCL's `Sum` into
-//! the contract's `Mean`.
+//! The backend's mean kernels, `x[i] = x[i] / n` in place, which turn NCCL's `Sum` into the
+//! contract's `Mean`; and the PTX scaffolding (`ptx_module`, `grid_stride`, `PtxModule`) that the
+//! two other hand-written kernel modules share: qgZ's finish (`finish.rs`) and the CUDA
+//! loopback's accumulation (`loopback.rs`).
 //!
 //! The PTX is written by hand and JIT-compiled by the driver (`cuModuleLoadData`), so the backend
 //! needs neither nvcc at build time nor NVRTC at run time (cudarc's `nvrtc` feature is off). Each
@@ -494,6 +496,6 @@ mod tests {
                 );
             }
         }
-        crate::nccl::gpu_test_ran("gpu_mean_kernels_divide_like_the_host");
+        zero_testkit::cookie::passed("gpu_mean_kernels_divide_like_the_host");
     }
 }

@@ -4,7 +4,7 @@
 //! bits, the traffic and the model-state bytes equal the synchronous trainer's; a failing rank
 //! still fails its peers fast.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::sync::Arc;

@@ -1,15 +1,26 @@
-//! A counting global allocator for the memory tests: the bytes live on the heap ([`LIVE`]) and
-//! their high-water mark ([`PEAK`]). A test binary that includes this module (`#[path]`) counts
-//! every allocation of its process.
+//! A counting global allocator: the bytes live on the heap ([`LIVE`]) and their high-water mark
+//! ([`PEAK`]). A test binary or bench that installs it counts every allocation of its process:
+//!
+//! ```
+//! #[global_allocator]
+//! static ALLOC: zero_testkit::alloc::Counting = zero_testkit::alloc::Counting;
+//!
+//! let before = zero_testkit::alloc::LIVE.load(std::sync::atomic::Ordering::SeqCst);
+//! let v = vec![0u8; 1 << 20];
+//! assert!(zero_testkit::alloc::PEAK.load(std::sync::atomic::Ordering::SeqCst) >= before + v.len());
+//! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Counts the bytes live on the heap and their high-water mark.
-struct Counting;
+/// Counts the bytes live on the heap and their high-water mark; forwards to [`System`].
+#[derive(Debug)]
+pub struct Counting;
 
-pub(crate) static LIVE: AtomicUsize = AtomicUsize::new(0);
-pub(crate) static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// Bytes live on the heap now.
+pub static LIVE: AtomicUsize = AtomicUsize::new(0);
+/// The most bytes live at once (lower it to [`LIVE`] to start a new measurement).
+pub static PEAK: AtomicUsize = AtomicUsize::new(0);
 
 fn grew(n: usize) {
     let now = LIVE.fetch_add(n, Ordering::SeqCst) + n;
@@ -52,6 +63,3 @@ unsafe impl GlobalAlloc for Counting {
         q
     }
 }
-
-#[global_allocator]
-static ALLOC: Counting = Counting;

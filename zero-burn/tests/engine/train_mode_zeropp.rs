@@ -13,7 +13,7 @@
 //! 3. bf16 at stage 2, world 2: the buffers stay f32 (not rounded to bf16) and equal on every
 //!    rank, and checkpointing on and off give the same bits.
 
-mod common;
+use crate::common;
 
 use zero_burn::BufferSync;
 use zero_core::{Precision, Topology};

@@ -4,7 +4,7 @@
 //! model was built with, reshards both ways between replicated and sharded, and is in the
 //! export.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

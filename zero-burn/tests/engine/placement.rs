@@ -14,7 +14,7 @@
 //!   hold the resident device bytes the plan books (shard, accumulator, moments; the shard only
 //!   under offload), within 64 KiB, and the canonical tree's pending level beside them.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

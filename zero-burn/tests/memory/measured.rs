@@ -27,11 +27,10 @@ use zero_burn::demo::gpt::GptConfig;
 use zero_burn::demo::run::corpus_step;
 use zero_burn::prelude::*;
 
-mod common;
-#[path = "common/counting.rs"]
-mod counting;
+use crate::common;
+use zero_testkit::alloc::{LIVE, PEAK};
 
-use counting::{LIVE, PEAK};
+use crate::one_at_a_time;
 
 const N: usize = 4;
 const MIB: f64 = (1 << 20) as f64;
@@ -98,6 +97,7 @@ fn measure(stage: u8) -> (u64, u64, u64) {
 
 #[test]
 fn the_allocators_peak_stays_within_the_plan_at_stages_0_and_3() {
+    let _alone = one_at_a_time();
     let (s0, plan0, _) = measure(0);
     let (s3, plan3, segment) = measure(3);
     let numel: u64 = {

@@ -8,7 +8,7 @@
 //! first, `p·(1 − lr·wd) − lr·u`, and zero-rs with the update, `p − lr·(u + wd·p)`; the attention
 //! key biases, whose gradient is rounding noise, are compared under SGD only: see `key_biases`).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! states) on the host loopback: close to fp32, stages 0–3 bit-identical, fp16 overflow skipped by
 //! every rank together, measured bytes equal to the plan's 16-bit prediction.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! kind of corruption is detected before any state changes, naming the file; a crash at every
 //! write step of the save protocol leaves `LATEST` loadable.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,45 +1,8 @@
-//! The shape of zero-burn's source, as ARCHITECTURE.md states it: no file over 500 lines (the
-//! import circles of every crate's modules are `xtask/tests/tidy.rs`'s).
-//!
-//! Also README's loop: its Rust snippet must appear, line for line, inside the crate docs'
+//! README's loop: its Rust snippet must appear, line for line, inside the crate docs'
 //! example (`zero-burn/src/lib.rs`), which rustdoc compiles and runs as a doctest with only
 //! `zero_burn::prelude::*` imported for the engine.
 
-use std::fs;
-use std::path::{Path, PathBuf};
-
-/// The most lines a file of `zero-burn/src` may have.
-const MAX_LINES: usize = 500;
-
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in fs::read_dir(dir).expect("zero-burn/src is readable") {
-        let path = entry.expect("a directory entry").path();
-        if path.is_dir() {
-            sources(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
-}
-
-fn src_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
-}
-
-#[test]
-fn no_source_file_is_over_500_lines() {
-    let mut files = Vec::new();
-    sources(&src_dir(), &mut files);
-    assert!(files.len() > 10, "found only {} files", files.len());
-    let long: Vec<String> = files
-        .iter()
-        .filter_map(|f| {
-            let n = fs::read_to_string(f).expect("readable").lines().count();
-            (n > MAX_LINES).then(|| format!("{} ({n} lines)", f.display()))
-        })
-        .collect();
-    assert!(long.is_empty(), "over {MAX_LINES} lines: {long:?}");
-}
+use std::path::Path;
 
 /// The lines of the first Markdown code block of `lang` in `text`.
 fn first_block<'a>(text: &'a str, lang: &str) -> Vec<&'a str> {

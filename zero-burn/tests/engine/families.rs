@@ -6,10 +6,8 @@
 //! is the gradient norm that clipping reports. A parameter that no gradient reaches in a step is
 //! checked against plain burn in `families/unused.rs`.
 
-mod common;
-#[path = "families/reads.rs"]
+use crate::common;
 mod reads;
-#[path = "families/unused.rs"]
 mod unused;
 
 use std::time::Duration;

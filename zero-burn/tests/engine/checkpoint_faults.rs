@@ -5,7 +5,7 @@
 //! changes after the load verified it (the load reads those blocks again as it restores them)
 //! fails the load naming the file.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

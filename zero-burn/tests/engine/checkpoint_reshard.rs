@@ -4,7 +4,7 @@
 //! the canonical tree the continuation on the new world size is bit-identical to a run that used
 //! it from the start.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

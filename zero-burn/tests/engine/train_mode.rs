@@ -31,7 +31,7 @@
 //! The CNN, its data, the engine run and the plain-burn oracle live in `common::train_mode`,
 //! shared with `train_mode_zeropp.rs` (ZeRO++, the report and bf16 with buffers).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

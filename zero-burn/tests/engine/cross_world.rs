@@ -9,7 +9,7 @@
 //! are split at shard boundaries that depend on N), qwZ (its quantization blocks follow the
 //! shards) and qgZ (rejected with the canonical tree).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! parameters and losses; hpZ on and off are bit-identical; measured traffic and model-state bytes
 //! equal the plan's prediction exactly.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! A rank that panics or fails in the middle of a save fails the save on every rank fast (no
 //! hang), and the previous checkpoint stays `LATEST` and loads.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -22,13 +22,13 @@ use zero_burn::{Launch, ZeroEngine};
 use zero_comm::Communicator;
 use zero_core::{Topology, ZeroConfig};
 
-#[path = "common/counting.rs"]
-mod counting;
+use zero_testkit::alloc::{LIVE, PEAK};
 
-use counting::{LIVE, PEAK};
+use crate::one_at_a_time;
 
 #[test]
 fn save_load_and_export_stay_within_their_memory_bounds() {
+    let _alone = one_at_a_time();
     let tmp = tempfile::Builder::new()
         .prefix("zero-export-mem-")
         .tempdir()

@@ -8,7 +8,7 @@
 //! chunk it reads twice (verified and let go, then read and verified again as it restores them),
 //! so that it never holds them all.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! model's, the f32 export equals the gathered fp32 weights bit for bit, and a bf16 export
 //! equals a bf16 run's working weights bit for bit. Parsed by the reference `safetensors` crate.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
