@@ -14,7 +14,7 @@ use super::layout::RankLayout;
 use super::opt_state::OptState;
 use super::sharded::Stage3Weights;
 use super::slab;
-use super::{Clock, EngineOptions, Meter, ZeroEngine};
+use super::{Clock, EngineOptions, Meter, UnitStatus, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
 use crate::params;
@@ -144,8 +144,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 (plan.config().precision == zero_core::Precision::Fp16)
                     .then(|| LossScaler::new(plan.config().loss_scaler)),
             ),
-            gathered: vec![false; units.len()],
-            fetching: vec![false; units.len()],
+            status: vec![UnitStatus::Released; units.len()],
             meter: Meter::new(units.len()),
             clock: Clock::default(),
             draws,

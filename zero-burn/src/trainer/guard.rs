@@ -25,7 +25,7 @@ use burn::optim::GradientsParams;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
-use super::ZeroEngine;
+use super::{UnitStatus, ZeroEngine};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
 use crate::segmented::{Activation, SegmentOut, Segmented};
@@ -156,7 +156,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             .filter(|&p| !self.layout.param_readers[p].contains(&i))
             .filter(|&p| {
                 plan.locate(p).is_some_and(|(u, _)| {
-                    plan.units()[u].kind == UnitKind::Gather && !self.gathered[u]
+                    plan.units()[u].kind == UnitKind::Gather
+                        && self.status[u] != UnitStatus::Installed
                 })
             })
             .collect();

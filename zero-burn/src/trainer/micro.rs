@@ -7,7 +7,7 @@ use zero_core::GroupKind;
 
 use super::layout::ReduceBy;
 use super::sharded::Source;
-use super::{Pending, Ticket, ZeroEngine, words};
+use super::{Pending, Ticket, UnitStatus, ZeroEngine, words};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::params::GradSource;
@@ -378,7 +378,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         u: usize,
         backward: bool,
     ) -> Result<()> {
-        if self.gathered[u] || self.fetching[u] {
+        if self.status[u] != UnitStatus::Released {
             return Ok(());
         }
         let plan = self.plan.clone();
@@ -419,7 +419,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
         };
         exec.submit(job, Ticket::Gather { u, backward })?;
-        self.fetching[u] = true;
+        self.status[u] = UnitStatus::Fetching;
         // In flight: the buffer each collective will return (the unit's length).
         let w = if self.half.is_some() { 2 } else { 4 };
         let fetching: u64 = exec
@@ -449,7 +449,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             self.submit_gather(exec, u, backward)?;
         }
         for &u in &units {
-            while self.fetching[u] {
+            while self.status[u] == UnitStatus::Fetching {
                 self.complete_one(exec)?;
             }
         }

@@ -137,6 +137,17 @@ enum Pending<B> {
     Tensor(Box<burn::tensor::Tensor<1>>),
 }
 
+/// Where a stage-3 unit's full weights are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UnitStatus {
+    /// Only this rank's shard is kept; the model holds placeholders.
+    Released,
+    /// Its all-gather is submitted, not yet installed.
+    Fetching,
+    /// Installed in the model.
+    Installed,
+}
+
 /// A collective in flight during a micro-step: what to do with its result.
 #[derive(Clone, Copy, Debug)]
 enum Ticket {
@@ -188,10 +199,9 @@ pub struct ZeroEngine<C: Communicator, M: Segmented> {
     acc: GradAcc,
     /// The optimizer's state (master weights, moments), the loss scaler and the step count.
     opt: OptState,
-    /// Stage 3: units installed in the model.
-    gathered: Vec<bool>,
-    /// Stage 3: units whose all-gather is submitted but not yet installed.
-    fetching: Vec<bool>,
+    /// Stage 3: where each unit's full weights are (every unit of stages 0–2 stays `Released`:
+    /// there the model always holds them).
+    status: Vec<UnitStatus>,
     /// Where the rank is: steps, micro-steps, the last step's losses, a failed load.
     clock: Clock,
     /// Which segments' forwards draw random numbers (they are seeded under a lock).
@@ -452,7 +462,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         });
         self.comms = Some(comms);
         if r.is_err() {
-            self.fetching.iter_mut().for_each(|f| *f = false);
+            for s in &mut self.status {
+                if *s == UnitStatus::Fetching {
+                    *s = UnitStatus::Released;
+                }
+            }
         }
         r
     }

@@ -11,7 +11,7 @@ use zero_core::GatherOrder;
 use super::sharded::Source;
 use super::slab::Slab;
 use super::words::Words;
-use super::{HOME, ZeroEngine};
+use super::{HOME, UnitStatus, ZeroEngine};
 use crate::comms::{Elems, Job, Out};
 use crate::device::{DeviceTensors, WordBuffer};
 use crate::error::{Error, Result};
@@ -249,8 +249,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.write_unit(u, &h.widen_all(&full));
             }
         }
-        self.fetching[u] = false;
-        self.gathered[u] = true;
+        self.status[u] = UnitStatus::Installed;
         self.meter.gathered_elems += plan.unit_entries(u).iter().map(|e| e.numel).sum::<u64>();
         self.meter.gathered_bytes += bytes;
         self.meter.unit_gathered_bytes[u] = bytes;
@@ -381,9 +380,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// [`zero_core::GatherOrder`]: after a forward, or after a backward).
     pub(super) fn release_where(&mut self, seg: usize, done: impl Fn(&GatherOrder, usize) -> bool) {
         for u in self.layout.order.needs[seg].clone() {
-            if self.gathered[u] && done(&self.layout.order, u) {
+            if self.status[u] == UnitStatus::Installed && done(&self.layout.order, u) {
                 self.release(u);
-                self.gathered[u] = false;
+                self.status[u] = UnitStatus::Released;
                 let real: u64 = self.plan.unit_entries(u).iter().map(|e| e.numel).sum();
                 self.meter.gathered_elems -= real;
                 self.meter.gathered_bytes -= std::mem::take(&mut self.meter.unit_gathered_bytes[u]);
