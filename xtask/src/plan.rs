@@ -323,11 +323,26 @@ mod tests {
         let off = dir.join("ds_offload.json");
         std::fs::write(
             &off,
-            r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#,
+            r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}"#,
         )
         .unwrap();
         let e = plan(&[&base[..], &["--config", off.to_str().unwrap()]].concat()).unwrap_err();
-        assert!(format!("{e:#}").contains("offload_param"), "{e:#}");
+        assert!(format!("{e:#}").contains("nvme_path"), "{e:#}");
+        std::fs::write(
+            &off,
+            r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}"#,
+        )
+        .unwrap();
+        let out = plan(&[&base[..], &["--config", off.to_str().unwrap()]].concat()).unwrap();
+        for split in [
+            "\"device_bytes\"",
+            "\"host_bytes\"",
+            "\"disk_bytes\"",
+            "\"offload_buffers\"",
+        ] {
+            assert!(out.contains(split), "{split}: {out}");
+        }
         let e = plan(&["--preset", "gpt2-small", "--world-size", "4", "--rank", "4"]).unwrap_err();
         assert!(
             format!("{e:#}").contains("--rank 4 is out of range"),

@@ -9,7 +9,7 @@ const SLACK: usize = 40;
 
 /// `(crate/part, ceiling)`: the most lines one file there may have.
 const CEILINGS: &[(&str, usize)] = &[
-    ("zero-core/src", 646),
+    ("zero-core/src", 580),
     ("zero-core/tests", 437),
     ("zero-core/benches", 95),
     ("zero-comm/src", 692),

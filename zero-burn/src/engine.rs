@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use zero_comm::{Communicator, ReduceOrder};
-use zero_core::{MemoryModel, OptimizerKind, Plan, TrafficTable, ZeroConfig};
+use zero_core::{MemoryModel, OptimizerKind, Placement, Plan, TrafficTable, ZeroConfig};
 
 use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
@@ -177,6 +177,7 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
                 (Arc::new(plan), optimizer)
             }
         };
+        refuse_unexecuted_placements(plan.config())?;
         let options = EngineOptions {
             optimizer,
             reduction,
@@ -202,6 +203,25 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
         }
         Ok(engine)
     }
+}
+
+/// The placements zero-core plans and books that the engine does not execute yet: NVMe, and the
+/// parameter shard off the device.
+fn refuse_unexecuted_placements(c: &ZeroConfig) -> Result<()> {
+    let refuse = |field, p: Placement| Error::Invalid {
+        field,
+        got: p.name().into(),
+        expected: "device or host for the optimizer, device for the parameters: the engine does \
+                   not run NVMe or parameter offload yet (`cargo xtask plan` books them)"
+            .into(),
+    };
+    if c.optimizer_placement == Placement::Nvme {
+        return Err(refuse("optimizer_placement", c.optimizer_placement));
+    }
+    if c.param_placement.is_offloaded() {
+        return Err(refuse("param_placement", c.param_placement));
+    }
+    Ok(())
 }
 
 /// The optimizer a plan's kind stands for, with its usual hyper-parameters.

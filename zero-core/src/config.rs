@@ -10,6 +10,7 @@ use crate::model::DType;
 mod auto;
 mod deepspeed;
 mod json;
+mod offload;
 mod validate;
 
 pub(crate) use validate::validate;
@@ -80,24 +81,48 @@ impl OptimizerKind {
     }
 }
 
-/// Where the optimizer's state lives: its moments, in mixed precision the fp32 master weights,
-/// and the gradient accumulator it reads. The optimizer step runs where they are.
+/// Where a part of the model states lives: the optimizer's state ([`ZeroConfig::optimizer_placement`])
+/// or stage 3's parameter shard ([`ZeroConfig::param_placement`]). The memory model books device,
+/// host and NVMe bytes apart ([`crate::MemoryModel`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
     /// On the model's device (host memory on a CPU backend).
     #[default]
     Device,
-    /// In host memory, stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`, as
-    /// ZeRO-Offload: the reduced gradients go to host memory too); the device keeps the working
-    /// weights and the gathered units.
+    /// In host memory (DeepSpeed's `offload_*: {device: "cpu"}`, ZeRO-Offload).
     Host,
+    /// In files under [`ZeroConfig::nvme_path`], read and written through a ring of
+    /// [`ZeroConfig::offload_buffer_count`] host buffers (DeepSpeed's `device: "nvme"`,
+    /// ZeRO-Infinity).
+    Nvme,
 }
 
 impl Placement {
     fn is_device(&self) -> bool {
         *self == Placement::Device
     }
+
+    /// Off the device: in host memory or on NVMe.
+    pub fn is_offloaded(&self) -> bool {
+        !self.is_device()
+    }
+
+    /// The name configurations spell it with.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Placement::Device => "device",
+            Placement::Host => "host",
+            Placement::Nvme => "nvme",
+        }
+    }
+}
+
+/// DeepSpeed's default `buffer_count` of `offload_optimizer`: the NVMe ring's buffers.
+pub const DEFAULT_OFFLOAD_BUFFERS: u32 = 4;
+
+fn is_default_buffers(n: &u32) -> bool {
+    *n == DEFAULT_OFFLOAD_BUFFERS
 }
 
 /// A ZeRO configuration. Sizes are in elements, as in DeepSpeed.
@@ -165,8 +190,23 @@ pub struct ZeroConfig {
     /// Where the optimizer's moments, fp32 master weights and gradient accumulator live, and so
     /// where the optimizer step runs: on the model's device (the default) or offloaded to host
     /// memory.
+    /// NVMe (ZeRO-Infinity) keeps the moments and masters on disk and the gradient accumulator
+    /// in host memory, as DeepSpeed does.
     #[serde(skip_serializing_if = "Placement::is_device")]
     pub optimizer_placement: Placement,
+    /// Stage 3: where the rank's parameter shard lives between gathers (DeepSpeed's
+    /// `offload_param`): on the device (the default), in host memory or on NVMe. It moves to the
+    /// device for each gather; persistent parameters and buffers stay on the device.
+    #[serde(skip_serializing_if = "Placement::is_device")]
+    pub param_placement: Placement,
+    /// The folder of the NVMe store: each rank keeps its files in its own subfolder. Required
+    /// when a placement is [`Placement::Nvme`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_path: Option<String>,
+    /// The NVMe ring's host buffers, each one unit's offloaded state: unit k+1 is read while unit
+    /// k steps and unit k-1 is written back (DeepSpeed's `buffer_count`; at least 3).
+    #[serde(skip_serializing_if = "is_default_buffers")]
+    pub offload_buffer_count: u32,
 }
 
 /// fp16 loss scaling, with DeepSpeed's keys, defaults and semantics.
@@ -246,6 +286,9 @@ impl Default for ZeroConfig {
             loss_scaler: LossScaleConfig::default(),
             checkpoint_activations: None,
             optimizer_placement: Placement::Device,
+            param_placement: Placement::Device,
+            nvme_path: None,
+            offload_buffer_count: DEFAULT_OFFLOAD_BUFFERS,
         }
     }
 }

@@ -22,13 +22,23 @@
 //! `model_states_bytes` is the ZeRO paper's figure: parameters + gradients + optimizer states +
 //! master weights. Activations are not modelled.
 //!
-//! Placement: every category is on the model's device, except with
-//! `optimizer_placement = host` (ZeRO-Offload), where `optimizer_states`, `master_weights` and
-//! the `gradients` the optimizer reads are in host memory (`host_bytes`); `device_bytes` is what
-//! the accelerator holds.
+//! - `offload_buffers`: the NVMe ring in host memory: `offload_buffer_count` buffers, each the
+//!   largest unit's offloaded state (optimizer: its moments and masters; stage 3 parameters:
+//!   its chunk). Zero without NVMe placement.
+//!
+//! `model_states_bytes` is the ZeRO paper's figure: parameters + gradients + optimizer states +
+//! master weights. Activations are not modelled.
+//!
+//! Placement: every category is on the model's device except what the configuration offloads.
+//! `optimizer_placement = host` puts `optimizer_states`, `master_weights` and the `gradients` the
+//! optimizer reads in host memory (ZeRO-Offload); `nvme` puts the first two on disk and keeps the
+//! gradients in host memory (ZeRO-Infinity). `param_placement` moves stage 3's parameter shard
+//! (`shard_len` elements of `parameters`) to host memory or disk. `device_bytes`, `host_bytes` and
+//! `disk_bytes` split `total_bytes`.
 
 use serde::Serialize;
 
+use crate::config::Placement;
 use crate::plan::{Plan, UnitKind};
 use crate::quant_wire::{int4_wire_len, int8_wire_len};
 
@@ -49,14 +59,20 @@ pub struct MemoryModel {
     pub gathered_working_set: u64,
     /// Reduction and quantization buffers.
     pub communication_buffers: u64,
+    /// The NVMe ring's host buffers.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub offload_buffers: u64,
     /// parameters + gradients + optimizer states + master weights.
     pub model_states_bytes: u64,
     /// Sum of every category.
     pub total_bytes: u64,
-    /// The part of `total_bytes` in host memory (`optimizer_placement = host`: optimizer states,
-    /// master weights and gradients); zero otherwise.
+    /// The part of `total_bytes` in host memory: what the placements offload there, and the NVMe
+    /// ring; zero when nothing is offloaded.
     #[serde(skip_serializing_if = "is_zero")]
     pub host_bytes: u64,
+    /// The part of `total_bytes` on NVMe; zero without NVMe placement.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub disk_bytes: u64,
     /// The part of `total_bytes` on the model's device.
     pub device_bytes: u64,
 }
@@ -67,7 +83,7 @@ fn is_zero(x: &u64) -> bool {
 
 impl MemoryModel {
     /// The categories as (name, bytes) rows, in a fixed order.
-    pub fn rows(&self) -> [(&'static str, u64); 7] {
+    pub fn rows(&self) -> [(&'static str, u64); 8] {
         [
             ("parameters", self.parameters),
             ("gradients", self.gradients),
@@ -76,6 +92,7 @@ impl MemoryModel {
             ("hpz_secondary", self.hpz_secondary),
             ("gathered_working_set", self.gathered_working_set),
             ("communication_buffers", self.communication_buffers),
+            ("offload_buffers", self.offload_buffers),
         ]
     }
 }
@@ -183,13 +200,52 @@ impl Plan {
                 m.communication_buffers += 2 * n * int4_wire_len(max_tc, c.qgz_block_size as u64);
             }
         }
+        m.offload_buffers = self.offload_ring();
         m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
         m.total_bytes = m.rows().iter().map(|(_, b)| b).sum();
-        if c.optimizer_placement == crate::config::Placement::Host {
-            m.host_bytes = m.optimizer_states + m.master_weights + m.gradients;
-        }
-        m.device_bytes = m.total_bytes - m.host_bytes;
+        self.place(&mut m);
         m
+    }
+
+    /// Splits `m.total_bytes` into device, host and disk bytes by the configuration's placements.
+    fn place(&self, m: &mut MemoryModel) {
+        let c = self.config();
+        let mut at = |p: Placement, bytes: u64| match p {
+            Placement::Device => {}
+            Placement::Host => m.host_bytes += bytes,
+            Placement::Nvme => m.disk_bytes += bytes,
+        };
+        let opt = c.optimizer_placement;
+        at(opt, m.optimizer_states + m.master_weights);
+        if opt.is_offloaded() {
+            // The optimizer reads the gradients where it runs: on the CPU.
+            at(Placement::Host, m.gradients);
+        }
+        if c.stage == 3 {
+            at(c.param_placement, self.shard_len() * self.working_bytes());
+        }
+        at(Placement::Host, m.offload_buffers);
+        m.device_bytes = m.total_bytes - m.host_bytes - m.disk_bytes;
+    }
+
+    /// The NVMe ring: `offload_buffer_count` host buffers, each the largest unit's state that
+    /// placement puts on NVMe.
+    fn offload_ring(&self) -> u64 {
+        let c = self.config();
+        let n = self.world_size() as u64;
+        let units = self.units();
+        let mut unit = 0;
+        if c.optimizer_placement == Placement::Nvme {
+            let master = if self.mixed_precision() { 4 } else { 0 };
+            let per = c.optimizer.state_bytes() + master;
+            let max_t = units.iter().filter(|u| u.trainable).map(|u| u.len / n);
+            unit += max_t.max().unwrap_or(0) * per;
+        }
+        if c.stage == 3 && c.param_placement == Placement::Nvme {
+            let max_c = units.iter().map(|u| u.len / n).max().unwrap_or(0);
+            unit += max_c * self.working_bytes();
+        }
+        unit * u64::from(c.offload_buffer_count)
     }
 
     /// Whether a gather unit of `next` elements may be prefetched while one of `current` is live.

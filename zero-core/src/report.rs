@@ -205,6 +205,9 @@ impl fmt::Display for PlanReport {
         }
         writeln!(f, "\nmemory per rank")?;
         for (name, b) in self.memory.rows() {
+            if name == "offload_buffers" && b == 0 {
+                continue;
+            }
             writeln!(f, "  {name:<24} {:>12}  {b:>16} B", human_bytes(b))?;
         }
         writeln!(
@@ -221,14 +224,24 @@ impl fmt::Display for PlanReport {
             human_bytes(self.memory.total_bytes),
             self.memory.total_bytes
         )?;
-        if self.memory.host_bytes > 0 {
-            writeln!(
-                f,
-                "  {:<24} {:>12}  {:>16} B  (optimizer_placement = host)",
-                "of which in host memory",
-                human_bytes(self.memory.host_bytes),
-                self.memory.host_bytes
-            )?;
+        let m = &self.memory;
+        if m.host_bytes + m.disk_bytes > 0 {
+            let c = &self.config;
+            let placed = format!(
+                "(optimizer_placement = {}, param_placement = {})",
+                c.optimizer_placement.name(),
+                c.param_placement.name()
+            );
+            let split = [
+                ("of which on the device", m.device_bytes),
+                ("of which in host memory", m.host_bytes),
+                ("of which on NVMe", m.disk_bytes),
+            ];
+            for (i, (name, b)) in split.into_iter().enumerate() {
+                let why = if i == 0 { placed.as_str() } else { "" };
+                let line = format!("  {name:<24} {:>12}  {b:>16} B  {why}", human_bytes(b));
+                writeln!(f, "{}", line.trim_end())?;
+            }
         }
         writeln!(
             f,

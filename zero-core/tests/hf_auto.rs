@@ -124,15 +124,9 @@ fn the_optimizer_offloaded_to_the_cpu_is_host_placement() {
 #[test]
 fn an_unsupported_key_is_still_refused_by_name() {
     for (key, value) in [
-        (
-            "offload_optimizer",
-            r#"{"device": "nvme", "nvme_path": "/local_nvme"}"#,
-        ),
-        (
-            "offload_param",
-            r#"{"device": "nvme", "nvme_path": "/local_nvme"}"#,
-        ),
         ("mics_shard_size", "8"),
+        ("zeropp_loco_param", r#"{"err_beta": 0.8, "reset_T": 1024}"#),
+        ("zero_quantized_nontrainable_weights", "true"),
     ] {
         let text = HF_ZERO3.replace(
             r#""stage": 3,"#,
@@ -154,18 +148,41 @@ fn an_unsupported_key_is_still_refused_by_name() {
     }
 }
 
+/// ZeRO-Infinity as HF's docs write it: both parts on NVMe under one folder, with the `aio`
+/// section's tunings accepted as notes.
 #[test]
-fn nvme_offload_s_own_section_is_refused_too() {
-    let text = HF_ZERO3.replacen(
-        '{',
-        r#"{"aio": {"block_size": 1048576, "queue_depth": 8},"#,
-        1,
-    );
-    let e = ZeroConfig::from_deepspeed_json_with(&text, &run())
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("aio: got {"), "{e}");
-    assert!(e.contains("NVMe offload"), "{e}");
+fn zero_infinity_is_nvme_placement() {
+    let text = HF_ZERO3
+        .replace(
+            r#""stage": 3,"#,
+            r#""stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                                  "buffer_count": 4, "fast_init": false},
+            "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                              "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},"#,
+        )
+        .replacen(
+            '{',
+            r#"{"aio": {"block_size": 262144, "queue_depth": 32},"#,
+            1,
+        );
+    let imp = ZeroConfig::from_deepspeed_json_with(&text, &run()).unwrap();
+    let c = &imp.config;
+    assert_eq!(c.optimizer_placement, zero_core::Placement::Nvme);
+    assert_eq!(c.param_placement, zero_core::Placement::Nvme);
+    assert_eq!(c.nvme_path.as_deref(), Some("/local_nvme"));
+    assert_eq!(c.offload_buffer_count, 5);
+    assert!(imp.notes.iter().any(|n| n.starts_with("aio.queue_depth")));
+    let model = ModelDesc::preset("gpt2-medium").unwrap();
+    let plan = Plan::new(&model, Topology::new(8, 8).unwrap(), c).unwrap();
+    let m = plan.memory();
+    // On disk: the moments and masters, and the parameter shard; in host memory: the gradients
+    // and the ring.
+    let shard = plan.shard_len() * plan.working_bytes();
+    assert_eq!(m.disk_bytes, m.optimizer_states + m.master_weights + shard);
+    assert_eq!(m.host_bytes, m.gradients + m.offload_buffers);
+    assert!(m.offload_buffers > 0);
+    assert_eq!(m.device_bytes + m.host_bytes + m.disk_bytes, m.total_bytes);
 }
 
 #[test]

@@ -21,6 +21,7 @@ mod families;
 mod gpt_oracle;
 mod mixed_precision;
 mod model_safety;
+mod offload;
 mod overlap;
 mod placement;
 mod source_layout;

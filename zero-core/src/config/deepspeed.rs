@@ -5,7 +5,8 @@ use serde_json::Value;
 
 use super::auto::{self, AutoResolution, RunValues};
 use super::json::{boolean, int, num};
-use super::{OptimizerKind, Placement, Precision, ZeroConfig};
+use super::offload;
+use super::{OptimizerKind, Precision, ZeroConfig};
 use crate::error::{Error, Result};
 
 impl ZeroConfig {
@@ -122,10 +123,7 @@ impl ZeroConfig {
                     "amp: got {val}, expected {{\"enabled\": false}} or no such section (Apex \
                      AMP is not supported by zero-rs: use bf16 or fp16)"
                 )),
-                "aio" => bad.push(format!(
-                    "aio: got {val}, expected no such section (it tunes NVMe offload, which \
-                     zero-rs does not support yet)"
-                )),
+                "aio" => offload::read_aio(val, &mut notes, &mut bad),
                 other => bad.push(format!("unknown top-level key `{other}`")),
             }
         }
@@ -274,6 +272,7 @@ fn read_zero_section(
         bad.push("zero_optimization: expected an object".into());
         return;
     };
+    let mut ring = None;
     for (k, val) in obj {
         let mut set_u64 = |field: &mut u64| match int(val) {
             Some(x) => *field = x,
@@ -345,13 +344,8 @@ fn read_zero_section(
                     notes.push(format!("zero_optimization.{k}: accepted; it tunes DeepSpeed internals and has no effect here"));
                 }
             }
-            "offload_optimizer" | "cpu_offload" if offload_optimizer(k, val, c, notes, bad) => {}
-            "offload_optimizer"
-            | "offload_param"
-            | "cpu_offload"
-            | "cpu_offload_params"
-            | "cpu_offload_use_pin_memory"
-            | "mics_shard_size"
+            _ if offload::read_offload(k, val, c, &mut ring, notes, bad) => {}
+            "mics_shard_size"
             | "mics_hierarchical_params_gather"
             | "zero_quantized_nontrainable_weights"
             | "zeropp_loco_param" => {
@@ -362,10 +356,9 @@ fn read_zero_section(
                     notes.push(format!("zero_optimization.{k}: disabled, as here"));
                 } else {
                     let what = match k.as_str() {
-                        "mics_shard_size" | "mics_hierarchical_params_gather" => "MiCS",
                         "zero_quantized_nontrainable_weights" => "quantizing frozen weights",
                         "zeropp_loco_param" => "ZeRO++ LoCo",
-                        _ => "CPU/NVMe offload",
+                        _ => "MiCS",
                     };
                     let off_form = if k == "mics_shard_size" {
                         "-1"
@@ -383,63 +376,15 @@ fn read_zero_section(
             other => bad.push(format!("unknown key `zero_optimization.{other}`")),
         }
     }
-}
-
-/// `offload_optimizer: {"device": "cpu", …}` (or the older `cpu_offload: true`): the optimizer
-/// state in host memory ([`Placement::Host`]). Returns false, leaving the key to the caller's
-/// refusal, for anything else that is not off (NVMe, a partial `ratio`).
-fn offload_optimizer(
-    k: &str,
-    val: &Value,
-    c: &mut ZeroConfig,
-    notes: &mut Vec<String>,
-    bad: &mut Vec<String>,
-) -> bool {
-    if k == "cpu_offload" {
-        if val == &Value::Bool(true) {
-            c.optimizer_placement = Placement::Host;
-            notes.push(
-                "zero_optimization.cpu_offload: the optimizer state lives in host memory".into(),
-            );
-            return true;
-        }
-        return false;
+    if let Some(n) = ring {
+        c.offload_buffer_count = n;
     }
-    let Some(obj) = val.as_object() else {
-        return false;
-    };
-    if obj.get("device").and_then(Value::as_str) != Some("cpu") {
-        return false;
-    }
-    c.optimizer_placement = Placement::Host;
-    notes.push(
-        "zero_optimization.offload_optimizer: the optimizer state lives in host memory".into(),
-    );
-    for (sub, v) in obj {
-        match sub.as_str() {
-            "device" => {}
-            "pin_memory" | "buffer_count" | "fast_init" => notes.push(format!(
-                "zero_optimization.offload_optimizer.{sub}: accepted; it tunes DeepSpeed's \
-                 transfers and has no effect here"
-            )),
-            "ratio" if v.as_f64() == Some(1.0) => {}
-            "ratio" => bad.push(format!(
-                "zero_optimization.offload_optimizer.ratio: got {v}, expected 1.0 (a partial \
-                 offload is not supported by zero-rs)"
-            )),
-            other => bad.push(format!(
-                "zero_optimization.offload_optimizer.{other}: got {v}, expected no such key \
-                 (NVMe offload is not supported by zero-rs)"
-            )),
-        }
-    }
-    true
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::LossScaleConfig;
+    use crate::config::{LossScaleConfig, Placement};
 
     #[test]
     fn reads_deepspeed_zeropp_tutorial_config() {
@@ -475,12 +420,15 @@ mod tests {
     #[test]
     fn reports_every_unknown_or_unsupported_key() {
         let text = r#"{"zero_optimization": {"stage": 2, "colour": 1,
-            "offload_param": {"device": "cpu"}}, "fancy": true}"#;
+            "offload_param": {"device": "cpu", "colour": 2}}, "fancy": true}"#;
         let e = ZeroConfig::from_deepspeed_json(text)
             .unwrap_err()
             .to_string();
         assert!(e.contains("zero_optimization.colour"), "{e}");
-        assert!(e.contains("offload_param"), "{e}");
+        assert!(
+            e.contains("`zero_optimization.offload_param.colour`"),
+            "{e}"
+        );
         assert!(e.contains("`fancy`"), "{e}");
     }
 
@@ -514,25 +462,11 @@ mod tests {
                 "{text}"
             );
         }
-        for (text, key) in [
-            (
-                r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}"#,
-                "offload_optimizer",
-            ),
-            (
-                r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#,
-                "offload_optimizer.ratio",
-            ),
-            (
-                r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}"#,
-                "offload_param",
-            ),
-        ] {
-            let e = ZeroConfig::from_deepspeed_json(text)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains(key), "{text}: {e}");
-        }
+        let ratio = r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#;
+        let e = ZeroConfig::from_deepspeed_json(ratio)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("offload_optimizer.ratio"), "{e}");
         let none =
             r#"{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}"#;
         let c = ZeroConfig::from_deepspeed_json(none).unwrap().config;

@@ -1,6 +1,6 @@
 //! The checks a [`ZeroConfig`] passes before it is planned.
 
-use super::{Precision, ZeroConfig};
+use super::{Placement, Precision, ZeroConfig};
 use crate::error::{Error, Result};
 use crate::topology::{Topology, divisors};
 
@@ -105,9 +105,7 @@ pub(crate) fn validate(c: &ZeroConfig, t: &Topology) -> Result<()> {
             "fp32, or the working precision",
         ));
     }
-    if c.precision == Precision::Fp16 && c.quantized_gradients {
-        // Allowed: qgZ dequantizes and reduces in fp32.
-    }
+    offload(c)?;
     let s = &c.loss_scaler;
     if !(s.loss_scale >= 0.0 && s.loss_scale.is_finite()) {
         return Err(Error::invalid(
@@ -138,6 +136,41 @@ pub(crate) fn validate(c: &ZeroConfig, t: &Topology) -> Result<()> {
             "loss_scaler.min_loss_scale",
             s.min_loss_scale.to_string(),
             "a positive finite scale",
+        ));
+    }
+    Ok(())
+}
+
+/// The placements: parameters leave the device only at stage 3, where they are partitioned, and
+/// NVMe needs a folder and a ring of at least three buffers (read ahead, step, write back).
+fn offload(c: &ZeroConfig) -> Result<()> {
+    if c.param_placement.is_offloaded() && c.stage != 3 {
+        return Err(Error::invalid(
+            "param_placement",
+            format!("{} at stage {}", c.param_placement.name(), c.stage),
+            "device below stage 3: only stage 3 partitions the parameters, so only its shard can \
+             leave the device",
+        ));
+    }
+    let nvme = [c.optimizer_placement, c.param_placement].contains(&Placement::Nvme);
+    if !nvme {
+        return Ok(());
+    }
+    match c.nvme_path.as_deref() {
+        None | Some("") => {
+            return Err(Error::invalid(
+                "nvme_path",
+                "none",
+                "a folder for the NVMe store when a placement is nvme",
+            ));
+        }
+        Some(_) => {}
+    }
+    if c.offload_buffer_count < 3 {
+        return Err(Error::invalid(
+            "offload_buffer_count",
+            c.offload_buffer_count.to_string(),
+            "at least 3 with NVMe placement: one unit read ahead, one stepped, one written back",
         ));
     }
     Ok(())

@@ -134,13 +134,19 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
     if opts.tokens_per_gpu == 0 {
         return Err(Error::invalid("tokens_per_gpu", "0", "at least 1 token"));
     }
-    if c.optimizer_placement == crate::config::Placement::Host {
-        // The step's time would be the CPU's and PCIe's, which the cluster does not describe.
-        return Err(Error::invalid(
-            "optimizer_placement",
-            "host",
-            "device (the simulator times the optimizer step at the GPU's memory bandwidth)",
-        ));
+    for (field, p) in [
+        ("optimizer_placement", c.optimizer_placement),
+        ("param_placement", c.param_placement),
+    ] {
+        if p.is_offloaded() {
+            // The step's time would be the CPU's, PCIe's and the disk's, which the cluster does
+            // not describe.
+            return Err(Error::invalid(
+                field,
+                p.name(),
+                "device (the simulator times every state at the GPU's memory bandwidth)",
+            ));
+        }
     }
     if let Some(s) = opts.shape
         && (s.layers > compute::MAX_LAYERS as u64 || s.hidden > 1 << 20 || s.seq_len > 1 << 24)
