@@ -7,7 +7,7 @@ use zero_core::sim::sweep::sweep;
 use zero_core::sim::{
     Cluster, ModelShape, Overlap, SimOptions, SweepAxis, Variant, compute, simulate,
 };
-use zero_core::{ModelDesc, Plan, Precision, ZeroConfig};
+use zero_core::{ModelDesc, Placement, Plan, Precision, ZeroConfig};
 
 fn opts(tokens: u64, shape: Option<ModelShape>) -> SimOptions {
     SimOptions {
@@ -216,6 +216,30 @@ fn bad_inputs_are_errors() {
         .to_string();
     assert!(e.contains("at most 100000 layers"), "{e}");
     assert!(simulate(&plan, &c, &opts(0, None)).is_err());
+    // The cluster describes no CPU, PCIe or disk: offloaded state is refused, naming the field.
+    for (field, placed) in [
+        (
+            "optimizer_placement",
+            ZeroConfig {
+                optimizer_placement: Placement::Host,
+                ..ZeroConfig::stage(3)
+            },
+        ),
+        (
+            "param_placement",
+            ZeroConfig {
+                param_placement: Placement::Nvme,
+                nvme_path: Some("/nvme".into()),
+                ..ZeroConfig::stage(3)
+            },
+        ),
+    ] {
+        let plan = Plan::new(&m, c.topology(2).unwrap(), &placed).unwrap();
+        let e = simulate(&plan, &c, &opts(1024, None))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("invalid {field}")), "{e}");
+    }
     // Values that would only give an infinite or a zero step time are refused.
     for (k, v) in [
         ("gpu.memory_gib", "1e308"),
