@@ -189,9 +189,8 @@ pub struct ZeroConfig {
     pub checkpoint_activations: Option<bool>,
     /// Where the optimizer's moments, fp32 master weights and gradient accumulator live, and so
     /// where the optimizer step runs: on the model's device (the default) or offloaded to host
-    /// memory.
-    /// NVMe (ZeRO-Infinity) keeps the moments and masters on disk and the gradient accumulator
-    /// in host memory, as DeepSpeed does.
+    /// memory. NVMe (ZeRO-Infinity) keeps the moments and masters on disk and the gradient
+    /// accumulator in host memory, as DeepSpeed does.
     #[serde(skip_serializing_if = "Placement::is_device")]
     pub optimizer_placement: Placement,
     /// Stage 3: where the rank's parameter shard lives between gathers (DeepSpeed's

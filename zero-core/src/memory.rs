@@ -18,10 +18,6 @@
 //!   `prefetch_bucket_size` and `max_live_parameters` allow it (see [`crate::GatherOrder`]).
 //! - `communication_buffers`: the flat gradient buffer a bucket or unit is reduced from (doubled
 //!   with `overlap_comm`), and the int8/int4 wire buffers of qwZ/qgZ.
-//!
-//! `model_states_bytes` is the ZeRO paper's figure: parameters + gradients + optimizer states +
-//! master weights. Activations are not modelled.
-//!
 //! - `offload_buffers`: the NVMe ring in host memory: `offload_buffer_count` buffers, each the
 //!   largest unit's offloaded state (optimizer: its moments and masters; stage 3 parameters:
 //!   its chunk). Zero without NVMe placement.

@@ -156,15 +156,12 @@ fn offload(c: &ZeroConfig) -> Result<()> {
     if !nvme {
         return Ok(());
     }
-    match c.nvme_path.as_deref() {
-        None | Some("") => {
-            return Err(Error::invalid(
-                "nvme_path",
-                "none",
-                "a folder for the NVMe store when a placement is nvme",
-            ));
-        }
-        Some(_) => {}
+    if c.nvme_path.as_deref().is_none_or(str::is_empty) {
+        return Err(Error::invalid(
+            "nvme_path",
+            "none",
+            "a folder for the NVMe store when a placement is nvme",
+        ));
     }
     if c.offload_buffer_count < 3 {
         return Err(Error::invalid(
