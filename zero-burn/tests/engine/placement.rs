@@ -611,7 +611,7 @@ mod wgpu {
             let resident = m.device_bytes - m.gathered_working_set - m.communication_buffers;
             let level = match placement {
                 Placement::Device => m.gradients,
-                Placement::Host => 0,
+                Placement::Host | Placement::Nvme => 0,
             };
             let booked = 2 * (resident + level);
             println!(
