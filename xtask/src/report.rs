@@ -225,6 +225,25 @@ fn print_report(r: &RunReport) {
         "  booked model states equal the plan on every rank: {}",
         if r.memory_matches_plan { "yes" } else { "NO" }
     );
+    if p.host_bytes + p.disk_bytes > 0 {
+        println!(
+            "  planned where: {} on the device, {} in host memory, {} on NVMe",
+            human_bytes(p.device_bytes),
+            human_bytes(p.host_bytes),
+            human_bytes(p.disk_bytes)
+        );
+    }
+    if let Some(io) = r.nvme_io_per_rank.first() {
+        println!(
+            "  NVMe store (rank 0, counted by the store): {} read, {} written, {:.2} s waiting \
+             on IO, at most {} of {} ring buffers in use",
+            human_bytes(io.read_bytes),
+            human_bytes(io.written_bytes),
+            io.wait_secs,
+            io.peak_buffers,
+            r.job.zero.offload_buffer_count
+        );
+    }
     if let Some(dev) = r.device_peak_per_rank.first() {
         println!(
             "  device memory in use at its peak, as the device's pools count it (every rank on \

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use zero_comm::{Communicator, ReduceOrder};
-use zero_core::{MemoryModel, OptimizerKind, Placement, Plan, TrafficTable, ZeroConfig};
+use zero_core::{MemoryModel, OptimizerKind, Plan, TrafficTable, ZeroConfig};
 
 use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
@@ -205,21 +205,17 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
     }
 }
 
-/// The placements zero-core plans and books that the engine does not execute yet: NVMe, and the
-/// parameter shard off the device.
+/// The placement zero-core plans and books that the engine does not execute yet: the parameter
+/// shard off the device.
 fn refuse_unexecuted_placements(c: &ZeroConfig) -> Result<()> {
-    let refuse = |field, p: Placement| Error::Invalid {
-        field,
-        got: p.name().into(),
-        expected: "device or host for the optimizer, device for the parameters: the engine does \
-                   not run NVMe or parameter offload yet (`cargo xtask plan` books them)"
-            .into(),
-    };
-    if c.optimizer_placement == Placement::Nvme {
-        return Err(refuse("optimizer_placement", c.optimizer_placement));
-    }
     if c.param_placement.is_offloaded() {
-        return Err(refuse("param_placement", c.param_placement));
+        return Err(Error::Invalid {
+            field: "param_placement",
+            got: c.param_placement.name().into(),
+            expected: "device: the engine does not run parameter offload yet (`cargo xtask plan` \
+                       books it)"
+                .into(),
+        });
     }
     Ok(())
 }
@@ -265,6 +261,10 @@ pub struct RankReport {
     /// The peak bytes in use on the model's device, counted by its own memory pools; `None` on
     /// flex (see [`ZeroEngine::device_memory_peak`]).
     pub device_peak_bytes: Option<u64>,
+    /// With `optimizer_placement = nvme`: what the NVMe store read and wrote, and the time the
+    /// steps waited for it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_io: Option<crate::IoReport>,
 }
 
 impl RankReport {
@@ -309,6 +309,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             device_weight_bytes: self.device_weight_bytes(),
             optimizer_device: self.optimizer_device().map(|d| format!("{d:?}")),
             device_peak_bytes: self.device_memory_peak(),
+            nvme_io: self.nvme_io(),
         }
     }
 

@@ -95,6 +95,21 @@ pub enum Error {
     /// A checkpoint is unusable (names the file and what is wrong; boxed: it is large).
     #[error(transparent)]
     Checkpoint(Box<zero_core::CheckpointError>),
+    /// The NVMe store of `optimizer_placement = nvme` failed: an IO error, a full disk, a short
+    /// read, or a block whose checksum does not match. The unit's last whole state stays in its
+    /// file; the step or load that met it did not complete, so the run should resume from its
+    /// last checkpoint.
+    #[error("NVMe store of rank {rank}{}, {path}: {what}", unit_of(*unit))]
+    Offload {
+        /// The rank.
+        rank: usize,
+        /// The unit whose state it was, if any.
+        unit: Option<usize>,
+        /// The file or folder.
+        path: String,
+        /// What went wrong.
+        what: String,
+    },
     /// A checkpoint storage operation failed (the IO error is its [`source`], so `{:#}` with
     /// anyhow, or [`Error::full_message`], prints it once).
     ///
@@ -239,6 +254,10 @@ pub enum Error {
         /// What differs: the loss, or a checksum of the output activation.
         what: String,
     },
+}
+
+fn unit_of(unit: Option<usize>) -> String {
+    unit.map(|u| format!(", unit {u}")).unwrap_or_default()
 }
 
 fn then_line(consequences: &[(usize, String)]) -> String {

@@ -97,6 +97,7 @@
 //!   loopback's buffers, and the `DeviceTensors` hook over it.
 //! - `cuda` (feature `cuda`): a burn-cuda device, or an error naming what is missing, and
 //!   `CudaTensors`, the `DeviceTensors` hook over NCCL's or the CUDA loopback's buffers.
+//! - `offload`: the NVMe store of `optimizer_placement = nvme`, and its prefetch ring.
 //! - `learner` (feature `burn-train`): `Sharded`, burn-train's `Learner` over `step_grads`.
 //! - `demo`: the GPT, the corpora, the launchers and the job `cargo xtask train` runs; its
 //!   module docs list its files.
@@ -114,6 +115,7 @@ pub mod error;
 mod launch;
 #[cfg(feature = "burn-train")]
 pub mod learner;
+mod offload;
 pub mod optim;
 pub mod params;
 pub mod precision;
@@ -128,6 +130,7 @@ pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]
 pub use launch::WgpuShared;
 pub use launch::{LOCAL_RANK_VARS, Launch, deep_copy, local_rank};
+pub use offload::IoReport;
 pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;

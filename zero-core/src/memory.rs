@@ -234,7 +234,9 @@ impl Plan {
         if c.optimizer_placement == Placement::Nvme {
             let master = if self.mixed_precision() { 4 } else { 0 };
             let per = c.optimizer.state_bytes() + master;
-            let max_t = units.iter().filter(|u| u.trainable).map(|u| u.len / n);
+            // The rank's slot: the whole unit at stage 0, else its chunk.
+            let slot = |len: u64| if c.stage == 0 { len } else { len / n };
+            let max_t = units.iter().filter(|u| u.trainable).map(|u| slot(u.len));
             unit += max_t.max().unwrap_or(0) * per;
         }
         if c.stage == 3 && c.param_placement == Placement::Nvme {

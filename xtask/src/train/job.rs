@@ -12,7 +12,16 @@ use zero_burn::optim::Optimizer;
 use zero_core::{AdamWValues, Precision, RunBatch, RunValues, ZeroConfig};
 
 use super::checkpointing;
-use super::{TrainArgs, check_writable};
+use super::{Offload, TrainArgs, check_writable};
+
+/// Where an `--offload-*` flag puts the state.
+fn placement(o: Offload) -> zero_core::Placement {
+    match o {
+        Offload::None => zero_core::Placement::Device,
+        Offload::Cpu => zero_core::Placement::Host,
+        Offload::Nvme => zero_core::Placement::Nvme,
+    }
+}
 
 /// What this run uses, for a DeepSpeed config's `"auto"` values (HF Trainer style): the model's
 /// width, the batch, the flags that set engine keys, and the trainer's AdamW with `--lr`.
@@ -145,11 +154,13 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         zero.checkpoint_activations = Some(c);
     }
     if let Some(o) = a.offload_optimizer {
-        zero.optimizer_placement = if o {
-            zero_core::Placement::Host
-        } else {
-            zero_core::Placement::Device
-        };
+        zero.optimizer_placement = placement(o);
+    }
+    if let Some(o) = a.offload_param {
+        zero.param_placement = placement(o);
+    }
+    if let Some(p) = &a.nvme_path {
+        zero.nvme_path = Some(p.display().to_string());
     }
     if let Some(o) = a.overlap_comm {
         zero.overlap_comm = o;

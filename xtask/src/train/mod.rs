@@ -13,6 +13,19 @@ mod job;
 #[cfg(feature = "engine")]
 pub(crate) use job::run;
 
+/// Where `--offload-optimizer` and `--offload-param` put the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Offload {
+    /// On the model's device: no offload.
+    #[value(alias = "false", alias = "device")]
+    None,
+    /// Host memory (DeepSpeed's `device: "cpu"`).
+    #[value(alias = "true", alias = "host")]
+    Cpu,
+    /// The NVMe store under `--nvme-path`.
+    Nvme,
+}
+
 #[derive(Args, Debug)]
 pub(crate) struct TrainArgs {
     /// Model size: tiny, small (default), medium, or wide (model states dominate memory).
@@ -82,11 +95,20 @@ pub(crate) struct TrainArgs {
     /// embedding's weight, one parameter shared by the first segment and the last.
     #[arg(long)]
     tie_embeddings: bool,
-    /// Offload the optimizer: its moments and fp32 master weights live in host memory and are
-    /// stepped on the CPU (DeepSpeed's `offload_optimizer: {device: "cpu"}`). Default off: they
-    /// live on the model's device (host memory on the host backend). Or the config file's.
+    /// Offload the optimizer: its moments and fp32 master weights live in host memory (`cpu`)
+    /// or in the NVMe store under `--nvme-path` (`nvme`), and are stepped on the CPU
+    /// (DeepSpeed's `offload_optimizer: {device: ...}`). Default `none`: they live on the
+    /// model's device (host memory on the host backend). Or the config file's.
+    #[arg(long, value_enum)]
+    offload_optimizer: Option<Offload>,
+    /// Offload stage 3's parameter shard (`cpu`, `nvme`): planned and booked, refused by the
+    /// engine, which does not run it yet.
+    #[arg(long, value_enum)]
+    offload_param: Option<Offload>,
+    /// The folder of the NVMe store (`--offload-optimizer nvme`): each rank keeps its files in
+    /// `rank<r>/` under it while it runs, and removes them at the end.
     #[arg(long)]
-    offload_optimizer: Option<bool>,
+    nvme_path: Option<PathBuf>,
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config; a Hugging Face Trainer
     /// style config's `"auto"` values resolve from this run (one `auto:` line each).
     #[arg(long)]

@@ -330,8 +330,10 @@ fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
     assert!(inked > 5_000, "{inked} inked pixels of {}", w * h);
 }
 
-/// `--offload-optimizer true` keeps the optimizer's state in host memory: on the host backend
-/// the same bits as the default, and the plan books that state as host bytes.
+/// `--offload-optimizer cpu` keeps the optimizer's state in host memory, `nvme` in the NVMe
+/// store under `--nvme-path`: on the host backend the same bits as the default. The plan books
+/// that state as host bytes, or (moments and master) as disk bytes; the report counts what the
+/// store read and wrote, and no file stays behind.
 #[test]
 fn offloading_the_optimizer_changes_where_not_what() {
     let tmp = tempfile::Builder::new()
@@ -339,6 +341,8 @@ fn offloading_the_optimizer_changes_where_not_what() {
         .tempdir()
         .expect("a temp dir");
     let root = tmp.path().to_path_buf();
+    let nvme = root.join("store");
+    let nvme_flag = nvme.display().to_string();
     let base = [
         "--model",
         "tiny",
@@ -350,9 +354,11 @@ fn offloading_the_optimizer_changes_where_not_what() {
         "2",
         "--precision",
         "bf16",
+        "--nvme-path",
+        &nvme_flag,
     ];
     let mut results = Vec::new();
-    for offload in ["false", "true"] {
+    for offload in ["none", "cpu", "nvme"] {
         let out = root.join(offload);
         let mut flags = base.to_vec();
         flags.extend(["--offload-optimizer", offload]);
@@ -360,16 +366,35 @@ fn offloading_the_optimizer_changes_where_not_what() {
         let v: serde_json::Value =
             serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
         let planned = &v["memory"]["planned"][0];
-        let host = planned["host_bytes"].as_u64().unwrap_or(0);
-        let states = planned["optimizer_states"].as_u64().unwrap()
-            + planned["master_weights"].as_u64().unwrap()
-            + planned["gradients"].as_u64().unwrap();
+        let bytes = |key: &str| planned[key].as_u64().unwrap_or(0);
+        let state = bytes("optimizer_states") + bytes("master_weights");
+        let (host, disk) = match offload {
+            "none" => (0, 0),
+            "cpu" => (state + bytes("gradients"), 0),
+            _ => (bytes("gradients") + bytes("offload_buffers"), state),
+        };
         assert_eq!(
-            host,
-            if offload == "true" { states } else { 0 },
+            (bytes("host_bytes"), bytes("disk_bytes")),
+            (host, disk),
             "{offload}"
         );
+        let io = &v["nvme_io_per_rank"][0];
+        if offload == "nvme" {
+            // Written at the build and after each of the 2 steps, read before each step.
+            let (read, written) = (io["read_bytes"].as_u64(), io["written_bytes"].as_u64());
+            assert!(
+                read.unwrap() >= 2 * state && written.unwrap() >= 3 * state,
+                "{io}"
+            );
+        } else {
+            assert!(io.is_null(), "{offload}: {io}");
+        }
         results.push(losses(&out));
     }
-    assert_eq!(results[0], results[1], "the same losses, bit for bit");
+    assert_eq!(results[0], results[1], "cpu: the same losses, bit for bit");
+    assert_eq!(results[0], results[2], "nvme: the same losses, bit for bit");
+    let left: Vec<_> = std::fs::read_dir(&nvme)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "the store's files are removed: {left:?}");
 }

@@ -34,6 +34,16 @@ impl GptConfig {
     /// Builds the model on `device` with deterministic weights from `seed` (normal(0, 0.02) for
     /// matrices, ones for norm scales, zeros for biases; independent of burn's global RNG).
     pub fn init(&self, device: &Device, seed: u64) -> Gpt {
+        // burn's layers draw their initial values from the backend's generator (lazily, when
+        // first read), which in-process ranks share: under the engine's lock, so no seeded
+        // forward elsewhere sees its numbers move (see `crate::rng`).
+        crate::rng::with_seed(device, seed, || {
+            deterministic_init(self.layers_on(device), seed)
+        })
+    }
+
+    /// The layers as burn initialises them.
+    fn layers_on(&self, device: &Device) -> Gpt {
         let mha = MultiHeadAttentionConfig::new(self.d_model, self.heads).with_dropout(0.0);
         let blocks = (0..self.layers)
             .map(|_| Block {
@@ -45,14 +55,13 @@ impl GptConfig {
                 act: Gelu::new(),
             })
             .collect();
-        let gpt = Gpt {
+        Gpt {
             wte: EmbeddingConfig::new(self.vocab, self.d_model).init(device),
             wpe: EmbeddingConfig::new(self.context, self.d_model).init(device),
             blocks,
             ln_f: LayerNormConfig::new(self.d_model).init(device),
             head: Some(LinearConfig::new(self.d_model, self.vocab).init(device)),
-        };
-        deterministic_init(gpt, seed)
+        }
     }
 
     /// [`Self::init`] with the output layer tied to the token embedding (`logits = ln_f(h)·wteᵀ`,

@@ -68,6 +68,10 @@ pub struct RunReport {
     /// rank's figure is the whole device's. Empty (and not written) on flex.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub device_peak_per_rank: Vec<u64>,
+    /// With `optimizer_placement = nvme`, each rank's NVMe store: bytes read and written, the
+    /// time its steps waited for IO, the ring's peak. Empty (and not written) otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nvme_io_per_rank: Vec<crate::IoReport>,
     /// The parameters several segments read (the tied head's token embedding), from the plan.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub shared: Vec<zero_core::SharedParam>,
@@ -160,6 +164,11 @@ pub(crate) fn report(
             .iter()
             .map(|r| r.device_peak_bytes)
             .collect::<Option<Vec<u64>>>()
+            .unwrap_or_default(),
+        nvme_io_per_rank: results
+            .iter()
+            .map(|r| r.nvme_io)
+            .collect::<Option<Vec<_>>>()
             .unwrap_or_default(),
         shared: plan.shared_params(),
         job: JobConfig {

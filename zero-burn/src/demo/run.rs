@@ -70,6 +70,8 @@ pub struct RankResult<M> {
     /// The peak bytes in use on the model's device, counted by its own memory pools (the whole
     /// device: in-process ranks sharing it see their sum); `None` on flex.
     pub device_peak_bytes: Option<u64>,
+    /// With `optimizer_placement = nvme`: the NVMe store's reads, writes and waits.
+    pub nvme_io: Option<crate::IoReport>,
     /// The step training started from: 0, or the step of the checkpoint it resumed.
     pub first_step: u64,
     /// The checkpoints saved.
@@ -209,6 +211,9 @@ pub struct RankSummary {
     /// flex (see [`RankResult::device_peak_bytes`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_peak_bytes: Option<u64>,
+    /// With `optimizer_placement = nvme`: the NVMe store's reads, writes and waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme_io: Option<crate::IoReport>,
     /// The step training started from.
     pub first_step: u64,
     /// The checkpoints saved.
@@ -227,6 +232,7 @@ impl RankSummary {
             memory: r.memory,
             peak_rss_bytes: None,
             device_peak_bytes: r.device_peak_bytes,
+            nvme_io: r.nvme_io,
             first_step: r.first_step,
             saves: r.saves.clone(),
         }
@@ -389,6 +395,7 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         device_weight_bytes: report.device_weight_bytes,
         optimizer_device: report.optimizer_device,
         device_peak_bytes: report.device_peak_bytes,
+        nvme_io: report.nvme_io,
         model: t.model().clone(),
         final_params,
         first_step,

@@ -1,6 +1,7 @@
 //! Building an engine: every check, the layout, the initial shards.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use burn::module::ParamId;
@@ -21,6 +22,36 @@ use crate::params;
 use crate::precision::{Half, LossScaler};
 use crate::reduction::Reduction;
 use crate::segmented::Segmented;
+
+/// The optimizer's state of rank `rank`: where the plan places it, zeroed, with `lens[u]`
+/// elements for trainable unit `u`.
+fn opt_state(
+    plan: &Plan,
+    rank: usize,
+    options: EngineOptions,
+    device: &burn::tensor::Device,
+    lens: &[Option<usize>],
+) -> Result<OptState> {
+    let c = plan.config();
+    let scaler =
+        (c.precision == zero_core::Precision::Fp16).then(|| LossScaler::new(c.loss_scaler));
+    match (c.optimizer_placement, c.nvme_path.as_deref()) {
+        (Placement::Nvme, Some(root)) => {
+            let ring = (Path::new(root), rank, c.offload_buffer_count as usize);
+            OptState::on_disk(
+                options.optimizer,
+                ring,
+                lens,
+                scaler,
+                plan.mixed_precision(),
+            )
+        }
+        (p, _) => {
+            let state = slab::state_device(p, device);
+            Ok(OptState::new(options.optimizer, state, lens, scaler))
+        }
+    }
+}
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// The engine of this rank. `model` must hold the same initial values on every rank; the
@@ -137,13 +168,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             half,
             sharded: Stage3Weights::empty(half, units.len()),
             acc: GradAcc::new(&plan, half, options.reduction, acc_len, &device),
-            opt: OptState::new(
-                options.optimizer,
-                slab::state_device(plan.config().optimizer_placement, &device),
-                &slot_lens,
-                (plan.config().precision == zero_core::Precision::Fp16)
-                    .then(|| LossScaler::new(plan.config().loss_scaler)),
-            ),
+            opt: opt_state(&plan, rank, options, &device, &slot_lens)?,
             status: vec![UnitStatus::Released; units.len()],
             meter: Meter::new(units.len()),
             clock: Clock::default(),
@@ -163,7 +188,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 } else {
                     &full[rank * c..(rank + 1) * c]
                 };
-                t.opt.set_master(u, mine);
+                t.opt.set_master(u, mine)?;
             }
         }
         if stage == 3 {

@@ -92,13 +92,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let at = if stage == 0 { self.rank * c } else { 0 };
         let state = |part| match self.layout.opt_offset[u] {
             Some(_) => self.opt.read(u, part, at..at + real),
-            None => Vec::new(),
+            None => Ok(Vec::new()),
         };
         Ok(match s {
-            1 => state(Part::M),
-            2 => state(Part::V),
+            1 => state(Part::M)?,
+            2 => state(Part::V)?,
             _ => match (self.layout.opt_offset[u], self.half) {
-                (Some(_), Some(_)) => state(Part::Master),
+                (Some(_), Some(_)) => state(Part::Master)?,
                 _ if stage == 3 => match self.sharded.source(u, false)? {
                     Source::F32(slab) => slab.read(0..real),
                     Source::Half(h, chunk) => h.widen_all(&chunk.bits_of(h, 0..real)),
@@ -203,7 +203,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         let mut w = vec![0.0; c];
                         fill(u, 0, chunk.clone(), &mut w)?;
                         // A frozen unit keeps no master: nothing is written.
-                        self.opt.write(u, Part::Master, 0, &w);
+                        self.opt.write(u, Part::Master, 0, &w)?;
                         self.sharded.write(u, 0, &w);
                     }
                 }
@@ -214,8 +214,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // stage-3 shard.
             let master = or.clone().filter(|_| self.half.is_some());
             if master.is_some() {
-                self.opt
-                    .fill(u, Part::Master, |_| Ok::<_, crate::Error>(()))?;
+                self.opt.fill(u, Part::Master, |_| Ok(()))?;
             }
             if stage == 3 {
                 self.sharded.zero(u);
@@ -233,7 +232,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     && let Some((a, b, at)) = overlap(or)
                 {
                     self.opt
-                        .write(u, Part::Master, (at - or.start) as usize, &w[a..b]);
+                        .write(u, Part::Master, (at - or.start) as usize, &w[a..b])?;
                 }
                 if stage == 3
                     && let Some((a, b, at)) = overlap(&chunk)
@@ -256,6 +255,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if !pending.is_empty() {
             self.set_params(pending);
         }
+        // NVMe placement: the restored state is in the store before the load reports success.
+        self.opt.settle()?;
         self.clock.step = scalars.step;
         self.opt.steps = scalars.opt_steps;
         self.meter.skipped = scalars.skipped;

@@ -380,7 +380,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// weights (its part of every trainable unit, laid out like the optimizer state); empty in
     /// fp32.
     #[doc(hidden)]
-    pub fn master_weights(&self) -> Vec<f32> {
+    pub fn master_weights(&self) -> Result<Vec<f32>> {
         let l = &self.layout;
         self.opt.flat(Part::Master, &l.opt_offset, l.opt_len)
     }
@@ -393,6 +393,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.opt.inject_overflow = true;
     }
 
+    /// With `optimizer_placement = nvme`, what the NVMe store moved (in [`Self::report`]).
+    pub(crate) fn nvme_io(&self) -> Option<crate::IoReport> {
+        self.opt.io()
+    }
+
     /// Where this rank's optimizer state (moments, bf16/fp16 master weights) lives: the model's
     /// device, or `None` for host memory (a model on a CPU backend, or
     /// `optimizer_placement = host`).
@@ -403,12 +408,12 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Testing aid (hidden from the docs): a host copy of this rank's optimizer state: first and
     /// second moment (empty when the optimizer has none), laid out like the master weights.
     #[doc(hidden)]
-    pub fn optimizer_state(&self) -> (Vec<f32>, Vec<f32>) {
+    pub fn optimizer_state(&self) -> Result<(Vec<f32>, Vec<f32>)> {
         let l = &self.layout;
-        (
-            self.opt.flat(Part::M, &l.opt_offset, l.opt_len),
-            self.opt.flat(Part::V, &l.opt_offset, l.opt_len),
-        )
+        Ok((
+            self.opt.flat(Part::M, &l.opt_offset, l.opt_len)?,
+            self.opt.flat(Part::V, &l.opt_offset, l.opt_len)?,
+        ))
     }
 
     /// One optimizer step at learning rate `lr` over this rank's `gradient_accumulation_steps`

@@ -9,15 +9,23 @@
 //! apart from it (the model's at stages 0–2, stage 3's device shard under host placement), and
 //! their new values come back. Stage 3's fp32 shard on the state's device is stepped where it is.
 //! The loss scaler, the step count and the last step's outcome live here too.
+//!
+//! With `optimizer_placement = nvme` the state is stepped in host memory too, but lives in the
+//! rank's NVMe store ([`crate::offload`]): a unit's parts are paged in when it is first touched
+//! (the unit after it read ahead) and written back when the next unit is touched, or at
+//! [`OptState::settle`], which every optimizer step and checkpoint load ends with.
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::path::Path;
 
 use burn::tensor::{Device, Tensor};
 
 use super::slab::{Slab, download, upload};
+use crate::offload::{Disk, IoReport, Ring};
 use crate::optim::{self, Optimizer};
 use crate::precision::{LossScaler, StepInfo};
+use crate::{Error, Result};
 
 /// One part of a unit's optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +120,45 @@ impl UnitState {
             Part::V => self.v.as_mut(),
         }
     }
+
+    fn slot(&mut self, p: Part) -> &mut Option<Slab> {
+        match p {
+            Part::Master => &mut self.master,
+            Part::M => &mut self.m,
+            Part::V => &mut self.v,
+        }
+    }
+
+    /// Takes the `kept` parts out, one after another in one buffer (as the store holds them).
+    fn page_out(&mut self, kept: &[Part]) -> Vec<f32> {
+        let mut flat = Vec::with_capacity(self.len * kept.len());
+        for &p in kept {
+            match self.slot(p).take() {
+                Some(slab) => flat.extend_from_slice(&slab.host()),
+                None => flat.resize(flat.len() + self.len, 0.0),
+            }
+        }
+        flat
+    }
+
+    /// Puts the `kept` parts back from one buffer laid out as [`Self::page_out`] writes it.
+    fn page_in(&mut self, kept: &[Part], flat: &[f32]) {
+        let len = self.len;
+        for (&p, values) in kept.iter().zip(flat.chunks(len.max(1))) {
+            *self.slot(p) = Some(Slab::Host(values.to_vec()));
+        }
+    }
+}
+
+/// The units' state in the NVMe store, paged into host memory to be stepped (see the module
+/// docs).
+#[derive(Debug)]
+struct Paged {
+    ring: Ring,
+    /// The parts every trainable unit keeps, in the order its file holds them.
+    kept: Vec<Part>,
+    /// The unit whose parts are in host memory.
+    resident: Option<usize>,
 }
 
 /// The optimizer's state of one rank (see the module docs).
@@ -122,6 +169,8 @@ pub(super) struct OptState {
     device: Option<Device>,
     /// Indexed like the plan's units; `None` for frozen units.
     units: Vec<Option<UnitState>>,
+    /// NVMe placement: the store, and which unit is paged in.
+    paged: Option<Paged>,
     /// fp16: the loss scaler.
     pub(super) scaler: Option<LossScaler>,
     /// Updates applied (a skipped step does not count: Adam's bias correction).
@@ -158,6 +207,7 @@ impl OptState {
             optimizer,
             device,
             units,
+            paged: None,
             scaler,
             steps: 0,
             last: StepInfo::default(),
@@ -165,22 +215,125 @@ impl OptState {
         }
     }
 
+    /// [`Self::new`] with the state in rank `rank`'s NVMe store under `root`, stepped in host
+    /// memory through a ring of `buffers`; `master`: the units keep an fp32 master (bf16/fp16).
+    /// Every trainable unit's zeroed state is written to the store now (with its master, by
+    /// [`Self::set_master`]).
+    pub(super) fn on_disk(
+        optimizer: Optimizer,
+        (root, rank, buffers): (&Path, usize, usize),
+        lens: &[Option<usize>],
+        scaler: Option<LossScaler>,
+        master: bool,
+    ) -> Result<Self> {
+        let mut kept = Vec::new();
+        if master {
+            kept.push(Part::Master);
+        }
+        kept.extend([Part::M, Part::V].iter().take(optimizer.state_buffers()));
+        let per_unit: Vec<_> = lens.iter().map(|l| l.map(|l| l * kept.len())).collect();
+        let ring = Ring::new(Disk::create(root, rank, &per_unit)?, buffers);
+        let mut s = Self::new(optimizer, None, &vec![None; lens.len()], scaler);
+        s.units = lens
+            .iter()
+            .map(|len| {
+                len.map(|len| UnitState {
+                    len,
+                    master: None,
+                    m: None,
+                    v: None,
+                })
+            })
+            .collect();
+        for (u, len) in lens.iter().enumerate() {
+            if let Some(len) = len
+                && !master
+            {
+                ring.disk().write(u, &vec![0.0; len * kept.len()])?;
+            }
+        }
+        s.paged = Some(Paged {
+            ring,
+            kept,
+            resident: None,
+        });
+        Ok(s)
+    }
+
+    /// Unit `u`'s state in memory: with NVMe placement, paged in (the unit paged in before it
+    /// written back first, the next trainable unit read ahead).
+    fn unit(&mut self, u: usize) -> Result<&mut UnitState> {
+        if let Some(p) = self.paged.as_mut()
+            && p.resident != Some(u)
+        {
+            if let Some(r) = p.resident.take()
+                && let Some(s) = self.units[r].as_mut()
+            {
+                p.ring.store(r, s.page_out(&p.kept))?;
+            }
+            let trainable = |k: &usize| self.units.get(*k).is_some_and(Option::is_some);
+            let next = (u + 1..self.units.len()).find(trainable);
+            if trainable(&u) {
+                let flat = p.ring.load(u, next)?;
+                if let Some(s) = self.units[u].as_mut() {
+                    s.page_in(&p.kept, &flat);
+                }
+                p.resident = Some(u);
+            }
+        }
+        self.units
+            .get_mut(u)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| {
+                Error::Internal(format!("unit {u} is frozen: it has no optimizer state"))
+            })
+    }
+
+    /// With NVMe placement, writes the paged-in unit back and waits for every write: the store
+    /// then holds the whole state. Nothing otherwise.
+    pub(super) fn settle(&mut self) -> Result<()> {
+        let Some(p) = self.paged.as_mut() else {
+            return Ok(());
+        };
+        if let Some(r) = p.resident.take()
+            && let Some(s) = self.units[r].as_mut()
+        {
+            p.ring.store(r, s.page_out(&p.kept))?;
+        }
+        p.ring.flush()
+    }
+
+    /// With NVMe placement, what the store moved so far.
+    pub(super) fn io(&self) -> Option<IoReport> {
+        self.paged.as_ref().map(|p| p.ring.report())
+    }
+
     /// The device holding the state; `None`: host memory.
     pub(super) fn device(&self) -> Option<&Device> {
         self.device.as_ref()
     }
 
-    /// Sets trainable unit `u`'s fp32 master weights (bf16/fp16).
-    pub(super) fn set_master(&mut self, u: usize, values: &[f32]) {
+    /// Sets trainable unit `u`'s fp32 master weights (bf16/fp16); with NVMe placement, writes
+    /// the unit's whole state (the master, zeroed moments) to the store.
+    pub(super) fn set_master(&mut self, u: usize, values: &[f32]) -> Result<()> {
+        if let Some(p) = &self.paged {
+            let mut flat = values.to_vec();
+            flat.resize(values.len() * p.kept.len(), 0.0);
+            return p.ring.disk().write(u, &flat);
+        }
         let slab = Slab::new(values.to_vec(), self.device.as_ref());
         if let Some(s) = self.units[u].as_mut() {
             debug_assert_eq!(s.len, values.len());
             s.master = Some(slab);
         }
+        Ok(())
     }
 
     /// Whether the run keeps `part` at all (every trainable unit keeps the same parts).
     pub(super) fn has(&self, part: Part) -> bool {
+        if let Some(p) = &self.paged {
+            return p.kept.contains(&part);
+        }
         self.units
             .iter()
             .flatten()
@@ -189,32 +342,51 @@ impl OptState {
     }
 
     /// Elements `range` of unit `u`'s `part`, in host memory (empty when the run keeps no such
-    /// part, or `u` is frozen).
-    pub(super) fn read(&self, u: usize, part: Part, range: Range<usize>) -> Vec<f32> {
-        match self.units[u].as_ref().and_then(|s| s.part(part)) {
-            Some(slab) => slab.read(range),
-            None => Vec::new(),
+    /// part, or `u` is frozen). With NVMe placement, read from the store unless `u` is paged in
+    /// (at a step boundary, after [`Self::settle`], the store holds every unit's last state).
+    pub(super) fn read(&self, u: usize, part: Part, range: Range<usize>) -> Result<Vec<f32>> {
+        let Some(s) = self.units[u].as_ref() else {
+            return Ok(Vec::new());
+        };
+        match &self.paged {
+            Some(p) if p.resident != Some(u) => {
+                let Some(i) = p.kept.iter().position(|&k| k == part) else {
+                    return Ok(Vec::new());
+                };
+                let flat = p.ring.disk().read(u)?;
+                Ok(flat[i * s.len..(i + 1) * s.len][range].to_vec())
+            }
+            _ => Ok(s
+                .part(part)
+                .map(|slab| slab.read(range))
+                .unwrap_or_default()),
         }
     }
 
     /// Writes `values` into unit `u`'s `part` from element `at` (nothing when the run keeps no
-    /// such part).
-    pub(super) fn write(&mut self, u: usize, part: Part, at: usize, values: &[f32]) {
-        if let Some(slab) = self.units[u].as_mut().and_then(|s| s.part_mut(part)) {
+    /// such part, or `u` is frozen).
+    pub(super) fn write(&mut self, u: usize, part: Part, at: usize, values: &[f32]) -> Result<()> {
+        if self.units[u].is_some()
+            && let Some(slab) = self.unit(u)?.part_mut(part)
+        {
             slab.write(at, values);
         }
+        Ok(())
     }
 
     /// Overwrites the whole of unit `u`'s `part` with what `fill` writes into a zeroed slice of
     /// its length: in place in host memory, else through one host buffer uploaded once. Nothing
-    /// when the run keeps no such part.
-    pub(super) fn fill<E>(
+    /// when the run keeps no such part, or `u` is frozen.
+    pub(super) fn fill(
         &mut self,
         u: usize,
         part: Part,
-        fill: impl FnOnce(&mut [f32]) -> Result<(), E>,
-    ) -> Result<(), E> {
-        match self.units[u].as_mut().and_then(|s| s.part_mut(part)) {
+        fill: impl FnOnce(&mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        if self.units[u].is_none() {
+            return Ok(());
+        }
+        match self.unit(u)?.part_mut(part) {
             Some(slab) => slab.fill(fill),
             None => Ok(()),
         }
@@ -223,23 +395,27 @@ impl OptState {
     /// Steps trainable unit `u` in fp32 with its gradients `grads` at learning rate `lr` (the
     /// update count is [`Self::steps`]): `weights`, the unit's fp32 values and its master, in
     /// place. Where `weights` and the state live apart, the weights cross to the state and back.
-    pub(super) fn step_weights(&mut self, u: usize, lr: f32, grads: Grads, weights: &mut Slab) {
+    pub(super) fn step_weights(
+        &mut self,
+        u: usize,
+        lr: f32,
+        grads: Grads,
+        weights: &mut Slab,
+    ) -> Result<()> {
         let Some(device) = self.device.clone() else {
             let grads = grads.host();
-            match weights {
+            return match weights {
                 Slab::Host(w) => self.step_host_part(u, lr, 0, &grads, w),
                 Slab::Device(_) => {
                     let mut w = weights.read(0..weights.len());
-                    self.step_host_part(u, lr, 0, &grads, &mut w);
+                    self.step_host_part(u, lr, 0, &grads, &mut w)?;
                     weights.write(0, &w);
+                    Ok(())
                 }
-            }
-            return;
+            };
         };
         let (opt, n) = (self.optimizer, self.steps);
-        let s = self.units[u]
-            .as_mut()
-            .expect("only trainable units are stepped");
+        let s = self.unit(u)?;
         let on_device = matches!(weights, Slab::Device(_));
         let w = match weights {
             Slab::Host(w) => upload(w, &device),
@@ -250,6 +426,7 @@ impl OptState {
             Slab::Host(dst) if !on_device => dst.copy_from_slice(&download(&w)),
             _ => *weights = Slab::Device(Box::new(w)),
         }
+        Ok(())
     }
 
     /// [`Self::step_weights`] for the elements `at..at + w.len()` of trainable unit `u` alone,
@@ -262,17 +439,15 @@ impl OptState {
         at: usize,
         grads: &[f32],
         w: &mut [f32],
-    ) {
+    ) -> Result<()> {
         let (opt, n) = (self.optimizer, self.steps);
-        let s = self.units[u]
-            .as_mut()
-            .expect("only trainable units are stepped");
-        let (m, v) = host_moments(s);
+        let (m, v) = host_moments(self.unit(u)?);
         let part = at..at + w.len();
         // An optimizer that keeps no moment has empty ones (`Optimizer::state_buffers`).
         let m = m.get_mut(part.clone()).unwrap_or_default();
         let v = v.get_mut(part).unwrap_or_default();
         optim::step(&opt, lr, n, w, grads, m, v);
+        Ok(())
     }
 
     /// Steps trainable unit `u`'s fp32 master (bf16/fp16) with its gradients `grads` at
@@ -283,13 +458,16 @@ impl OptState {
         lr: f32,
         grads: Grads,
         then: impl FnOnce(&Slab) -> R,
-    ) -> R {
+    ) -> Result<R> {
         let (opt, n) = (self.optimizer, self.steps);
-        let s = self.units[u]
-            .as_mut()
-            .expect("only trainable units are stepped");
-        let mut master = s.master.take().expect("bf16/fp16 units keep a master");
-        match (&self.device, &mut master) {
+        let device = self.device.clone();
+        let s = self.unit(u)?;
+        let mut master = s.master.take().ok_or_else(|| {
+            Error::Internal(format!(
+                "unit {u}: bf16/fp16 steps a master, and it keeps none"
+            ))
+        })?;
+        match (&device, &mut master) {
             (None, Slab::Host(w)) => {
                 let (m, v) = host_moments(s);
                 optim::step(&opt, lr, n, w, &grads.host(), m, v);
@@ -303,10 +481,11 @@ impl OptState {
         }
         let out = then(&master);
         s.master = Some(master);
-        out
+        Ok(out)
     }
 
-    /// Bytes of the moments, or of the master (`master`), by elements.
+    /// Bytes of the moments, or of the master (`master`), by elements (on NVMe, those in the
+    /// store).
     pub(super) fn bytes(&self, master: bool) -> u64 {
         let parts: &[Part] = if master {
             &[Part::Master]
@@ -317,26 +496,33 @@ impl OptState {
             .iter()
             .flatten()
             .map(|s| {
-                let n = parts.iter().filter(|&&p| s.part(p).is_some()).count();
-                n as u64 * 4 * s.len as u64
+                // On NVMe, the state the store holds for the unit.
+                let kept = |p: &Part| match &self.paged {
+                    Some(paged) => paged.kept.contains(p),
+                    None => s.part(*p).is_some(),
+                };
+                parts.iter().filter(|p| kept(p)).count() as u64 * 4 * s.len as u64
             })
             .sum()
     }
 
     /// `part` of every unit, flat at the units' offsets `offsets` in a buffer of `len` elements
     /// (empty when the run keeps no such part).
-    pub(super) fn flat(&self, part: Part, offsets: &[Option<usize>], len: usize) -> Vec<f32> {
+    pub(super) fn flat(
+        &self,
+        part: Part,
+        offsets: &[Option<usize>],
+        len: usize,
+    ) -> Result<Vec<f32>> {
         if !self.has(part) {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let mut out = vec![0.0; len];
         for (u, off) in offsets.iter().enumerate() {
-            if let (Some(off), Some(s)) = (off, self.units[u].as_ref())
-                && let Some(slab) = s.part(part)
-            {
-                out[*off..*off + s.len].copy_from_slice(&slab.read(0..s.len));
+            if let (Some(off), Some(s)) = (off, self.units[u].as_ref()) {
+                out[*off..*off + s.len].copy_from_slice(&self.read(u, part, 0..s.len)?);
             }
         }
-        out
+        Ok(out)
     }
 }

@@ -161,17 +161,17 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         .iter_mut()
                         .map(|d| d.as_mut().and_then(|d| d.as_mut_slice::<f32>().ok()))
                         .collect();
-                    let stepped = found.is_some();
-                    for (at, w) in offsets.into_iter().zip(found.unwrap_or_default()) {
-                        self.opt.step_host_part(u, lr, at, &g[at..at + w.len()], w);
-                    }
+                    let stepped = match found {
+                        Some(found) => offsets.into_iter().zip(found).try_for_each(|(at, w)| {
+                            self.opt.step_host_part(u, lr, at, &g[at..at + w.len()], w)
+                        }),
+                        None => Err(Error::Internal(format!(
+                            "unit {u}: a parameter is not in the module, or not f32 values"
+                        ))),
+                    };
                     let tensors = self.part_tensors(u, parts);
                     self.model = params::write_tensors(self.model.clone(), tensors);
-                    if !stepped {
-                        return Err(Error::Internal(format!(
-                            "unit {u}: a parameter is not in the module, or not f32 values"
-                        )));
-                    }
+                    stepped?;
                     Publish::InPlace
                 }
                 (None, 1 | 2) if self.opt.device().is_none() && self.device_tensors.is_none() => {
@@ -185,9 +185,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let at = offsets.iter().copied();
                     let gathered = match cut_range(at.zip(parts.iter().map(Option::as_ref)), mine) {
                         Some(mut w) => {
-                            self.opt.step_host_part(u, lr, 0, &g.host(), &mut w);
-                            let world = &mut self.comms.as_mut().expect(HOME).world;
-                            world.all_gather_vec(w).map_err(Error::from)
+                            let stepped = self.opt.step_host_part(u, lr, 0, &g.host(), &mut w);
+                            stepped.and_then(|()| {
+                                let world = &mut self.comms.as_mut().expect(HOME).world;
+                                world.all_gather_vec(w).map_err(Error::from)
+                            })
                         }
                         None => Err(Error::Internal(format!(
                             "unit {u}: a parameter is not in the module, or not f32 values"
@@ -217,7 +219,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         }
                         None => Slab::Host(self.read_unit_range(u, mine)?),
                     };
-                    self.opt.step_weights(u, lr, g, &mut slab);
+                    self.opt.step_weights(u, lr, g, &mut slab)?;
                     match (stage, slab) {
                         (0, Slab::Host(w)) => Publish::Write(w),
                         (0, Slab::Device(w)) => Publish::WriteTensor(w),
@@ -229,14 +231,14 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     }
                 }
                 (None, _) => {
-                    self.opt.step_weights(u, lr, g, self.sharded.f32_mut(u)?);
+                    self.opt.step_weights(u, lr, g, self.sharded.f32_mut(u)?)?;
                     Publish::InPlace
                 }
                 (Some(_), 3) => {
                     // The shard takes the new master rounded, on the device where both live.
                     let sharded = &mut self.sharded;
                     self.opt
-                        .step_master(u, lr, g, |m| sharded.round_master(u, m))?;
+                        .step_master(u, lr, g, |m| sharded.round_master(u, m))??;
                     Publish::InPlace
                 }
                 (Some(h), _) => {
@@ -244,7 +246,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     let on = words_device(h, self.opt.device().cloned());
                     let w16 = self
                         .opt
-                        .step_master(u, lr, g, |m| Words::round_slab(h, m, on.as_ref()));
+                        .step_master(u, lr, g, |m| Words::round_slab(h, m, on.as_ref()))?;
                     match (stage, w16) {
                         (0, w16) => match w16.widened(0..len) {
                             Some(t) => Publish::WriteTensor(Box::new(t)),
@@ -256,6 +258,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             };
             updates.push((u, publish));
         }
+        // NVMe placement: the store holds the whole stepped state before anything else moves.
+        self.opt.settle()?;
         if stage == 3 {
             // Persistent units stay gathered: all-gather them after the step.
             for (u, unit) in plan.units().iter().enumerate() {

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
+use zero_burn::checkpoint::Storage;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::{Gpt, GptConfig};
-use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, train_host};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions, train_host};
 use zero_burn::optim::Optimizer;
 use zero_burn::{MeasuredMemory, Reduction, plan_for};
 use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
@@ -185,5 +186,36 @@ pub(crate) fn shared(test: &str) -> Option<zero_burn::WgpuShared> {
             Device::Wgpu.missing(zero_testkit::binary!(), test, why);
             None
         }
+    }
+}
+
+/// Saves a checkpoint into `store` at the end of the run (`save`), or resumes from its latest.
+pub(crate) fn checkpointing(store: &Arc<dyn Storage>, save: bool) -> Checkpointing {
+    Checkpointing {
+        save: save.then(|| store.clone()),
+        save_every: 0,
+        resume: (!save).then(|| store.clone()),
+        resume_tag: None,
+        reshard: false,
+    }
+}
+
+/// `first` (saved at step 2) then `rest` (resumed from it) give `whole`'s losses and final
+/// parameters bit for bit on every rank.
+pub(crate) fn assert_resumes<M>(
+    whole: &[RankResult<M>],
+    first: &[RankResult<M>],
+    rest: &[RankResult<M>],
+    what: &str,
+) {
+    for ((w, a), b) in whole.iter().zip(first).zip(rest) {
+        assert_eq!(b.first_step, 2, "{what}: resumed at step 2");
+        let resumed: Vec<f32> = a.losses.iter().chain(&b.losses).copied().collect();
+        assert_eq!(resumed, w.losses, "{what}: rank {} losses", w.rank);
+        assert!(
+            bits(&b.final_params) == bits(&w.final_params),
+            "{what}: rank {} parameters after the resume",
+            w.rank
+        );
     }
 }

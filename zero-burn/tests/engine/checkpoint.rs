@@ -36,11 +36,11 @@ fn to_bits(v: &[f32]) -> Vec<u32> {
 
 fn state(e: &mut ZeroEngine<HostComm, Gpt>, losses: Vec<f32>) -> State {
     let params = bits(&e.gather_all_params().unwrap());
-    let (m, v) = e.optimizer_state();
+    let (m, v) = e.optimizer_state().unwrap();
     State {
         losses: to_bits(&losses),
         params,
-        master: to_bits(&e.master_weights()),
+        master: to_bits(&e.master_weights().unwrap()),
         m: to_bits(&m),
         v: to_bits(&v),
         scale: e.loss_scale().map(f64::to_bits),

@@ -24,7 +24,7 @@ use zero_core::{CheckpointError, Plan, Topology, ZeroConfig};
 /// Parameters, optimizer state and step count, as bits.
 fn snapshot(e: &mut ZeroEngine<HostComm, Gpt>) -> (Vec<Vec<u32>>, Vec<u32>, Vec<u32>, u64) {
     let p = bits(&e.gather_all_params().unwrap());
-    let (m, v) = e.optimizer_state();
+    let (m, v) = e.optimizer_state().unwrap();
     let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     (p, b(&m), b(&v), e.steps())
 }

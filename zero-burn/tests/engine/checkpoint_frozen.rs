@@ -121,7 +121,7 @@ fn world(
                 e.save(s, json!(null))?;
             }
             let p = bits(&e.gather_all_params()?);
-            let (m, v) = e.optimizer_state();
+            let (m, v) = e.optimizer_state().unwrap();
             let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect();
             Ok((p, b(&m), b(&v), losses))
         })

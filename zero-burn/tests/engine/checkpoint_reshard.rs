@@ -87,10 +87,10 @@ fn world_full(
                 e.save(s, json!({ "k": 1 }))?;
             }
             let p = bits(&e.gather_all_params()?);
-            let (m, v) = e.optimizer_state();
+            let (m, v) = e.optimizer_state().unwrap();
             let b = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
             Ok(Full {
-                master: b(&e.master_weights()),
+                master: b(&e.master_weights().unwrap()),
                 scale: e.loss_scale().map(f64::to_bits),
                 steps: (e.steps(), e.skipped_steps()),
                 out: (p, b(&m), b(&v), losses),

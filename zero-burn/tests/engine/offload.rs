@@ -1,60 +1,183 @@
-//! The placements zero-core plans and books that the engine does not execute yet: NVMe, and
-//! stage 3's parameter shard off the device. The engine refuses them when it is built.
+//! Offload past host memory: `optimizer_placement = nvme` keeps the optimizer's state in each
+//! rank's NVMe store and gives the bits of in-memory training; a checkpoint moves between the
+//! placements. Faults in the store (a full disk, a flipped byte) are errors naming the rank, the
+//! unit and the file. Stage 3's parameter shard off the device is planned, not executed: the
+//! engine refuses it when it is built.
 
 use crate::common;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use zero_burn::demo::run::{HostRun, train_host};
-use zero_burn::plan_for;
-use zero_core::{Placement, Topology, ZeroConfig};
+use zero_burn::checkpoint::{MemStorage, Storage};
+use zero_burn::demo::gpt::Gpt;
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, train_host};
+use zero_burn::{Error, plan_for};
+use zero_core::{Placement, Precision, Topology, ZeroConfig};
 
-/// NVMe and parameter offload are planned and booked by zero-core, not executed: the engine
-/// refuses them when it is built, naming the field, before a step runs.
-#[test]
-fn placements_the_engine_does_not_run_are_refused_at_build() {
-    for (cfg, field) in [
-        (
-            ZeroConfig {
-                stage: 3,
-                optimizer_placement: Placement::Nvme,
-                nvme_path: Some("/nvme".into()),
-                ..ZeroConfig::default()
-            },
-            "optimizer_placement",
-        ),
-        (
-            ZeroConfig {
-                stage: 3,
-                param_placement: Placement::Host,
-                ..ZeroConfig::default()
-            },
-            "param_placement",
-        ),
-    ] {
-        let (model, corpus) = common::tiny();
-        let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), &cfg).unwrap());
-        let Err(err) = train_host(
-            plan,
-            model,
-            &corpus,
-            common::options(),
-            HostRun {
-                steps: 1,
-                timeout: Duration::from_secs(60),
-                keep_final_params: false,
-                checkpoint: None,
-            },
-            &|_, _| {},
-        ) else {
-            panic!("{field}: an offload the engine does not run trained");
-        };
-        let text = err.to_string();
-        assert!(text.contains(&format!("invalid {field}")), "{text}");
+fn config(stage: u8, precision: Precision, placement: Placement, nvme: &Path) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        precision,
+        gradient_accumulation_steps: 2,
+        param_persistence_threshold: 16,
+        optimizer_placement: placement,
+        nvme_path: Some(nvme.display().to_string()),
+        offload_buffer_count: 3,
+        ..ZeroConfig::default()
+    }
+}
+
+fn train(
+    cfg: &ZeroConfig,
+    steps: u64,
+    checkpoint: Option<Checkpointing>,
+) -> Result<Vec<RankResult<Gpt>>, Error> {
+    let (model, corpus) = common::tiny();
+    let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
+    let run = HostRun {
+        steps,
+        timeout: Duration::from_secs(60),
+        keep_final_params: true,
+        checkpoint,
+    };
+    train_host(plan, model, &corpus, common::options(), run, &|_, _| {})
+}
+
+fn same(a: &[RankResult<Gpt>], b: &[RankResult<Gpt>], what: &str) {
+    for (a, b) in a.iter().zip(b) {
+        assert_eq!(a.losses, b.losses, "{what}: rank {} losses", a.rank);
         assert!(
-            text.contains("does not run NVMe or parameter offload"),
-            "{text}"
+            common::bits(&a.final_params) == common::bits(&b.final_params),
+            "{what}: rank {} parameters",
+            a.rank
         );
     }
+}
+
+/// At every stage, in fp32 and bf16, with accumulation: the state on NVMe gives the bits of the
+/// state in memory, books the same state bytes, reads and writes each unit's state once per step
+/// through a ring of at most its buffers, and leaves no file behind. A checkpoint saved under
+/// one placement resumes under the other, bit-identically.
+#[test]
+fn nvme_gives_the_bits_of_memory_and_shares_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nvme = tmp.path();
+    for stage in 0..=3u8 {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let what = format!("stage {stage} {precision:?}");
+            let cfg = |p| config(stage, precision, p, nvme);
+            let mem = train(&cfg(Placement::Device), 4, None).unwrap();
+            let disk = train(&cfg(Placement::Nvme), 4, None).unwrap();
+            same(&mem, &disk, &what);
+            for (m, d) in mem.iter().zip(&disk) {
+                assert_eq!(m.memory, d.memory, "{what}: the same state, wherever it is");
+                assert_eq!(m.nvme_io, None, "{what}: no store in memory");
+                let io = d.nvme_io.expect("an NVMe run reports its store");
+                // Per step each unit is read once and written once; the build writes it once.
+                let state = d.memory.optimizer_states + d.memory.master_weights;
+                assert!(
+                    io.read_bytes >= 4 * state,
+                    "{what}: {io:?}, state {state} B"
+                );
+                assert!(
+                    io.written_bytes >= 5 * state,
+                    "{what}: {io:?}, state {state} B"
+                );
+                assert!(
+                    io.written_bytes < 5 * state + 5 * 4096 * 64,
+                    "{what}: {io:?}"
+                );
+                assert!(io.peak_buffers <= 3, "{what}: {io:?}");
+            }
+            assert_eq!(
+                std::fs::read_dir(nvme).unwrap().count(),
+                0,
+                "{what}: the store's files are removed"
+            );
+
+            for (first, then) in [
+                (Placement::Device, Placement::Nvme),
+                (Placement::Nvme, Placement::Device),
+            ] {
+                let store: Arc<dyn Storage> = Arc::new(MemStorage::new());
+                let a = train(&cfg(first), 2, Some(common::checkpointing(&store, true))).unwrap();
+                let b = train(&cfg(then), 4, Some(common::checkpointing(&store, false))).unwrap();
+                common::assert_resumes(&mem, &a, &b, &format!("{what} {first:?} → {then:?}"));
+            }
+        }
+    }
+}
+
+/// A full disk (the unit's file is the kernel's `/dev/full`) fails the build with an error
+/// naming the rank, the unit and the file; nothing panics.
+#[test]
+fn a_full_disk_is_an_error_naming_the_unit() {
+    if !Path::new("/dev/full").exists() {
+        zero_testkit::record_skip!("", "no /dev/full on this machine");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let rank1 = tmp.path().join("rank1");
+    std::fs::create_dir_all(&rank1).unwrap();
+    std::os::unix::fs::symlink("/dev/full", rank1.join("unit0.bin")).unwrap();
+    let cfg = config(2, Precision::Fp32, Placement::Nvme, tmp.path());
+    let Err(e) = train(&cfg, 2, None) else {
+        panic!("training on a full disk succeeded");
+    };
+    let text = e.to_string();
+    assert!(
+        text.contains("rank 1 failed")
+            && text.contains("NVMe store of rank 1, unit 0")
+            && text.contains("No space left on device"),
+        "{text}"
+    );
+}
+
+/// A byte changed in the store between two steps (every block of rank 0's first unit, both
+/// slots) fails the next step with an error naming the rank, the unit, the file and the block,
+/// never with wrong values.
+#[test]
+fn a_changed_byte_in_the_store_fails_the_next_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("rank0").join("unit0.bin");
+    let cfg = config(1, Precision::Bf16, Placement::Nvme, tmp.path());
+    let (model, corpus) = common::tiny();
+    let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), &cfg).unwrap());
+    let flip = |step: u64, _: f32| {
+        if step == 1 {
+            let mut bytes = std::fs::read(&file).unwrap();
+            bytes.iter_mut().step_by(4096).for_each(|b| *b ^= 0x40);
+            std::fs::write(&file, bytes).unwrap();
+        }
+    };
+    let run = HostRun::new(3, Duration::from_secs(60));
+    let Err(e) = train_host(plan, model, &corpus, common::options(), run, &flip) else {
+        panic!("training over a changed store succeeded");
+    };
+    let text = e.to_string();
+    assert!(
+        text.contains("rank 0 failed")
+            && text.contains("NVMe store of rank 0, unit 0")
+            && text.contains("fails its CRC-32C check"),
+        "{text}"
+    );
+}
+
+/// Stage 3's parameter shard off the device is planned and booked by zero-core, not executed:
+/// the engine refuses it when it is built, naming the field, before a step runs.
+#[test]
+fn parameter_offload_is_refused_at_build() {
+    let cfg = ZeroConfig {
+        stage: 3,
+        param_placement: Placement::Host,
+        ..ZeroConfig::default()
+    };
+    let Err(err) = train(&cfg, 1, None) else {
+        panic!("parameter offload trained");
+    };
+    let text = err.to_string();
+    assert!(text.contains("invalid param_placement"), "{text}");
+    assert!(text.contains("does not run parameter offload"), "{text}");
 }

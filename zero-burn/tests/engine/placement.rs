@@ -44,16 +44,6 @@ fn config(stage: u8, precision: Precision, placement: Placement) -> ZeroConfig {
     }
 }
 
-fn checkpointing(store: &Arc<dyn Storage>, save: bool) -> Checkpointing {
-    Checkpointing {
-        save: save.then(|| store.clone()),
-        save_every: 0,
-        resume: (!save).then(|| store.clone()),
-        resume_tag: None,
-        reshard: false,
-    }
-}
-
 fn train_flex(
     cfg: &ZeroConfig,
     steps: u64,
@@ -121,23 +111,14 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
             let first = train_flex(
                 &config(stage, precision, Placement::Device),
                 2,
-                Some(checkpointing(&store, true)),
+                Some(common::checkpointing(&store, true)),
             );
             let rest = train_flex(
                 &config(stage, precision, Placement::Host),
                 4,
-                Some(checkpointing(&store, false)),
+                Some(common::checkpointing(&store, false)),
             );
-            for ((w, a), b) in dev.iter().zip(&first).zip(&rest) {
-                assert_eq!(b.first_step, 2, "{what}: resumed at step 2");
-                let resumed: Vec<f32> = a.losses.iter().chain(&b.losses).copied().collect();
-                assert_eq!(resumed, w.losses, "{what}: rank {} losses", w.rank);
-                assert!(
-                    common::bits(&b.final_params) == common::bits(&w.final_params),
-                    "{what}: rank {} parameters after the resume",
-                    w.rank
-                );
-            }
+            common::assert_resumes(&dev, &first, &rest, &what);
         }
     }
 }
@@ -335,8 +316,18 @@ mod wgpu {
                 let cfg = |p| config(3, precision, p);
                 let whole = train(&shared, &cfg(to), 4, None);
                 let store: Arc<dyn Storage> = Arc::new(MemStorage::new());
-                let first = train(&shared, &cfg(from), 2, Some(checkpointing(&store, true)));
-                let rest = train(&shared, &cfg(to), 4, Some(checkpointing(&store, false)));
+                let first = train(
+                    &shared,
+                    &cfg(from),
+                    2,
+                    Some(common::checkpointing(&store, true)),
+                );
+                let rest = train(
+                    &shared,
+                    &cfg(to),
+                    4,
+                    Some(common::checkpointing(&store, false)),
+                );
                 assert_eq!(rest[0].first_step, 2, "{what}: resumed at step 2");
                 let mut resumed = rest;
                 for (r, a) in resumed.iter_mut().zip(&first) {

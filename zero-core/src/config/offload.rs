@@ -366,4 +366,24 @@ mod tests {
             );
         }
     }
+
+    /// The NVMe ring holds `offload_buffer_count` of the largest unit's optimizer state: the
+    /// rank's chunk, or at stage 0 (every rank steps whole units) the whole unit.
+    #[test]
+    fn the_ring_holds_the_largest_slot_the_rank_steps() {
+        for stage in [0u8, 1, 3] {
+            let c = ZeroConfig {
+                optimizer_placement: Placement::Nvme,
+                nvme_path: Some("/n".into()),
+                offload_buffer_count: 5,
+                ..ZeroConfig::stage(stage)
+            };
+            let p = plan(&c).unwrap();
+            let n = p.world_size() as u64;
+            let largest = p.units().iter().map(|u| u.len).max().unwrap();
+            let slot = if stage == 0 { largest } else { largest / n };
+            // fp32 Adam: two moments, no master.
+            assert_eq!(p.memory().offload_buffers, 5 * slot * 8, "stage {stage}");
+        }
+    }
 }

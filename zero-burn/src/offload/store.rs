@@ -1,0 +1,279 @@
+//! The files of the NVMe store: one per unit, two slots each, every block checksummed.
+//!
+//! Unit `u`'s file, `unit{u}.bin` in the rank's folder, holds two slots of `slot_bytes` each:
+//! the unit's `len` f32 values, little-endian, padded with zeros to whole [`BLOCK`]s, so both
+//! slots start on a block boundary. A write goes to the slot not in use, and the unit adopts it
+//! only once every byte is in the file: a failed write (a full disk, an IO error) leaves the
+//! last state whole. The adopted slot's CRC-32C per block is kept in memory and every read is
+//! checked against it, so a short file or a changed byte is an error naming the file and the
+//! unit, never wrong values. The files are scratch space for one run (checkpoints are the
+//! durable copy): nothing is synced, and the folder is removed when the store is dropped.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::ErrorKind;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::{Error, Result};
+
+/// Bytes per block: the unit of alignment and of checksums.
+pub(crate) const BLOCK: usize = 4096;
+
+/// Bytes of one slot holding `len` f32 values: whole blocks.
+fn slot_bytes(len: usize) -> usize {
+    (len * 4).div_ceil(BLOCK) * BLOCK
+}
+
+/// One unit's file and which slot holds its state.
+#[derive(Debug)]
+struct UnitFile {
+    len: usize,
+    /// The slot holding the state (0 or 1); `None` before the first write.
+    slot: Option<usize>,
+    /// That slot's CRC-32C per block.
+    sums: Vec<u32>,
+}
+
+/// One rank's NVMe store (see the module docs). Shared by the step and its IO threads: each
+/// unit's slot and checksums sit behind a lock of their own.
+#[derive(Debug)]
+pub(crate) struct Disk {
+    rank: usize,
+    dir: PathBuf,
+    units: Vec<Option<Mutex<UnitFile>>>,
+    read_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+}
+
+impl Disk {
+    /// A store in `root/rank{rank}` for units of `lens[u]` f32 values (`None`: the unit has no
+    /// offloaded state). The folder is made if missing; no file is written yet.
+    pub(crate) fn create(root: &Path, rank: usize, lens: &[Option<usize>]) -> Result<Self> {
+        let dir = root.join(format!("rank{rank}"));
+        fs::create_dir_all(&dir).map_err(|e| Error::Offload {
+            rank,
+            unit: None,
+            path: dir.display().to_string(),
+            what: format!("cannot make the store's folder: {e}"),
+        })?;
+        let unit = |len: &Option<usize>| {
+            len.map(|len| {
+                Mutex::new(UnitFile {
+                    len,
+                    slot: None,
+                    sums: Vec::new(),
+                })
+            })
+        };
+        Ok(Disk {
+            rank,
+            dir,
+            units: lens.iter().map(unit).collect(),
+            read_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// The rank it belongs to.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Unit `u`'s file.
+    pub(crate) fn path(&self, u: usize) -> PathBuf {
+        self.dir.join(format!("unit{u}.bin"))
+    }
+
+    /// Bytes read and written so far.
+    pub(crate) fn traffic(&self) -> (u64, u64) {
+        (
+            self.read_bytes.load(Ordering::Relaxed),
+            self.written_bytes.load(Ordering::Relaxed),
+        )
+    }
+
+    fn error(&self, u: usize, what: String) -> Error {
+        Error::Offload {
+            rank: self.rank,
+            unit: Some(u),
+            path: self.path(u).display().to_string(),
+            what,
+        }
+    }
+
+    fn unit(&self, u: usize) -> Result<std::sync::MutexGuard<'_, UnitFile>> {
+        let cell = self.units.get(u).and_then(Option::as_ref);
+        let cell = cell.ok_or_else(|| self.error(u, "the unit has no offloaded state".into()))?;
+        // A panic elsewhere while the lock was held cannot leave the slot half-adopted: the
+        // slot and its sums are set together, after the write.
+        Ok(cell.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Writes `values`, unit `u`'s whole state, to its free slot and adopts it.
+    pub(crate) fn write(&self, u: usize, values: &[f32]) -> Result<()> {
+        let mut f = self.unit(u)?;
+        if values.len() != f.len {
+            let what = format!("{} values written, the unit holds {}", values.len(), f.len);
+            return Err(self.error(u, what));
+        }
+        let bytes = slot_bytes(f.len);
+        let mut buf = vec![0u8; bytes];
+        for (dst, v) in buf.chunks_exact_mut(4).zip(values) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+        let slot = f.slot.map_or(0, |s| 1 - s);
+        let path = self.path(u);
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| self.error(u, format!("cannot open for writing: {e}")))?;
+        file.write_all_at(&buf, (slot * bytes) as u64)
+            .map_err(|e| self.error(u, format!("writing slot {slot}: {e}")))?;
+        f.sums = buf.chunks_exact(BLOCK).map(crc32c::crc32c).collect();
+        f.slot = Some(slot);
+        self.written_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Unit `u`'s whole state, every block checked against its checksum.
+    pub(crate) fn read(&self, u: usize) -> Result<Vec<f32>> {
+        let f = self.unit(u)?;
+        let Some(slot) = f.slot else {
+            return Err(self.error(u, "read before the unit was first written".into()));
+        };
+        let bytes = slot_bytes(f.len);
+        let mut buf = vec![0u8; bytes];
+        let file = File::open(self.path(u))
+            .map_err(|e| self.error(u, format!("cannot open for reading: {e}")))?;
+        file.read_exact_at(&mut buf, (slot * bytes) as u64)
+            .map_err(|e| match e.kind() {
+                ErrorKind::UnexpectedEof => self.error(
+                    u,
+                    format!("short read: slot {slot} ends early (the file was truncated)"),
+                ),
+                _ => self.error(u, format!("reading slot {slot}: {e}")),
+            })?;
+        for (b, (block, want)) in buf.chunks_exact(BLOCK).zip(&f.sums).enumerate() {
+            if crc32c::crc32c(block) != *want {
+                let at = slot * bytes + b * BLOCK;
+                let what = format!(
+                    "block {b} of slot {slot} (bytes {at}..{}) fails its CRC-32C check: the \
+                     file changed under the run",
+                    at + BLOCK
+                );
+                return Err(self.error(u, what));
+            }
+        }
+        self.read_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        let values = buf.chunks_exact(4).take(f.len);
+        Ok(values
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+impl Drop for Disk {
+    fn drop(&mut self) {
+        // Scratch space: best effort, a failure leaves files for the user to remove.
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, k: f32) -> Vec<f32> {
+        (0..len).map(|i| i as f32 * k - 3.5).collect()
+    }
+
+    fn disk(dir: &Path, lens: &[Option<usize>]) -> Disk {
+        Disk::create(dir, 1, lens).expect("a store in a temporary folder")
+    }
+
+    #[test]
+    fn values_come_back_bit_for_bit_from_either_slot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = disk(tmp.path(), &[Some(1500), None, Some(1)]);
+        for k in [0.25f32, -1.0, f32::MIN_POSITIVE] {
+            d.write(0, &values(1500, k)).unwrap();
+            d.write(2, &[k]).unwrap();
+            let back = d.read(0).unwrap();
+            assert!(
+                back.iter()
+                    .zip(values(1500, k))
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+            assert_eq!(d.read(2).unwrap(), [k]);
+        }
+        // Two slots of two blocks each (1500 f32 = 6000 bytes).
+        assert_eq!(fs::metadata(d.path(0)).unwrap().len(), 4 * BLOCK as u64);
+        assert_eq!(d.traffic(), (3 * (8192 + 4096), 3 * (8192 + 4096)));
+        assert!(d.read(1).is_err(), "a unit without offloaded state");
+        assert!(d.write(0, &[1.0]).is_err(), "the wrong length");
+        drop(d);
+        assert!(
+            !tmp.path().join("rank1").exists(),
+            "the store's folder is removed"
+        );
+    }
+
+    #[test]
+    fn a_flipped_byte_is_found_and_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = disk(tmp.path(), &[Some(3000)]);
+        d.write(0, &values(3000, 1.0)).unwrap();
+        let f = OpenOptions::new().write(true).open(d.path(0)).unwrap();
+        f.write_all_at(&[0x5a], 5000).unwrap();
+        let e = d.read(0).unwrap_err().to_string();
+        assert!(
+            e.contains("block 1 of slot 0") && e.contains("CRC-32C"),
+            "{e}"
+        );
+        assert!(e.contains("unit0.bin") && e.contains("rank 1"), "{e}");
+    }
+
+    #[test]
+    fn a_truncated_file_is_a_short_read() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = disk(tmp.path(), &[Some(3000)]);
+        d.write(0, &values(3000, 1.0)).unwrap();
+        d.write(0, &values(3000, 2.0)).unwrap();
+        let f = OpenOptions::new().write(true).open(d.path(0)).unwrap();
+        f.set_len(3 * BLOCK as u64 + 10).unwrap();
+        let e = d.read(0).unwrap_err().to_string();
+        assert!(e.contains("short read") && e.contains("slot 1"), "{e}");
+    }
+
+    #[test]
+    fn a_full_disk_keeps_the_last_state_whole() {
+        if !Path::new("/dev/full").exists() {
+            zero_testkit::record_skip!("", "no /dev/full on this machine");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let d = disk(tmp.path(), &[Some(100)]);
+        d.write(0, &values(100, 1.0)).unwrap();
+        // The unit's file becomes the kernel's full device: every write fails with ENOSPC.
+        let kept = tmp.path().join("kept.bin");
+        fs::rename(d.path(0), &kept).unwrap();
+        std::os::unix::fs::symlink("/dev/full", d.path(0)).unwrap();
+        let e = d.write(0, &values(100, 2.0)).unwrap_err().to_string();
+        assert!(
+            e.contains("No space left on device") && e.contains("unit 0"),
+            "{e}"
+        );
+        fs::remove_file(d.path(0)).unwrap();
+        fs::rename(&kept, d.path(0)).unwrap();
+        assert_eq!(
+            d.read(0).unwrap(),
+            values(100, 1.0),
+            "the last state, whole"
+        );
+    }
+}
