@@ -18,9 +18,9 @@
 //!   `prefetch_bucket_size` and `max_live_parameters` allow it (see [`crate::GatherOrder`]).
 //! - `communication_buffers`: the flat gradient buffer a bucket or unit is reduced from (doubled
 //!   with `overlap_comm`), and the int8/int4 wire buffers of qwZ/qgZ.
-//! - `offload_buffers`: the NVMe ring in host memory: `offload_buffer_count` buffers, each the
-//!   largest unit's offloaded state (optimizer: its moments and masters; stage 3 parameters:
-//!   its chunk). Zero without NVMe placement.
+//! - `offload_buffers`: the NVMe ring in host memory: `offload_buffer_count` buffers (at most
+//!   one per unit), each the largest unit's offloaded state (optimizer: its moments and masters;
+//!   stage 3 parameters: its chunk). Zero without NVMe placement.
 //!
 //! `model_states_bytes` is the ZeRO paper's figure: parameters + gradients + optimizer states +
 //! master weights. Activations are not modelled.
@@ -224,14 +224,16 @@ impl Plan {
         m.device_bytes = m.total_bytes - m.host_bytes - m.disk_bytes;
     }
 
-    /// The NVMe ring: `offload_buffer_count` host buffers, each the largest unit's state that
-    /// placement puts on NVMe.
+    /// The NVMe ring: `offload_buffer_count` host buffers (no more than there are units to hold),
+    /// each the largest unit's state that placement puts on NVMe.
     fn offload_ring(&self) -> u64 {
         let c = self.config();
         let n = self.world_size() as u64;
         let units = self.units();
         let mut unit = 0;
+        let mut held = 0;
         if c.optimizer_placement == Placement::Nvme {
+            held = units.iter().filter(|u| u.trainable).count();
             let master = if self.mixed_precision() { 4 } else { 0 };
             let per = c.optimizer.state_bytes() + master;
             // The rank's slot: the whole unit at stage 0, else its chunk.
@@ -242,8 +244,9 @@ impl Plan {
         if c.stage == 3 && c.param_placement == Placement::Nvme {
             let max_c = units.iter().map(|u| u.len / n).max().unwrap_or(0);
             unit += max_c * self.working_bytes();
+            held = units.len();
         }
-        unit * u64::from(c.offload_buffer_count)
+        unit * u64::from(c.offload_buffer_count).min(held as u64)
     }
 
     /// Whether a gather unit of `next` elements may be prefetched while one of `current` is live.

@@ -367,8 +367,9 @@ mod tests {
         }
     }
 
-    /// The NVMe ring holds `offload_buffer_count` of the largest unit's optimizer state: the
-    /// rank's chunk, or at stage 0 (every rank steps whole units) the whole unit.
+    /// The NVMe ring holds `offload_buffer_count` (at most one per unit) of the largest unit's
+    /// optimizer state: the rank's chunk, or at stage 0 (every rank steps whole units) the whole
+    /// unit.
     #[test]
     fn the_ring_holds_the_largest_slot_the_rank_steps() {
         for stage in [0u8, 1, 3] {
@@ -382,8 +383,10 @@ mod tests {
             let n = p.world_size() as u64;
             let largest = p.units().iter().map(|u| u.len).max().unwrap();
             let slot = if stage == 0 { largest } else { largest / n };
+            let held = p.units().iter().filter(|u| u.trainable).count().min(5) as u64;
+            assert!(held >= 1, "stage {stage}");
             // fp32 Adam: two moments, no master.
-            assert_eq!(p.memory().offload_buffers, 5 * slot * 8, "stage {stage}");
+            assert_eq!(p.memory().offload_buffers, held * slot * 8, "stage {stage}");
         }
     }
 }
