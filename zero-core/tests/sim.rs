@@ -216,7 +216,12 @@ fn bad_inputs_are_errors() {
         .to_string();
     assert!(e.contains("at most 100000 layers"), "{e}");
     assert!(simulate(&plan, &c, &opts(0, None)).is_err());
-    // The cluster describes no CPU, PCIe or disk: offloaded state is refused, naming the field.
+    // A cluster without a `host` table describes no CPU, PCIe or disk: offloaded state is
+    // refused, naming the field.
+    let c = Cluster {
+        host: None,
+        ..c.clone()
+    };
     for (field, placed) in [
         (
             "optimizer_placement",

@@ -129,6 +129,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.meter.device_peak
     }
 
+    /// With `optimizer_placement = nvme`, what the NVMe store moved (in [`Self::report`]).
+    pub(crate) fn nvme_io(&self) -> Option<crate::IoReport> {
+        self.opt.io()
+    }
+
     pub(super) fn track_comm_buffer(&mut self, bytes: u64) {
         self.meter.peak.communication_buffers = self.meter.peak.communication_buffers.max(bytes);
     }

@@ -51,7 +51,7 @@
 //!   and reduction), and `GradView`, what the optimizer step reads of it.
 //! - `weights.rs`: reading, writing, installing and releasing units of the model.
 //! - `train_mode.rs`: the seeded forwards and the model's buffers (snapshot, restore, sync).
-//! - `opt_state.rs`: the optimizer's state per trainable unit, in host memory or on the device.
+//! - `opt_state.rs`, `opt_unit.rs`: the optimizer's state of the rank, and of one unit.
 //! - `slab.rs`: `Slab`, a flat fp32 buffer in host memory or a device tensor: the optimizer's
 //!   state, stage 3's fp32 `Shard`, the fp32 hpZ slices and the fp32 accumulator.
 //! - `words.rs`: `Words`, a flat 16-bit buffer: stage 3's 16-bit shard and hpZ slices, the
@@ -88,6 +88,7 @@ mod layout;
 mod memory;
 mod micro;
 mod opt_state;
+mod opt_unit;
 mod sharded;
 mod slab;
 mod step;
@@ -391,11 +392,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     #[doc(hidden)]
     pub fn inject_overflow_next_step(&mut self) {
         self.opt.inject_overflow = true;
-    }
-
-    /// With `optimizer_placement = nvme`, what the NVMe store moved (in [`Self::report`]).
-    pub(crate) fn nvme_io(&self) -> Option<crate::IoReport> {
-        self.opt.io()
     }
 
     /// Where this rank's optimizer state (moments, bf16/fp16 master weights) lives: the model's

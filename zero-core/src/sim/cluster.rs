@@ -95,6 +95,21 @@ pub struct Codec {
     pub int4_decode: f64,
 }
 
+/// Where offloaded state moves (the simulator module docs, step 6); needed only to simulate
+/// offload.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Host {
+    /// PCIe between one GPU and host memory, GB/s per direction (the line rate).
+    pub pcie_gbytes_per_s: f64,
+    /// Host-memory bandwidth of one GPU's share of the CPUs, GB/s (the sockets' DDR channels
+    /// over the node's GPUs): an offloaded optimizer step is bound by it.
+    pub memory_gbytes_per_s: f64,
+    /// NVMe bandwidth of a node, GB/s, reads and writes alike (the drives' sequential read),
+    /// shared by its GPUs.
+    pub nvme_gbytes_per_s: f64,
+}
+
 /// A cluster of identical nodes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -113,6 +128,9 @@ pub struct Cluster {
     pub protocols: Vec<Protocol>,
     /// Codec speeds.
     pub codec: Codec,
+    /// PCIe, host memory and NVMe, for offloaded state; `None`: offload is not simulated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<Host>,
 }
 
 /// Latencies of the magnitude NCCL's own tuning model uses for rings (µs, rounded): LL,
@@ -155,9 +173,16 @@ impl Cluster {
             peak_tflops: PeakTflops { fp32, bf16, fp16 },
             compute_efficiency: DEFAULT_COMPUTE_EFFICIENCY,
         };
-        let (gpus_per_node, g, intra_bidir, nics, gbps, nic_eff) = match name {
+        let host = |pcie_gbytes_per_s, memory_gbytes_per_s, nvme_gbytes_per_s| Host {
+            pcie_gbytes_per_s,
+            memory_gbytes_per_s,
+            nvme_gbytes_per_s,
+        };
+        let (gpus_per_node, g, intra_bidir, nics, gbps, nic_eff, h) = match name {
             // DGX-2: 16 × V100-SXM3 32 GB on NVSwitch (300 GB/s per GPU, both directions),
-            // 8 × 100 Gbps EDR InfiniBand (12.2 GB/s delivered of 12.5).
+            // 8 × 100 Gbps EDR InfiniBand (12.2 GB/s delivered of 12.5). PCIe 3 x16; 2 × Xeon
+            // 8168, 6 DDR4-2666 channels each (256 GB/s over 16 GPUs); 8 NVMe drives of about
+            // 3 GB/s.
             "dgx2-v100" => (
                 16,
                 gpu("V100-SXM3-32GB", 32.0, 900.0, 15.7, 0.0, 125.0),
@@ -165,8 +190,11 @@ impl Cluster {
                 8,
                 100.0,
                 12.2 / 12.5,
+                host(16.0, 16.0, 24.0),
             ),
-            // DGX A100: 8 × A100 80 GB, NVLink 3 (600 GB/s), 8 × 200 Gbps HDR.
+            // DGX A100: 8 × A100 80 GB, NVLink 3 (600 GB/s), 8 × 200 Gbps HDR. PCIe 4 x16;
+            // 2 × EPYC 7742, 8 DDR4-3200 channels each (409.6 GB/s over 8 GPUs); 4 NVMe drives
+            // of about 6.5 GB/s.
             "dgx-a100" => (
                 8,
                 gpu("A100-SXM4-80GB", 80.0, 2039.0, 19.5, 312.0, 312.0),
@@ -174,8 +202,11 @@ impl Cluster {
                 8,
                 200.0,
                 0.96,
+                host(32.0, 51.2, 26.0),
             ),
             // DGX H100: 8 × H100 80 GB, NVLink 4 (900 GB/s), 8 × 400 Gbps NDR (46–48 GB/s).
+            // PCIe 5 x16; 2 × Xeon 8480C, 8 DDR5-4800 channels each (614.4 GB/s over 8 GPUs);
+            // 8 NVMe drives of about 6.5 GB/s.
             "dgx-h100" => (
                 8,
                 gpu("H100-SXM5-80GB", 80.0, 3350.0, 67.0, 989.0, 989.0),
@@ -183,6 +214,7 @@ impl Cluster {
                 8,
                 400.0,
                 47.0 / 50.0,
+                host(64.0, 76.8, 52.0),
             ),
             other => {
                 return Err(Error::invalid(
@@ -207,6 +239,7 @@ impl Cluster {
             },
             protocols: nccl_protocols(),
             codec: CODEC,
+            host: Some(h),
         })
     }
 
@@ -371,6 +404,11 @@ impl Cluster {
             ("int4_decode", c.int4_decode),
         ] {
             pos(&format!("codec.{f}"), v)?;
+        }
+        if let Some(h) = self.host {
+            pos("host.pcie_gbytes_per_s", h.pcie_gbytes_per_s)?;
+            pos("host.memory_gbytes_per_s", h.memory_gbytes_per_s)?;
+            pos("host.nvme_gbytes_per_s", h.nvme_gbytes_per_s)?;
         }
         Ok(self)
     }

@@ -28,15 +28,21 @@
 //! 5. **Step** `= A·(F + B + R + exposed_f + exposed_b) + per-step comm + optimizer`, with `A`
 //!    accumulation micro-steps of `tokens_per_gpu` tokens each. `tokens/s = N·A·T / step`;
 //!    `TFLOPs/GPU` = hardware FLOPs (recompute counted, Megatron's convention) per step time.
-//! 6. **Memory** per GPU: [`Plan::memory`]'s total plus activations ([`compute::activation_bytes`])
+//! 6. **Offload** (`sim/offload.rs`, from the cluster's `host`: PCIe, host memory, NVMe): an
+//!    offloaded optimizer steps at host-memory bandwidth with its PCIe and disk moves; stage 3's
+//!    parameter chunks cross PCIe (and come off NVMe) for each world gather, in its window.
+//! 7. **Memory** per GPU: [`Plan::memory`]'s device bytes plus activations ([`compute::activation_bytes`])
 //!    when the model's shape is known; it fits if that is at most the GPU's memory (CUDA context,
 //!    allocator fragmentation and logits not counted).
 
 pub mod cluster;
 pub mod collective;
 pub mod compute;
+mod offload;
 mod report;
-pub use report::{CommTimes, ComputeTimes, MemoryFit, PhaseTime, SimReport, config_label};
+pub use report::{
+    CommTimes, ComputeTimes, MemoryFit, OffloadTimes, PhaseTime, SimReport, config_label,
+};
 pub mod sweep;
 
 use std::collections::HashMap;
@@ -138,13 +144,13 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
         ("optimizer_placement", c.optimizer_placement),
         ("param_placement", c.param_placement),
     ] {
-        if p.is_offloaded() {
-            // The step's time would be the CPU's, PCIe's and the disk's, which the cluster does
-            // not describe.
+        if p.is_offloaded() && cluster.host.is_none() {
+            // The step's time would be the CPU's, PCIe's and the disk's.
             return Err(Error::invalid(
                 field,
                 p.name(),
-                "device (the simulator times every state at the GPU's memory bandwidth)",
+                "device, or a cluster with a `host` table (pcie_gbytes_per_s, \
+                 memory_gbytes_per_s, nvme_gbytes_per_s; every preset has one)",
             ));
         }
     }
@@ -332,6 +338,11 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
             None => rows.push((row, call)),
         }
     }
+    let (mut offload_f, mut offload_b, mut shard_back) = (0.0, 0.0, 0.0);
+    if let Some(h) = &cluster.host {
+        (offload_f, offload_b, shard_back) = offload::param_moves(plan, h, l);
+    }
+    let (win_f, win_b, per_step) = (win_f + offload_f, win_b + offload_b, per_step + shard_back);
     let mut by_phase: Vec<PhaseTime> = rows.into_iter().map(|(r, _)| r).collect();
     by_phase.sort_by_key(|r| (r.phase, r.collective, r.group));
 
@@ -348,7 +359,7 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
     );
     let exposed = |comm: f64, compute: f64| comm - phi * comm.min(compute);
     let (ef, eb) = (exposed(win_f, f), exposed(win_b, b + r));
-    let optimizer = optimizer_seconds(plan, hbm);
+    let optimizer = optimizer_seconds(plan, cluster);
     let af = a as f64;
     let step = af * (f + b + r + ef + eb) + per_step + optimizer;
     let total = |g: fn(&PhaseTime) -> f64| by_phase.iter().map(g).sum::<f64>();
@@ -384,6 +395,10 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
         tokens_per_sec: n * af * opts.tokens_per_gpu as f64 / step,
         tflops_per_gpu: af * flops.hardware() / step / 1e12,
         model_tflops_per_gpu: af * flops.model / step / 1e12,
+        offload: (offload_f + offload_b + shard_back > 0.0).then_some(OffloadTimes {
+            gather_copies_seconds: af * (offload_f + offload_b),
+            shard_back_seconds: shard_back,
+        }),
         compute: ComputeTimes {
             forward_seconds: af * f,
             backward_seconds: af * b,
@@ -404,8 +419,8 @@ pub fn simulate(plan: &Plan, cluster: &Cluster, opts: &SimOptions) -> Result<Sim
 }
 
 /// The optimizer step: `2·(K + M) + G + W` bytes per trainable element the rank steps, at HBM
-/// bandwidth.
-fn optimizer_seconds(plan: &Plan, hbm: f64) -> f64 {
+/// bandwidth; off the GPU, at the host's ([`offload::optimizer_seconds`]).
+fn optimizer_seconds(plan: &Plan, cluster: &Cluster) -> f64 {
     let c = plan.config();
     let n = plan.world_size() as u64;
     let elems: u64 = plan
@@ -415,7 +430,14 @@ fn optimizer_seconds(plan: &Plan, hbm: f64) -> f64 {
         .map(|u| if c.stage == 0 { u.len } else { u.len / n })
         .sum();
     let master = if plan.mixed_precision() { 4 } else { 0 };
-    let per =
-        2 * (c.optimizer.state_bytes() + master) + plan.grad_accum_bytes() + plan.working_bytes();
-    (elems * per) as f64 / hbm
+    let state = c.optimizer.state_bytes() + master;
+    let per = 2 * state + plan.grad_accum_bytes() + plan.working_bytes();
+    match &cluster.host {
+        Some(h) if c.optimizer_placement.is_offloaded() => {
+            let bytes = (plan.grad_accum_bytes(), plan.working_bytes());
+            let parts = (per as f64, state as f64, bytes.0 as f64, bytes.1 as f64);
+            offload::optimizer_seconds(plan, h, cluster.gpus_per_node, elems as f64, parts)
+        }
+        _ => (elems * per) as f64 / (cluster.gpu.hbm_gbytes_per_s * 1e9),
+    }
 }

@@ -26,6 +26,17 @@ pub struct ComputeTimes {
     pub flops: StepFlops,
 }
 
+/// Offloaded state's moves per optimizer step, beside the optimizer's own (in
+/// [`ComputeTimes::optimizer_seconds`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct OffloadTimes {
+    /// Stage 3's parameter chunks copied to the GPU (from NVMe too) for the world gathers, all
+    /// micro-steps; in the gathers' windows, hidden as far as overlap hides them, s.
+    pub gather_copies_seconds: f64,
+    /// The updated parameter shard moved back after the step (PCIe, NVMe), s.
+    pub shard_back_seconds: f64,
+}
+
 /// Communication of one (phase, collective, group, payload) row, per optimizer step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PhaseTime {
@@ -128,6 +139,9 @@ pub struct SimReport {
     pub model_tflops_per_gpu: f64,
     /// Compute.
     pub compute: ComputeTimes,
+    /// Stage 3's offloaded parameters' moves; `None` when they stay on the GPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload: Option<OffloadTimes>,
     /// Communication.
     pub comm: CommTimes,
     /// The bytes the prediction used, by collective, for rank 0: equal to `Plan::comm(0)`.
@@ -194,6 +208,15 @@ impl fmt::Display for SimReport {
             human_seconds(c.recompute_seconds),
             human_seconds(c.optimizer_seconds)
         )?;
+        if let Some(o) = &self.offload {
+            writeln!(
+                f,
+                "offload: parameter copies for the gathers {} (in their windows), shard back {}; \
+                 the offloaded optimizer's PCIe and disk moves are in its time",
+                human_seconds(o.gather_copies_seconds),
+                human_seconds(o.shard_back_seconds)
+            )?;
+        }
         let m = &self.comm;
         writeln!(
             f,
@@ -240,8 +263,12 @@ impl fmt::Display for SimReport {
         let mem = &self.memory;
         writeln!(
             f,
-            "memory per GPU: model states and buffers {}, activations {}, total {} of {}: {}",
-            human_bytes(mem.model.total_bytes),
+            "memory per GPU: model states and buffers {}{}, activations {}, total {} of {}: {}",
+            human_bytes(mem.model.device_bytes),
+            match mem.model.total_bytes - mem.model.device_bytes {
+                0 => String::new(),
+                off => format!(" (and {} offloaded)", human_bytes(off)),
+            },
             mem.activation_bytes
                 .map_or("not modelled (shape unknown)".into(), human_bytes),
             human_bytes(mem.total_bytes),
