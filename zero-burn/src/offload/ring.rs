@@ -46,11 +46,14 @@ pub struct IoReport {
     pub peak_buffers: usize,
 }
 
-fn join<T>(rank: usize, (u, job): Job<T>) -> Result<T> {
+fn join<T>(disk: &Disk, (u, job): Job<T>) -> Result<T> {
     job.join().unwrap_or_else(|_| {
-        Err(Error::Internal(format!(
-            "rank {rank}: the NVMe store's IO thread for unit {u} panicked"
-        )))
+        Err(Error::Offload {
+            rank: disk.rank(),
+            unit: Some(u),
+            path: disk.path(u).display().to_string(),
+            what: "its IO thread panicked".into(),
+        })
     })
 }
 
@@ -83,14 +86,10 @@ impl Ring {
         }
     }
 
-    fn rank_of(&self) -> usize {
-        self.disk.rank()
-    }
-
     /// Waits for `job`, counting the wait.
     fn wait<T>(&mut self, job: Job<T>) -> Result<T> {
         let t = Instant::now();
-        let out = join(self.rank_of(), job);
+        let out = join(&self.disk, job);
         self.waited += t.elapsed();
         out
     }

@@ -98,8 +98,10 @@ fn world_full(
         })
 }
 
+/// Also across placements: the optimizer's state resharded into, and back out of, the NVMe store.
 #[test]
 fn reshard_round_trips_restore_every_state_bit() {
+    let nvme = tempfile::tempdir().unwrap();
     let a = plan(Topology::new(4, 2).unwrap(), &cfg(2, 3000));
     let saved = MemStorage::new();
     let orig = world(&a, options(), None, 2, Some(&saved)).unwrap();
@@ -112,6 +114,14 @@ fn reshard_round_trips_restore_every_state_bit() {
             Topology::new(4, 2).unwrap(),
             ZeroConfig {
                 hpz_partition_size: 2,
+                ..cfg(3, 3000)
+            },
+        ),
+        (
+            Topology::new(2, 2).unwrap(),
+            ZeroConfig {
+                optimizer_placement: zero_core::Placement::Nvme,
+                nvme_path: Some(nvme.path().display().to_string()),
                 ..cfg(3, 3000)
             },
         ),
