@@ -75,13 +75,10 @@ impl Slab {
             Slab::Device(t) if at == 0 && values.len() == t.dims()[0] => {
                 **t = upload(values, &t.device());
             }
-            Slab::Device(_) => {
-                // Owned, the tensor is the only handle to its memory: burn may write in place.
-                let whole = self.take_tensor().expect("a device slab");
+            Slab::Device(_) => self.map_tensor(|whole| {
                 let new = upload(values, &whole.device());
-                let range = at..at + values.len();
-                *self = Slab::Device(Box::new(whole.slice_assign(range, new)));
-            }
+                whole.slice_assign(at..at + values.len(), new)
+            }),
         }
     }
 
@@ -93,13 +90,11 @@ impl Slab {
                     *d += s;
                 }
             }
-            Slab::Device(_) => {
-                // As in `write`: owned, so burn may add in place.
-                let whole = self.take_tensor().expect("a device slab");
+            Slab::Device(_) => self.map_tensor(|whole| {
                 let range = at..at + values.len();
                 let sum = whole.clone().slice(range.clone()) + upload(values, &whole.device());
-                *self = Slab::Device(Box::new(whole.slice_assign(range, sum)));
-            }
+                whole.slice_assign(range, sum)
+            }),
         }
     }
 
@@ -157,6 +152,14 @@ impl Slab {
         }
     }
 
+    /// A device slab's tensor replaced by `f` of it, taken out first: owned, the tensor is the
+    /// only handle to its memory, so burn may work in place. A host slab stays as it is.
+    fn map_tensor(&mut self, f: impl FnOnce(Tensor<1>) -> Tensor<1>) {
+        if let Some(t) = self.take_tensor() {
+            *self = Slab::Device(Box::new(f(t)));
+        }
+    }
+
     /// The device tensor, leaving an empty host slab behind (put the new one back with
     /// [`Slab::Device`]); `None` for a host slab, which stays.
     pub(super) fn take_tensor(&mut self) -> Option<Tensor<1>> {
@@ -190,8 +193,7 @@ impl TreeBuffer for Slab {
         match (self, leaf) {
             (Slab::Host(v), Slab::Host(l)) => v.add_into(off, l),
             (Slab::Device(t), leaf @ Slab::Device(_)) => {
-                let l = leaf.take_tensor().expect("a device slab");
-                *leaf = Slab::Device(Box::new(l + t.clone().slice(range)));
+                leaf.map_tensor(|l| l + t.clone().slice(range));
             }
             // Never in one tree (its buffers live in one place); correct all the same.
             (this, leaf) => leaf.add(0, &this.read(range)),
@@ -202,9 +204,8 @@ impl TreeBuffer for Slab {
         match (self, leaf) {
             (Slab::Host(v), Slab::Host(l)) => v.put(off, l),
             (this @ Slab::Device(_), Slab::Device(l)) => {
-                let whole = this.take_tensor().expect("a device slab");
                 let range = off..off + l.dims()[0];
-                *this = Slab::Device(Box::new(whole.slice_assign(range, *l)));
+                this.map_tensor(|whole| whole.slice_assign(range, *l));
             }
             (this, leaf) => this.write(off, &leaf.read(0..leaf.len())),
         }
@@ -213,10 +214,7 @@ impl TreeBuffer for Slab {
     fn add_all(&mut self, other: &Self) {
         match (self, other) {
             (Slab::Host(v), Slab::Host(r)) => v.add_all(r),
-            (this @ Slab::Device(_), Slab::Device(r)) => {
-                let l = this.take_tensor().expect("a device slab");
-                *this = Slab::Device(Box::new(l + (**r).clone()));
-            }
+            (this @ Slab::Device(_), Slab::Device(r)) => this.map_tensor(|l| l + (**r).clone()),
             (this, other) => this.add(0, &other.read(0..other.len())),
         }
     }
