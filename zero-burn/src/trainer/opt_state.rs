@@ -66,6 +66,18 @@ struct Paged {
     resident: Option<usize>,
 }
 
+impl Paged {
+    /// Hands the paged-in unit's parts (taken out of `units`) to the ring to be written back.
+    fn evict(&mut self, units: &mut [Option<UnitState>]) -> Result<()> {
+        if let Some(r) = self.resident.take()
+            && let Some(s) = units[r].as_mut()
+        {
+            self.ring.store(r, s.page_out(&self.kept))?;
+        }
+        Ok(())
+    }
+}
+
 /// The optimizer's state of one rank (see the module docs).
 #[derive(Debug)]
 pub(super) struct OptState {
@@ -171,11 +183,7 @@ impl OptState {
         if let Some(p) = self.paged.as_mut()
             && p.resident != Some(u)
         {
-            if let Some(r) = p.resident.take()
-                && let Some(s) = self.units[r].as_mut()
-            {
-                p.ring.store(r, s.page_out(&p.kept))?;
-            }
+            p.evict(&mut self.units)?;
             let trainable = |k: &usize| self.units.get(*k).is_some_and(Option::is_some);
             let next = (u + 1..self.units.len()).find(trainable);
             if trainable(&u) {
@@ -200,11 +208,7 @@ impl OptState {
         let Some(p) = self.paged.as_mut() else {
             return Ok(());
         };
-        if let Some(r) = p.resident.take()
-            && let Some(s) = self.units[r].as_mut()
-        {
-            p.ring.store(r, s.page_out(&p.kept))?;
-        }
+        p.evict(&mut self.units)?;
         p.ring.flush()
     }
 
