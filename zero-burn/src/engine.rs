@@ -177,7 +177,6 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
                 (Arc::new(plan), optimizer)
             }
         };
-        refuse_unexecuted_placements(plan.config())?;
         let options = EngineOptions {
             optimizer,
             reduction,
@@ -203,21 +202,6 @@ impl<C: Communicator, M: Segmented> EngineBuilder<C, M> {
         }
         Ok(engine)
     }
-}
-
-/// The placement zero-core plans and books that the engine does not execute yet: the parameter
-/// shard off the device.
-fn refuse_unexecuted_placements(c: &ZeroConfig) -> Result<()> {
-    if c.param_placement.is_offloaded() {
-        return Err(Error::Invalid {
-            field: "param_placement",
-            got: c.param_placement.name().into(),
-            expected: "device: the engine does not run parameter offload yet (`cargo xtask plan` \
-                       books it)"
-                .into(),
-        });
-    }
-    Ok(())
 }
 
 /// The optimizer a plan's kind stands for, with its usual hyper-parameters.

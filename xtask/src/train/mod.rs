@@ -101,12 +101,13 @@ pub(crate) struct TrainArgs {
     /// model's device (host memory on the host backend). Or the config file's.
     #[arg(long, value_enum)]
     offload_optimizer: Option<Offload>,
-    /// Offload stage 3's parameter shard (`cpu`, `nvme`): planned and booked, refused by the
-    /// engine, which does not run it yet.
+    /// Offload stage 3's parameter shard between gathers: to host memory (`cpu`) or to the NVMe
+    /// store under `--nvme-path` (`nvme`), moved to the device for each gather (DeepSpeed's
+    /// `offload_param: {device: ...}`). Default `none`. Or the config file's.
     #[arg(long, value_enum)]
     offload_param: Option<Offload>,
-    /// The folder of the NVMe store (`--offload-optimizer nvme`): each rank keeps its files in
-    /// `rank<r>/` under it while it runs, and removes them at the end.
+    /// The folder of the NVMe store (`--offload-optimizer nvme`, `--offload-param nvme`): each
+    /// rank keeps its files in `rank<r>/` under it while it runs, and removes them at the end.
     #[arg(long)]
     nvme_path: Option<PathBuf>,
     /// A config file: ours (TOML or JSON) or a DeepSpeed JSON config; a Hugging Face Trainer

@@ -398,3 +398,47 @@ fn offloading_the_optimizer_changes_where_not_what() {
         .unwrap_or_default();
     assert!(left.is_empty(), "the store's files are removed: {left:?}");
 }
+
+/// `--offload-param cpu|nvme` at stage 3: the plan reports the shard as host or disk bytes, the
+/// NVMe store's traffic is reported, and the losses are those of the shard in memory, bit for
+/// bit.
+#[test]
+fn offloading_the_parameters_changes_where_not_what() {
+    let tmp = tempfile::Builder::new()
+        .prefix("zero-rs-train-offload-param-")
+        .tempdir()
+        .expect("a temp dir");
+    let root = tmp.path().to_path_buf();
+    let nvme_flag = root.join("store").display().to_string();
+    let mut results = Vec::new();
+    for offload in ["none", "cpu", "nvme"] {
+        let out = root.join(offload);
+        let flags = [
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--stage",
+            "3",
+            "--precision",
+            "bf16",
+            "--nvme-path",
+            &nvme_flag,
+            "--offload-param",
+            offload,
+        ];
+        run(args(&out, &flags)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        let planned = &v["memory"]["planned"][0];
+        let bytes = |key: &str| planned[key].as_u64().unwrap_or(0);
+        let placed = (bytes("host_bytes") > 0, bytes("disk_bytes") > 0);
+        let want = (offload != "none", offload == "nvme");
+        assert_eq!(placed, want, "{offload}: {planned}");
+        let io = &v["nvme_io_per_rank"][0];
+        assert_eq!(io.is_null(), offload != "nvme", "{offload}: {io}");
+        results.push(losses(&out));
+    }
+    assert_eq!(results[0], results[1], "cpu: the same losses, bit for bit");
+    assert_eq!(results[0], results[2], "nvme: the same losses, bit for bit");
+}

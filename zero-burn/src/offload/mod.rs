@@ -1,5 +1,5 @@
-//! The NVMe store: where `optimizer_placement = nvme` keeps each rank's optimizer state
-//! (ZeRO-Infinity's optimizer offload).
+//! The NVMe store: where `optimizer_placement = nvme` keeps each rank's optimizer state and
+//! `param_placement = nvme` stage 3's parameter shard (ZeRO-Infinity's offload).
 //!
 //! - [`store`]: one file per unit under `nvme_path/rank{r}`, two slots each, in 4 KiB blocks
 //!   whose CRC-32C is checked on every read. A failed write leaves the unit's last state whole;
@@ -9,7 +9,8 @@
 //!   last one written on IO threads while a unit is stepped, and no more units' state than the
 //!   ring's buffers is ever in host memory.
 //!
-//! The optimizer's state ([`crate::trainer`]'s `opt_state`) pages units in and out through it.
+//! The optimizer's state ([`crate::trainer`]'s `opt_state`) and the parameter shard (its
+//! `sharded` and `shard_disk`) page units in and out through it.
 //! Checkpoints read and write the state through the same calls, so their format does not depend
 //! on the placement, and a checkpoint moves between placements. IO is buffered (no direct IO).
 
@@ -18,4 +19,4 @@ mod store;
 
 pub use ring::IoReport;
 pub(crate) use ring::Ring;
-pub(crate) use store::Disk;
+pub(crate) use store::{Disk, Word};

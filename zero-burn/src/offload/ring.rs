@@ -15,17 +15,17 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::store::Disk;
+use super::store::{Disk, Word};
 use crate::{Error, Result};
 
 type Job<T> = (usize, JoinHandle<Result<T>>);
 
 /// The ring of one rank's store (see the module docs).
 #[derive(Debug)]
-pub(crate) struct Ring {
-    disk: Arc<Disk>,
+pub(crate) struct Ring<T: Word = f32> {
+    disk: Arc<Disk<T>>,
     buffers: usize,
-    ahead: Option<Job<Vec<f32>>>,
+    ahead: Option<Job<Vec<T>>>,
     writes: VecDeque<Job<()>>,
     /// Time the step spent waiting for IO.
     waited: Duration,
@@ -46,7 +46,19 @@ pub struct IoReport {
     pub peak_buffers: usize,
 }
 
-fn join<T>(disk: &Disk, (u, job): Job<T>) -> Result<T> {
+impl IoReport {
+    /// Two stores' reports as one: bytes and waits summed, buffers held at once summed.
+    pub fn plus(self, other: IoReport) -> IoReport {
+        IoReport {
+            read_bytes: self.read_bytes + other.read_bytes,
+            written_bytes: self.written_bytes + other.written_bytes,
+            wait_secs: self.wait_secs + other.wait_secs,
+            peak_buffers: self.peak_buffers + other.peak_buffers,
+        }
+    }
+}
+
+fn join<T, W: Word>(disk: &Disk<W>, (u, job): Job<T>) -> Result<T> {
     job.join().unwrap_or_else(|_| {
         Err(Error::Offload {
             rank: disk.rank(),
@@ -57,9 +69,9 @@ fn join<T>(disk: &Disk, (u, job): Job<T>) -> Result<T> {
     })
 }
 
-impl Ring {
+impl<T: Word> Ring<T> {
     /// A ring of `buffers` (at least 3) over `disk`.
-    pub(crate) fn new(disk: Disk, buffers: usize) -> Self {
+    pub(crate) fn new(disk: Disk<T>, buffers: usize) -> Self {
         Ring {
             disk: Arc::new(disk),
             buffers: buffers.max(3),
@@ -71,7 +83,7 @@ impl Ring {
     }
 
     /// The store.
-    pub(crate) fn disk(&self) -> &Disk {
+    pub(crate) fn disk(&self) -> &Disk<T> {
         &self.disk
     }
 
@@ -87,7 +99,7 @@ impl Ring {
     }
 
     /// Waits for `job`, counting the wait.
-    fn wait<T>(&mut self, job: Job<T>) -> Result<T> {
+    fn wait<R>(&mut self, job: Job<R>) -> Result<R> {
         let t = Instant::now();
         let out = join(&self.disk, job);
         self.waited += t.elapsed();
@@ -117,7 +129,7 @@ impl Ring {
     }
 
     /// Unit `u`'s state; starts reading `next` ahead.
-    pub(crate) fn load(&mut self, u: usize, next: Option<usize>) -> Result<Vec<f32>> {
+    pub(crate) fn load(&mut self, u: usize, next: Option<usize>) -> Result<Vec<T>> {
         let values = match self.ahead.take() {
             Some(job) if job.0 == u => self.wait(job)?,
             other => {
@@ -141,7 +153,7 @@ impl Ring {
     }
 
     /// Starts writing `values`, unit `u`'s stepped state, back.
-    pub(crate) fn store(&mut self, u: usize, values: Vec<f32>) -> Result<()> {
+    pub(crate) fn store(&mut self, u: usize, values: Vec<T>) -> Result<()> {
         self.settle(u)?;
         // The buffer being handed over stops being the stepped one: room for it as a write.
         self.make_room(0)?;
@@ -161,7 +173,7 @@ impl Ring {
     }
 }
 
-impl Drop for Ring {
+impl<T: Word> Drop for Ring<T> {
     fn drop(&mut self) {
         // The IO threads hold the store; they end before it is removed.
         let _ = self.flush();
@@ -176,7 +188,7 @@ mod tests {
     fn every_unit_comes_back_as_written_within_the_ring() {
         let tmp = tempfile::tempdir().unwrap();
         let lens: Vec<_> = (0..9).map(|u| Some(700 + u)).collect();
-        let disk = Disk::create(tmp.path(), 0, &lens).unwrap();
+        let disk = Disk::create(tmp.path(), 0, "unit", &lens).unwrap();
         for (u, len) in lens.iter().enumerate() {
             disk.write(u, &vec![u as f32; len.unwrap()]).unwrap();
         }
@@ -201,7 +213,7 @@ mod tests {
     #[test]
     fn a_write_error_surfaces_at_the_next_call_naming_its_unit() {
         let tmp = tempfile::tempdir().unwrap();
-        let disk = Disk::create(tmp.path(), 0, &[Some(10), Some(10)]).unwrap();
+        let disk = Disk::create(tmp.path(), 0, "unit", &[Some(10), Some(10)]).unwrap();
         disk.write(0, &[1.0; 10]).unwrap();
         disk.write(1, &[1.0; 10]).unwrap();
         let mut ring = Ring::new(disk, 3);

@@ -1,16 +1,19 @@
 //! The files of the NVMe store: one per unit, two slots each, every block checksummed.
 //!
-//! Unit `u`'s file, `unit{u}.bin` in the rank's folder, holds two slots of `slot_bytes` each:
-//! the unit's `len` f32 values, little-endian, padded with zeros to whole [`BLOCK`]s, so both
+//! Unit `u`'s file, `{prefix}{u}.bin` in the rank's folder (`unit` for the optimizer's state,
+//! `param` for stage 3's parameter shard), holds two slots of `slot_bytes` each: the unit's
+//! `len` [`Word`]s (f32 or 16-bit), little-endian, padded with zeros to whole [`BLOCK`]s, so both
 //! slots start on a block boundary. A write goes to the slot not in use, and the unit adopts it
 //! only once every byte is in the file: a failed write (a full disk, an IO error) leaves the
 //! last state whole. The adopted slot's CRC-32C per block is kept in memory and every read is
 //! checked against it, so a short file or a changed byte is an error naming the file and the
 //! unit, never wrong values. The files are scratch space for one run (checkpoints are the
-//! durable copy): nothing is synced, and the folder is removed when the store is dropped.
+//! durable copy): nothing is synced, and the files (and the folder, once empty) are removed when
+//! the store is dropped.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
+use std::marker::PhantomData;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -21,9 +24,40 @@ use crate::{Error, Result};
 /// Bytes per block: the unit of alignment and of checksums.
 pub(crate) const BLOCK: usize = 4096;
 
-/// Bytes of one slot holding `len` f32 values: whole blocks.
-fn slot_bytes(len: usize) -> usize {
-    (len * 4).div_ceil(BLOCK) * BLOCK
+/// Bytes of one slot holding `len` values of `bytes` each: whole blocks.
+fn slot_bytes(len: usize, bytes: usize) -> usize {
+    (len * bytes).div_ceil(BLOCK) * BLOCK
+}
+
+/// A value the store holds: fixed-width, written little-endian, read back bit for bit.
+pub(crate) trait Word: Copy + Send + Sync + 'static {
+    /// Bytes on disk.
+    const BYTES: usize;
+    /// Writes the value's `BYTES` bytes into `dst`.
+    fn put(self, dst: &mut [u8]);
+    /// The value of `BYTES` bytes.
+    fn get(src: &[u8]) -> Self;
+}
+
+impl Word for f32 {
+    const BYTES: usize = 4;
+    fn put(self, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.to_le_bytes());
+    }
+    fn get(src: &[u8]) -> Self {
+        f32::from_le_bytes([src[0], src[1], src[2], src[3]])
+    }
+}
+
+/// bf16/fp16 bits.
+impl Word for u16 {
+    const BYTES: usize = 2;
+    fn put(self, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.to_le_bytes());
+    }
+    fn get(src: &[u8]) -> Self {
+        u16::from_le_bytes([src[0], src[1]])
+    }
 }
 
 /// One unit's file and which slot holds its state.
@@ -36,21 +70,29 @@ struct UnitFile {
     sums: Vec<u32>,
 }
 
-/// One rank's NVMe store (see the module docs). Shared by the step and its IO threads: each
-/// unit's slot and checksums sit behind a lock of their own.
+/// One rank's NVMe store of `T` values (see the module docs). Shared by the step and its IO
+/// threads: each unit's slot and checksums sit behind a lock of their own.
 #[derive(Debug)]
-pub(crate) struct Disk {
+pub(crate) struct Disk<T = f32> {
     rank: usize,
     dir: PathBuf,
+    prefix: &'static str,
     units: Vec<Option<Mutex<UnitFile>>>,
     read_bytes: AtomicU64,
     written_bytes: AtomicU64,
+    word: PhantomData<fn() -> T>,
 }
 
-impl Disk {
-    /// A store in `root/rank{rank}` for units of `lens[u]` f32 values (`None`: the unit has no
-    /// offloaded state). The folder is made if missing; no file is written yet.
-    pub(crate) fn create(root: &Path, rank: usize, lens: &[Option<usize>]) -> Result<Self> {
+impl<T: Word> Disk<T> {
+    /// A store in `root/rank{rank}`, in files named `{prefix}{u}.bin`, for units of `lens[u]`
+    /// values (`None`: the unit has no offloaded state). The folder is made if missing; no file
+    /// is written yet.
+    pub(crate) fn create(
+        root: &Path,
+        rank: usize,
+        prefix: &'static str,
+        lens: &[Option<usize>],
+    ) -> Result<Self> {
         let dir = root.join(format!("rank{rank}"));
         fs::create_dir_all(&dir).map_err(|e| Error::Offload {
             rank,
@@ -70,9 +112,11 @@ impl Disk {
         Ok(Disk {
             rank,
             dir,
+            prefix,
             units: lens.iter().map(unit).collect(),
             read_bytes: AtomicU64::new(0),
             written_bytes: AtomicU64::new(0),
+            word: PhantomData,
         })
     }
 
@@ -83,7 +127,7 @@ impl Disk {
 
     /// Unit `u`'s file.
     pub(crate) fn path(&self, u: usize) -> PathBuf {
-        self.dir.join(format!("unit{u}.bin"))
+        self.dir.join(format!("{}{u}.bin", self.prefix))
     }
 
     /// Bytes read and written so far.
@@ -112,16 +156,16 @@ impl Disk {
     }
 
     /// Writes `values`, unit `u`'s whole state, to its free slot and adopts it.
-    pub(crate) fn write(&self, u: usize, values: &[f32]) -> Result<()> {
+    pub(crate) fn write(&self, u: usize, values: &[T]) -> Result<()> {
         let mut f = self.unit(u)?;
         if values.len() != f.len {
             let what = format!("{} values written, the unit holds {}", values.len(), f.len);
             return Err(self.error(u, what));
         }
-        let bytes = slot_bytes(f.len);
+        let bytes = slot_bytes(f.len, T::BYTES);
         let mut buf = vec![0u8; bytes];
-        for (dst, v) in buf.chunks_exact_mut(4).zip(values) {
-            dst.copy_from_slice(&v.to_le_bytes());
+        for (dst, v) in buf.chunks_exact_mut(T::BYTES).zip(values) {
+            v.put(dst);
         }
         let slot = f.slot.map_or(0, |s| 1 - s);
         let path = self.path(u);
@@ -141,12 +185,12 @@ impl Disk {
     }
 
     /// Unit `u`'s whole state, every block checked against its checksum.
-    pub(crate) fn read(&self, u: usize) -> Result<Vec<f32>> {
+    pub(crate) fn read(&self, u: usize) -> Result<Vec<T>> {
         let f = self.unit(u)?;
         let Some(slot) = f.slot else {
             return Err(self.error(u, "read before the unit was first written".into()));
         };
-        let bytes = slot_bytes(f.len);
+        let bytes = slot_bytes(f.len, T::BYTES);
         let mut buf = vec![0u8; bytes];
         let file = File::open(self.path(u))
             .map_err(|e| self.error(u, format!("cannot open for reading: {e}")))?;
@@ -170,17 +214,18 @@ impl Disk {
             }
         }
         self.read_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        let values = buf.chunks_exact(4).take(f.len);
-        Ok(values
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        Ok(buf.chunks_exact(T::BYTES).take(f.len).map(T::get).collect())
     }
 }
 
-impl Drop for Disk {
+impl<T> Drop for Disk<T> {
     fn drop(&mut self) {
-        // Scratch space: best effort, a failure leaves files for the user to remove.
-        let _ = fs::remove_dir_all(&self.dir);
+        // Scratch space: best effort, a failure leaves files for the user to remove. The folder
+        // goes once the rank's other store has removed its files too.
+        for u in 0..self.units.len() {
+            let _ = fs::remove_file(self.dir.join(format!("{}{u}.bin", self.prefix)));
+        }
+        let _ = fs::remove_dir(&self.dir);
     }
 }
 
@@ -193,7 +238,7 @@ mod tests {
     }
 
     fn disk(dir: &Path, lens: &[Option<usize>]) -> Disk {
-        Disk::create(dir, 1, lens).expect("a store in a temporary folder")
+        Disk::create(dir, 1, "unit", lens).expect("a store in a temporary folder")
     }
 
     #[test]
@@ -220,6 +265,36 @@ mod tests {
         assert!(
             !tmp.path().join("rank1").exists(),
             "the store's folder is removed"
+        );
+    }
+
+    #[test]
+    fn sixteen_bit_words_share_the_folder_and_leave_with_their_store() {
+        let tmp = tempfile::tempdir().unwrap();
+        let f = disk(tmp.path(), &[Some(3000)]);
+        let h = Disk::<u16>::create(tmp.path(), 1, "param", &[Some(3000)]).unwrap();
+        let words: Vec<u16> = (0..3000).map(|i| (i as u16).wrapping_mul(40503)).collect();
+        f.write(0, &values(3000, 1.0)).unwrap();
+        h.write(0, &words).unwrap();
+        assert_eq!(
+            h.read(0).unwrap(),
+            words,
+            "every bit pattern, NaNs' included"
+        );
+        // Two slots of 6000 bytes rounded to two blocks each.
+        assert_eq!(fs::metadata(h.path(0)).unwrap().len(), 4 * BLOCK as u64);
+        assert!(h.path(0).ends_with("rank1/param0.bin"));
+        drop(h);
+        assert!(!tmp.path().join("rank1/param0.bin").exists());
+        assert_eq!(
+            f.read(0).unwrap(),
+            values(3000, 1.0),
+            "the other store's files stay"
+        );
+        drop(f);
+        assert!(
+            !tmp.path().join("rank1").exists(),
+            "the empty folder is removed"
         );
     }
 

@@ -202,10 +202,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     t.release(u);
                 }
             }
-            // The parameters' fp32 shard lives on the model's device whatever the optimizer's
-            // placement (the plan books it there).
-            let on = slab::state_device(Placement::Device, &device);
+            // The shard lives where `param_placement` puts it, whatever the optimizer's placement
+            // (the plan books it there): on NVMe, filled in host memory and moved to the store.
+            let c = plan.config();
+            let on = slab::state_device(c.param_placement, &device);
             t.sharded.fill(chunks, on);
+            if let (Placement::Nvme, Some(root)) = (c.param_placement, c.nvme_path.as_deref()) {
+                let store = (Path::new(root), rank, c.offload_buffer_count as usize);
+                t.sharded.to_disk(store)?;
+            }
         }
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
         // share their tensors (so the clones cost nothing until here, and stage 3 never holds a

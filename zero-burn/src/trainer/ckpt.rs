@@ -6,7 +6,6 @@ use std::ops::Range;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
-use super::sharded::Source;
 use super::{Part, ZeroEngine};
 use crate::error::Result;
 use crate::optim::Optimizer;
@@ -99,10 +98,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             2 => state(Part::V)?,
             _ => match (self.layout.opt_offset[u], self.half) {
                 (Some(_), Some(_)) => state(Part::Master)?,
-                _ if stage == 3 => match self.sharded.source(u, false)? {
-                    Source::F32(slab) => slab.read(0..real),
-                    Source::Half(h, chunk) => h.widen_all(&chunk.bits_of(h, 0..real)),
-                },
+                _ if stage == 3 => self.sharded.read_f32(u, real)?,
                 _ => self.read_unit_range(u, self.rank * c..self.rank * c + real)?,
             },
         })
@@ -197,14 +193,14 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 match self.half {
                     None => self
                         .sharded
-                        .f32_mut(u)?
+                        .f32_mut(u, None)?
                         .fill(|w| fill(u, 0, chunk.clone(), w))?,
                     Some(_) => {
                         let mut w = vec![0.0; c];
                         fill(u, 0, chunk.clone(), &mut w)?;
                         // A frozen unit keeps no master: nothing is written.
                         self.opt.write(u, Part::Master, 0, &w)?;
-                        self.sharded.write(u, 0, &w);
+                        self.sharded.write(u, 0, &w)?;
                     }
                 }
                 continue;
@@ -217,7 +213,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 self.opt.fill(u, Part::Master, |_| Ok(()))?;
             }
             if stage == 3 {
-                self.sharded.zero(u);
+                self.sharded.zero(u)?;
             }
             for e in plan.unit_entries(u) {
                 let range = e.offset..e.offset + e.numel;
@@ -238,7 +234,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     && let Some((a, b, at)) = overlap(&chunk)
                 {
                     let at = (at - chunk.start) as usize;
-                    self.sharded.write(u, at, &w[a..b]);
+                    self.sharded.write(u, at, &w[a..b])?;
                 }
                 if let Some(h) = self.half {
                     w.iter_mut().for_each(|x| *x = h.quantize(*x));
@@ -257,6 +253,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         }
         // NVMe placement: the restored state is in the store before the load reports success.
         self.opt.settle()?;
+        self.sharded.settle()?;
         self.clock.step = scalars.step;
         self.opt.steps = scalars.opt_steps;
         self.meter.skipped = scalars.skipped;

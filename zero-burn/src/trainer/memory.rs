@@ -129,9 +129,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.meter.device_peak
     }
 
-    /// With `optimizer_placement = nvme`, what the NVMe store moved (in [`Self::report`]).
+    /// With NVMe placement, what the NVMe stores (the optimizer's, the parameters') moved
+    /// together (in [`Self::report`]).
     pub(crate) fn nvme_io(&self) -> Option<crate::IoReport> {
-        self.opt.io()
+        match (self.opt.io(), self.sharded.io_report()) {
+            (Some(a), Some(b)) => Some(a.plus(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     pub(super) fn track_comm_buffer(&mut self, bytes: u64) {

@@ -3,7 +3,7 @@
 
 use burn::optim::GradientsParams;
 use zero_comm::{Communicator, ReduceOp};
-use zero_core::GroupKind;
+use zero_core::{GroupKind, UnitKind};
 
 use super::layout::ReduceBy;
 use super::sharded::Source;
@@ -388,6 +388,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // from there.
         let device = self.device_tensors.is_some()
             && (self.device_quant || !plan.config().quantized_weights);
+        if !hpz {
+            // On NVMe: the shard paged in, the next gather unit in this direction read ahead.
+            let units = plan.units();
+            let gathered = |k: &usize| units[*k].kind == UnitKind::Gather;
+            let next = match backward {
+                false => (u + 1..units.len()).find(gathered),
+                true => (0..u).rev().find(gathered),
+            };
+            self.sharded.page(u, next, false)?;
+        }
         let job = match self.sharded.source(u, hpz)? {
             Source::F32(slab) if device => Job::GatherDevice {
                 piece: self.device_piece(slab)?,

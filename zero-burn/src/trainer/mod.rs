@@ -44,19 +44,18 @@
 //!   the only code that talks to the executor.
 //! - `step.rs`: one optimizer step for fp32, bf16 and fp16: finish the gradients, the global
 //!   norm, the update of each unit's fp32 master wherever it lives, publish.
-//! - `grads.rs`: a segment's gradients from burn into the units' buffers (a shared parameter's
-//!   parts summed over its readers), and `step_grads`.
+//! - `grads.rs`: a segment's gradients into the units' buffers (shared ones summed), `step_grads`.
 //! - `guard.rs`: the recompute guard and the read guard around the user's forwards.
 //! - `grad_acc.rs`: `GradAcc`, the one owner of the reduced gradients (a variant per precision
 //!   and reduction), and `GradView`, what the optimizer step reads of it.
 //! - `weights.rs`: reading, writing, installing and releasing units of the model.
 //! - `train_mode.rs`: the seeded forwards and the model's buffers (snapshot, restore, sync).
 //! - `opt_state.rs`, `opt_unit.rs`: the optimizer's state of the rank, and of one unit.
-//! - `slab.rs`: `Slab`, a flat fp32 buffer in host memory or a device tensor: the optimizer's
-//!   state, stage 3's fp32 `Shard`, the fp32 hpZ slices and the fp32 accumulator.
-//! - `words.rs`: `Words`, a flat 16-bit buffer: stage 3's 16-bit shard and hpZ slices, the
-//!   16-bit accumulator.
-//! - `sharded.rs`: `Stage3Weights`, the one owner of stage 3's weights between uses.
+//! - `slab.rs`: `Slab`, a flat fp32 buffer in host memory or a device tensor (optimizer state,
+//!   stage 3's fp32 `Shard` and hpZ slices, the fp32 accumulator).
+//! - `words.rs`: `Words`, a flat 16-bit buffer (stage 3's shard and hpZ slices, accumulator).
+//! - `sharded.rs`, `shard_disk.rs`: `Stage3Weights`, the one owner of stage 3's weights between
+//!   uses, and their NVMe store.
 //! - `memory.rs`: `Meter`, the one owner of every counter, and `MeasuredMemory`.
 //! - `ckpt.rs`: the `ckpt_*` methods, the only internals `checkpoint` reaches.
 
@@ -89,6 +88,7 @@ mod memory;
 mod micro;
 mod opt_state;
 mod opt_unit;
+mod shard_disk;
 mod sharded;
 mod slab;
 mod step;

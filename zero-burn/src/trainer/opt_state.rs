@@ -149,7 +149,7 @@ impl OptState {
         }
         kept.extend([Part::M, Part::V].iter().take(optimizer.state_buffers()));
         let per_unit: Vec<_> = lens.iter().map(|l| l.map(|l| l * kept.len())).collect();
-        let ring = Ring::new(Disk::create(root, rank, &per_unit)?, buffers);
+        let ring = Ring::new(Disk::create(root, rank, "unit", &per_unit)?, buffers);
         let mut s = Self::new(optimizer, None, &vec![None; lens.len()], scaler);
         s.units = lens
             .iter()

@@ -1,12 +1,21 @@
 //! Stage 3's weights between uses, in the working precision, owned by one type: the rank's shard
-//! of every unit and the hpZ secondary slices, on the model's device. A 16-bit shard beside fp32
-//! secondaries, or the reverse, is not a state it can be in. Empty below stage 3.
+//! of every unit and the hpZ secondary slices, where `param_placement` puts them (the model's
+//! device, host memory, or NVMe through [`OnDisk`] with one unit in host memory at a time). A
+//! 16-bit shard beside fp32 secondaries, or the reverse, is not a state it can be in. Empty below
+//! stage 3.
+//!
+//! On NVMe a unit is paged in by [`Stage3Weights::page`] before [`Stage3Weights::source`] reads
+//! it, and by the calls that change it; [`Stage3Weights::settle`] writes it back.
+
+use std::path::Path;
 
 use burn::tensor::{Device, Tensor};
 
+use super::shard_disk::OnDisk;
 use super::slab::{Shard, Slab};
 use super::words::{Words, words_device};
 use crate::error::{Error, Result};
+use crate::offload::IoReport;
 use crate::precision::Half;
 
 /// The rank's stage-3 shards.
@@ -18,6 +27,8 @@ pub(super) enum Stage3Weights {
         shard: Shard,
         /// hpZ: unit `u`'s secondary slice, valid between its forward and the optimizer step.
         secondary: Vec<Option<Slab>>,
+        /// On NVMe: the store, and `shard` holds only the unit paged in.
+        disk: Option<OnDisk<f32>>,
     },
     /// bf16/fp16: the 16-bit working copies, one buffer per unit, on the model's device where it
     /// supports the type (see [`super::words`]); the optimizer keeps the fp32 master.
@@ -27,6 +38,8 @@ pub(super) enum Stage3Weights {
         secondary: Vec<Option<Words>>,
         /// Where they live (`None`: host memory).
         device: Option<Device>,
+        /// On NVMe: the store, and `shard` holds only the unit paged in.
+        disk: Option<OnDisk<u16>>,
     },
 }
 
@@ -43,12 +56,14 @@ impl Stage3Weights {
             None => Stage3Weights::F32 {
                 shard: Shard::default(),
                 secondary: (0..units).map(|_| None).collect(),
+                disk: None,
             },
             Some(half) => Stage3Weights::Half {
                 half,
                 shard: Vec::new(),
                 secondary: (0..units).map(|_| None).collect(),
                 device: None,
+                disk: None,
             },
         }
     }
@@ -74,6 +89,94 @@ impl Stage3Weights {
         }
     }
 
+    /// Moves the shard (filled in host memory) into a store in `root/rank{rank}` with a ring of
+    /// `buffers`, leaving no unit in host memory.
+    pub(super) fn to_disk(&mut self, store: (&Path, usize, usize)) -> Result<()> {
+        match self {
+            Stage3Weights::F32 { shard, disk, .. } => {
+                *disk = Some(OnDisk::create(store, shard.units_mut(), take_f32)?);
+            }
+            Stage3Weights::Half {
+                half, shard, disk, ..
+            } => *disk = Some(OnDisk::create(store, shard, take_words(*half))?),
+        }
+        Ok(())
+    }
+
+    /// On NVMe, makes unit `u` the one in host memory for [`Self::source`] to read (reading
+    /// `next` ahead); `changes`: the caller changes it, so it is written back. Nothing otherwise.
+    pub(super) fn page(&mut self, u: usize, next: Option<usize>, changes: bool) -> Result<()> {
+        match self {
+            Stage3Weights::F32 {
+                shard,
+                disk: Some(d),
+                ..
+            } => d.page_in(shard.units_mut(), (u, next), changes, take_f32, Slab::Host),
+            Stage3Weights::Half {
+                half,
+                shard,
+                disk: Some(d),
+                ..
+            } => d.page_in(shard, (u, next), changes, take_words(*half), Words::Host),
+            _ => Ok(()),
+        }
+    }
+
+    /// On NVMe, makes unit `u` the one in host memory without reading it (the caller replaces
+    /// all of it). Nothing otherwise.
+    fn claim(&mut self, u: usize) -> Result<()> {
+        match self {
+            Stage3Weights::F32 {
+                shard,
+                disk: Some(d),
+                ..
+            } => d.claim(shard.units_mut(), u, take_f32),
+            Stage3Weights::Half {
+                half,
+                shard,
+                disk: Some(d),
+                ..
+            } => d.claim(shard, u, take_words(*half)),
+            _ => Ok(()),
+        }
+    }
+
+    /// On NVMe, writes the unit in host memory back if it changed and waits for every write:
+    /// the store then holds the whole shard. Nothing otherwise.
+    pub(super) fn settle(&mut self) -> Result<()> {
+        match self {
+            Stage3Weights::F32 {
+                shard,
+                disk: Some(d),
+                ..
+            } => d.settle(shard.units_mut(), take_f32),
+            Stage3Weights::Half {
+                half,
+                shard,
+                disk: Some(d),
+                ..
+            } => d.settle(shard, take_words(*half)),
+            _ => Ok(()),
+        }
+    }
+
+    /// On NVMe, what the store moved so far.
+    pub(super) fn io_report(&self) -> Option<IoReport> {
+        match self {
+            Stage3Weights::F32 { disk, .. } => disk.as_ref().map(OnDisk::report),
+            Stage3Weights::Half { disk, .. } => disk.as_ref().map(OnDisk::report),
+        }
+    }
+
+    /// Whether unit `u`'s shard can be read: on NVMe only the unit paged in.
+    fn readable(&self, u: usize) -> bool {
+        match self {
+            Stage3Weights::F32 { disk: Some(d), .. } => d.holds(u),
+            Stage3Weights::Half { disk: Some(d), .. } => d.holds(u),
+            _ => true,
+        }
+    }
+
     /// Unit `u`'s piece for a gather: its shard chunk, or with `hpz` its secondary slice (an
     /// error when the forward left none).
     pub(super) fn source(&self, u: usize, hpz: bool) -> Result<Source<'_>> {
@@ -82,6 +185,11 @@ impl Stage3Weights {
                 "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
             ))
         };
+        if !hpz && !self.readable(u) {
+            return Err(Error::Internal(format!(
+                "unit {u}: its shard is on NVMe and was not paged in"
+            )));
+        }
         Ok(match self {
             Stage3Weights::F32 { secondary, .. } if hpz => {
                 Source::F32(secondary[u].as_ref().ok_or_else(none)?)
@@ -94,8 +202,30 @@ impl Stage3Weights {
         })
     }
 
-    /// Unit `u`'s fp32 shard, to step in place.
-    pub(super) fn f32_mut(&mut self, u: usize) -> Result<&mut Slab> {
+    /// The first `len` elements of unit `u`'s shard widened to f32: on NVMe read from the store
+    /// unless the unit is paged in (between steps the store holds every unit as it is).
+    pub(super) fn read_f32(&self, u: usize, len: usize) -> Result<Vec<f32>> {
+        match self {
+            Stage3Weights::F32 { disk: Some(d), .. } if !d.holds(u) => {
+                let mut v = d.read(u)?;
+                v.truncate(len);
+                Ok(v)
+            }
+            Stage3Weights::Half {
+                half,
+                disk: Some(d),
+                ..
+            } if !d.holds(u) => Ok(half.widen_all(&d.read(u)?[..len])),
+            _ => Ok(match self.source(u, false)? {
+                Source::F32(slab) => slab.read(0..len),
+                Source::Half(h, chunk) => h.widen_all(&chunk.bits_of(h, 0..len)),
+            }),
+        }
+    }
+
+    /// Unit `u`'s fp32 shard, to step in place (paged in on NVMe, reading `next` ahead).
+    pub(super) fn f32_mut(&mut self, u: usize, next: Option<usize>) -> Result<&mut Slab> {
+        self.page(u, next, true)?;
         match self {
             Stage3Weights::F32 { shard, .. } => Ok(shard.unit_mut(u)),
             Stage3Weights::Half { .. } => Err(mismatch("an fp32 shard", "16-bit")),
@@ -105,6 +235,7 @@ impl Stage3Weights {
     /// Replaces unit `u`'s 16-bit chunk with the fp32 master `master` rounded (the step's new
     /// working weights): on the device where both live there.
     pub(super) fn round_master(&mut self, u: usize, master: &Slab) -> Result<()> {
+        self.claim(u)?;
         match self {
             Stage3Weights::Half {
                 half,
@@ -120,26 +251,32 @@ impl Stage3Weights {
     }
 
     /// Writes fp32 `values` into unit `u`'s chunk from element `at` (rounded in bf16/fp16).
-    pub(super) fn write(&mut self, u: usize, at: usize, values: &[f32]) {
+    pub(super) fn write(&mut self, u: usize, at: usize, values: &[f32]) -> Result<()> {
+        self.page(u, None, true)?;
         match self {
             Stage3Weights::F32 { shard, .. } => shard.unit_mut(u).write(at, values),
             Stage3Weights::Half { half, shard, .. } => shard[u].write(*half, at, values),
         }
+        Ok(())
     }
 
     /// Zeros unit `u`'s chunk.
-    pub(super) fn zero(&mut self, u: usize) {
+    pub(super) fn zero(&mut self, u: usize) -> Result<()> {
+        self.page(u, None, true)?;
         match self {
             Stage3Weights::F32 { shard, .. } => shard.unit_mut(u).zero(),
             Stage3Weights::Half { half, shard, .. } => shard[u].zero(*half),
         }
+        Ok(())
     }
 
     /// Keeps `values` (gathered fp32, in host memory) as unit `u`'s hpZ secondary slice, where
     /// the shard lives.
     pub(super) fn keep_f32(&mut self, u: usize, values: Vec<f32>) -> Result<()> {
         match self {
-            Stage3Weights::F32 { shard, secondary } => {
+            Stage3Weights::F32 {
+                shard, secondary, ..
+            } => {
                 secondary[u] = Some(shard.slab(values));
                 Ok(())
             }
@@ -199,7 +336,9 @@ impl Stage3Weights {
     /// their elements.
     pub(super) fn bytes(&self) -> (u64, u64) {
         match self {
-            Stage3Weights::F32 { shard, secondary } => (
+            Stage3Weights::F32 {
+                shard, secondary, ..
+            } => (
                 shard.bytes(),
                 secondary.iter().flatten().map(Slab::bytes).sum(),
             ),
@@ -210,6 +349,23 @@ impl Stage3Weights {
                 secondary.iter().flatten().map(Words::bytes).sum(),
             ),
         }
+    }
+}
+
+/// A host slab's values, leaving it empty (a device slab's read; never one on NVMe).
+fn take_f32(slab: &mut Slab) -> Vec<f32> {
+    match std::mem::replace(slab, Slab::Host(Vec::new())) {
+        Slab::Host(v) => v,
+        Slab::Device(t) => Slab::Device(t).host().into_owned(),
+    }
+}
+
+/// Takes a host buffer's `half` bits, leaving it empty (a device buffer's read; never one on
+/// NVMe).
+fn take_words(half: Half) -> impl Fn(&mut Words) -> Vec<u16> {
+    move |w| match std::mem::replace(w, Words::Host(Vec::new())) {
+        Words::Host(v) => v,
+        device => device.bits(half).into_owned(),
     }
 }
 

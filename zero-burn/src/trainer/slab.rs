@@ -257,6 +257,11 @@ impl Shard {
         &mut self.units[u]
     }
 
+    /// Every unit's slab, mutable (the NVMe store pages them in and out).
+    pub(super) fn units_mut(&mut self) -> &mut [Slab] {
+        &mut self.units
+    }
+
     /// Bytes held by every unit's slab.
     pub(super) fn bytes(&self) -> u64 {
         self.units.iter().map(Slab::bytes).sum()

@@ -231,7 +231,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     }
                 }
                 (None, _) => {
-                    self.opt.step_weights(u, lr, g, self.sharded.f32_mut(u)?)?;
+                    // On NVMe the next trainable unit's shard is read ahead.
+                    let units = plan.units();
+                    let next = (u + 1..units.len()).find(|&k| units[k].trainable);
+                    self.opt
+                        .step_weights(u, lr, g, self.sharded.f32_mut(u, next)?)?;
                     Publish::InPlace
                 }
                 (Some(_), 3) => {
@@ -264,6 +268,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // Persistent units stay gathered: all-gather them after the step.
             for (u, unit) in plan.units().iter().enumerate() {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
+                    self.sharded.page(u, None, false)?;
                     let publish = match self.sharded.source(u, false)? {
                         Source::F32(slab) if self.device_tensors.is_some() => {
                             Publish::Gather(self.device_piece(slab)?)
@@ -274,8 +279,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                     updates.push((u, publish));
                 }
             }
-            // hpZ secondary shards never outlive a weight update.
+            // hpZ secondary shards never outlive a weight update; on NVMe the store holds the
+            // whole stepped shard.
             self.sharded.clear_secondaries();
+            self.sharded.settle()?;
         }
         // The units not yet in the model written back in one pass over it.
         let mut values = params::NewValues::new();

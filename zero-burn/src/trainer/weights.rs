@@ -26,6 +26,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let mut out = vec![Vec::new(); self.params.len()];
         if plan.stage() == 3 {
             for u in 0..plan.units().len() {
+                self.sharded
+                    .page(u, (u + 1 < plan.units().len()).then_some(u + 1), false)?;
                 let world = &mut self.comms.as_mut().expect(HOME).world;
                 let full = match self.sharded.source(u, false)? {
                     Source::F32(slab) => world.all_gather_host(&slab.read(0..slab.len()))?,

@@ -459,9 +459,10 @@ mod wgpu {
     /// At stage 3 in fp32, and in fp16 (its accumulator fp32 or 16-bit), the device's pools
     /// hold, once the ranks' work is done (3 steps), what the plan books on the device for both
     /// ranks, apart from what lives only inside a step (gathered units, communication buffers):
-    /// the shard (fp16's at 2 B per element) and persistent units (`parameters`), and with the
-    /// default placement the gradient accumulator, the moments and fp16's fp32 master too (under
-    /// optimizer offload those are host bytes). Up to the pools' rounding and 64 KiB of burn's
+    /// the shard (fp16's at 2 B per element; under parameter offload to host memory or NVMe,
+    /// host or disk bytes) and persistent units (`parameters`), and with the default placement
+    /// the gradient accumulator, the moments and fp16's fp32 master too (under optimizer offload
+    /// those are host bytes). Up to the pools' rounding and 64 KiB of burn's
     /// own buffers.
     #[test]
     fn the_stage3_state_lives_where_the_plan_books_it() {
@@ -470,15 +471,21 @@ mod wgpu {
             return;
         };
         let fp32 = Some(Precision::Fp32);
-        for (precision, acc, placement) in [
-            (Precision::Fp32, None, Placement::Device),
-            (Precision::Fp32, None, Placement::Host),
-            (Precision::Fp16, fp32, Placement::Device),
-            (Precision::Fp16, fp32, Placement::Host),
-            (Precision::Fp16, None, Placement::Device),
+        let (device, host, nvme) = (Placement::Device, Placement::Host, Placement::Nvme);
+        let tmp = tempfile::tempdir().unwrap();
+        for (precision, acc, placement, params) in [
+            (Precision::Fp32, None, device, device),
+            (Precision::Fp32, None, host, device),
+            (Precision::Fp32, None, device, host),
+            (Precision::Fp16, fp32, device, device),
+            (Precision::Fp16, fp32, host, device),
+            (Precision::Fp16, None, device, device),
+            (Precision::Fp16, None, device, nvme),
         ] {
             let cfg = ZeroConfig {
                 grad_accum_dtype: acc,
+                param_placement: params,
+                nvme_path: Some(tmp.path().display().to_string()),
                 ..config(3, precision, placement)
             };
             let (in_use, _, plan) = settled_device_bytes(&shared, wider(), &cfg, RANK_ORDERED);
@@ -486,7 +493,7 @@ mod wgpu {
             let resident = m.device_bytes - m.gathered_working_set - m.communication_buffers;
             let booked = 2 * resident;
             println!(
-                "{precision:?} {acc:?} {placement:?}: device pools in use after 3 stage-3 steps {in_use} \
+                "{precision:?} {acc:?} {placement:?} {params:?}: device pools in use after 3 stage-3 steps {in_use} \
                  B; both ranks' resident device bytes booked {booked} B (parameters {} B, \
                  gradients {} B, optimizer states {} B, host {} B)",
                 2 * m.parameters,
@@ -497,7 +504,7 @@ mod wgpu {
             assert!(m.parameters > 256 << 10, "a shard of megabytes");
             assert!(
                 (in_use as i64 - booked as i64).abs() <= 64 << 10,
-                "{precision:?} {acc:?} {placement:?}: the pools hold {in_use} B, not the booked {booked} B"
+                "{precision:?} {acc:?} {placement:?} {params:?}: the pools hold {in_use} B, not the booked {booked} B"
             );
         }
     }

@@ -41,25 +41,30 @@ fn wide() -> GptConfig {
     common::wide_config()
 }
 
-/// (peak heap growth over the steps, per rank; the plan's total per rank; the plan's trainable
-/// elements in the largest segment).
-fn measure(stage: u8) -> (u64, u64, u64) {
-    let model = wide().init(&Device::flex().autodiff(), 3);
-    let corpus = MarkovLanguage::new(wide().vocab, 5).unwrap();
-    let cfg = ZeroConfig {
+/// What one run measured: the heap's growth per rank, at its peak over the steps and once they
+/// are done (the engines alive); and the plan.
+struct Measured {
+    peak: u64,
+    settled: u64,
+    plan: Plan,
+}
+
+fn stage(stage: u8) -> ZeroConfig {
+    ZeroConfig {
         stage,
         ..ZeroConfig::default()
-    };
+    }
+}
+
+/// Two steps of the `wide` GPT on `N` ranks under `cfg`, measured (see [`Measured`]).
+fn measure(cfg: ZeroConfig) -> Measured {
+    let model = wide().init(&Device::flex().autodiff(), 3);
+    let corpus = MarkovLanguage::new(wide().vocab, 5).unwrap();
     let topo = Topology::new(N, 2).unwrap();
     let plan = plan_for(&model, topo, &cfg).unwrap();
-    let mut per_segment = std::collections::BTreeMap::<String, u64>::new();
-    for p in plan.model().params.iter().filter(|p| p.trainable) {
-        *per_segment.entry(p.module.clone()).or_default() += p.numel();
-    }
-    let largest_segment = per_segment.values().copied().max().unwrap_or(0);
     let before = LIVE.load(Ordering::SeqCst);
     let built = Barrier::new(N);
-    let peak = Mutex::new(0usize);
+    let peak = Mutex::new((0usize, 0usize));
     Launch::new(topo)
         .timeout(Duration::from_secs(300))
         .run_with(&model, |comm, model| {
@@ -85,21 +90,41 @@ fn measure(stage: u8) -> (u64, u64, u64) {
             }
             built.wait();
             if rank == 0 {
-                *peak.lock().unwrap() = PEAK.load(Ordering::SeqCst);
+                *peak.lock().unwrap() = (PEAK.load(Ordering::SeqCst), LIVE.load(Ordering::SeqCst));
             }
             built.wait();
             Ok(())
         })
         .unwrap();
-    let grown = (*peak.lock().unwrap() - before) as u64 / N as u64;
-    (grown, plan.memory().total_bytes, largest_segment)
+    let (peak, settled) = *peak.lock().unwrap();
+    let per_rank = |b: usize| b.saturating_sub(before) as u64 / N as u64;
+    Measured {
+        peak: per_rank(peak),
+        settled: per_rank(settled),
+        plan,
+    }
+}
+
+/// The plan's trainable elements in its largest segment.
+fn largest_segment(plan: &Plan) -> u64 {
+    let mut per_segment = std::collections::BTreeMap::<String, u64>::new();
+    for p in plan.model().params.iter().filter(|p| p.trainable) {
+        *per_segment.entry(p.module.clone()).or_default() += p.numel();
+    }
+    per_segment.values().copied().max().unwrap_or(0)
 }
 
 #[test]
 fn the_allocators_peak_stays_within_the_plan_at_stages_0_and_3() {
     let _alone = one_at_a_time();
-    let (s0, plan0, _) = measure(0);
-    let (s3, plan3, segment) = measure(3);
+    let m0 = measure(stage(0));
+    let m3 = measure(stage(3));
+    let (s0, plan0) = (m0.peak, m0.plan.memory().total_bytes);
+    let (s3, plan3, segment) = (
+        m3.peak,
+        m3.plan.memory().total_bytes,
+        largest_segment(&m3.plan),
+    );
     let numel: u64 = {
         let model = wide().init(&Device::flex().autodiff(), 3);
         zero_burn::parameters(&model)
@@ -127,5 +152,50 @@ fn the_allocators_peak_stays_within_the_plan_at_stages_0_and_3() {
     assert!(
         (s3 as f64) <= 0.30 * s0 as f64,
         "stage 3's peak {s3} B is over 0.30x stage 0's {s0} B"
+    );
+}
+
+/// At stage 3 with the optimizer's state and the parameter shard on NVMe, the heap the ranks hold
+/// once their steps are done is smaller than with everything in memory by what the plan books on
+/// disk (moments and shard), within 2 MiB (the ring is empty between steps); the peak during the
+/// steps by at least that less the ring's buffers.
+#[test]
+fn the_heap_drops_by_the_bytes_offloaded_to_nvme() {
+    let _alone = one_at_a_time();
+    let tmp = tempfile::tempdir().unwrap();
+    let memory = measure(stage(3));
+    let nvme = measure(ZeroConfig {
+        optimizer_placement: Placement::Nvme,
+        param_placement: Placement::Nvme,
+        nvme_path: Some(tmp.path().display().to_string()),
+        ..stage(3)
+    });
+    let booked = nvme.plan.memory();
+    let dropped = memory.settled as i64 - nvme.settled as i64;
+    println!(
+        "settled heap per rank: in memory {:.1} MiB, on NVMe {:.1} MiB; dropped {:.1} MiB, booked \
+         on disk {:.1} MiB (ring {:.1} MiB); peaks {:.1} and {:.1} MiB",
+        memory.settled as f64 / MIB,
+        nvme.settled as f64 / MIB,
+        dropped as f64 / MIB,
+        booked.disk_bytes as f64 / MIB,
+        booked.offload_buffers as f64 / MIB,
+        memory.peak as f64 / MIB,
+        nvme.peak as f64 / MIB,
+    );
+    assert!(
+        booked.disk_bytes > 32 << 20,
+        "tens of MiB offloaded: {booked:?}"
+    );
+    assert!(
+        (dropped - booked.disk_bytes as i64).abs() <= 2 << 20,
+        "the heap dropped {dropped} B, not the {} B booked on disk",
+        booked.disk_bytes
+    );
+    let peak_bound = memory.peak + booked.offload_buffers - booked.disk_bytes;
+    assert!(
+        nvme.peak <= peak_bound,
+        "the peak on NVMe {} B is over {peak_bound} B",
+        nvme.peak
     );
 }

@@ -309,8 +309,8 @@ fn spread_loose(plan: &Plan, units: &[LayoutUnit]) -> Vec<LooseParam> {
 }
 
 /// A 64-bit FNV-1a fingerprint (hex) of everything that fixes where bytes live: the model, the
-/// topology, the whole configuration but the optimizer's placement (host or device memory, which
-/// changes no byte of a checkpoint) and the resulting units. Two plans with the same fingerprint
+/// topology, the whole configuration but the placements (device, host memory or NVMe, with the
+/// store's folder and ring, which change no byte of a checkpoint) and the resulting units. Two plans with the same fingerprint
 /// lay out every element identically; it guards against mixing checkpoints, not adversaries.
 pub fn fingerprint(plan: &Plan) -> String {
     #[derive(Serialize)]
@@ -322,6 +322,9 @@ pub fn fingerprint(plan: &Plan) -> String {
         layout: CkptLayout::of(plan),
         config: crate::config::ZeroConfig {
             optimizer_placement: crate::config::Placement::Device,
+            param_placement: crate::config::Placement::Device,
+            nvme_path: None,
+            offload_buffer_count: crate::config::ZeroConfig::default().offload_buffer_count,
             ..plan.config().clone()
         },
     };
@@ -333,4 +336,38 @@ pub fn fingerprint(plan: &Plan) -> String {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     format!("{h:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Placement, ZeroConfig};
+    use crate::{ModelDesc, ParamDesc, Topology};
+
+    /// Where the state lives changes no byte of a checkpoint, so not the fingerprint; the stage
+    /// does.
+    #[test]
+    fn the_fingerprint_ignores_placements_but_not_the_stage() {
+        let model = ModelDesc::new(vec![ParamDesc::new("w", &[40, 5], "m")]);
+        let print = |c: &ZeroConfig| {
+            fingerprint(&Plan::new(&model, Topology::new(2, 2).unwrap(), c).unwrap())
+        };
+        let device = ZeroConfig {
+            stage: 3,
+            ..ZeroConfig::default()
+        };
+        let offloaded = ZeroConfig {
+            optimizer_placement: Placement::Nvme,
+            param_placement: Placement::Host,
+            nvme_path: Some("/scratch".into()),
+            offload_buffer_count: 7,
+            ..device.clone()
+        };
+        assert_eq!(print(&device), print(&offloaded));
+        let stage2 = ZeroConfig {
+            stage: 2,
+            ..device.clone()
+        };
+        assert_ne!(print(&device), print(&stage2));
+    }
 }
