@@ -209,7 +209,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             t.sharded.fill(chunks, on);
             if let (Placement::Nvme, Some(root)) = (c.param_placement, c.nvme_path.as_deref()) {
                 let store = (Path::new(root), rank, c.offload_buffer_count as usize);
-                t.sharded.to_disk(store)?;
+                t.sharded.move_to_disk(store)?;
             }
         }
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module

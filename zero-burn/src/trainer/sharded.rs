@@ -91,7 +91,7 @@ impl Stage3Weights {
 
     /// Moves the shard (filled in host memory) into a store in `root/rank{rank}` with a ring of
     /// `buffers`, leaving no unit in host memory.
-    pub(super) fn to_disk(&mut self, store: (&Path, usize, usize)) -> Result<()> {
+    pub(super) fn move_to_disk(&mut self, store: (&Path, usize, usize)) -> Result<()> {
         match self {
             Stage3Weights::F32 { shard, disk, .. } => {
                 *disk = Some(OnDisk::create(store, shard.units_mut(), take_f32)?);
