@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use zero_burn::demo::job::{JobConfig, RunReport, run_job_rank};
+use zero_burn::demo::job::{JobConfig, RunReport, Tick, run_job_rank};
 use zero_comm::Communicator;
 use zero_comm::mpi::{ENV_RANKS_PER_NODE, MpiComm, MpiGuard, MpiOptions, abort_job, mpirun};
 use zero_comm::nccl::{LaunchEnv, NcclComm, NcclOptions};
@@ -118,7 +118,7 @@ fn train<C: Communicator>(
     comm: C,
     out: &Path,
     backend: &str,
-    rank: impl FnOnce(&JobConfig, C, &(dyn Fn(u64, f32) + Sync)) -> zero_burn::Result<RunReport>,
+    rank: impl FnOnce(&JobConfig, C, &(dyn Fn(Tick) + Sync)) -> zero_burn::Result<RunReport>,
 ) -> anyhow::Result<()> {
     let (me, n) = (comm.rank(), comm.world_size());
     if me == 0 {
@@ -133,9 +133,18 @@ fn train<C: Communicator>(
         );
     }
     let every = (job.steps / 10).max(1);
-    let on_step = |step: u64, loss: f32| {
-        if (step + 1).is_multiple_of(every) || step + 1 == job.steps {
-            eprintln!("step {}/{}  loss {loss:.4} (rank 0)", step + 1, job.steps);
+    let on_step = |t: Tick| {
+        if (t.step + 1).is_multiple_of(every) || t.step + 1 == job.steps {
+            let io = t
+                .nvme_io
+                .map(|io| format!("  {}", crate::report::io_progress(&io)));
+            eprintln!(
+                "step {}/{}  loss {:.4} (rank 0){}",
+                t.step + 1,
+                job.steps,
+                t.loss,
+                io.unwrap_or_default()
+            );
         }
     };
     let report = rank(job, comm, &on_step)?;

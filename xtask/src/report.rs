@@ -15,6 +15,16 @@ use zero_burn::demo::job::RunReport;
 use zero_core::report::human_bytes;
 use zero_core::{Collective, LinkClass, Precision};
 
+/// Rank 0's NVMe traffic so far in a few words, for the progress line.
+pub(crate) fn io_progress(io: &zero_burn::IoReport) -> String {
+    format!(
+        "NVMe {} read, {} written, {:.1} s IO wait",
+        human_bytes(io.read_bytes),
+        human_bytes(io.written_bytes),
+        io.wait_secs
+    )
+}
+
 /// Prints the report, writes `report.json` (with the process's peak RSS when known),
 /// `report.svg` and `report.png` into `out`, and fails when the counted traffic or the booked
 /// memory differs from the plan.
@@ -235,8 +245,9 @@ fn print_report(r: &RunReport) {
     }
     if let Some(io) = r.nvme_io_per_rank.first() {
         println!(
-            "  NVMe store (rank 0, counted by the store): {} read, {} written, {:.2} s waiting \
-             on IO, at most {} of {} ring buffers in use",
+            "  NVMe store (rank 0, counted by the store, {} IO): {} read, {} written, {:.2} s \
+             waiting on IO, at most {} ring buffers in use (each store's ring holds {})",
+            if io.direct_io { "direct" } else { "buffered" },
             human_bytes(io.read_bytes),
             human_bytes(io.written_bytes),
             io.wait_secs,

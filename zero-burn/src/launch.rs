@@ -84,7 +84,7 @@ impl Launch {
         T: Send,
         F: Fn(HostComm, M) -> Result<T> + Sync,
     {
-        let clones = Clones::new(model, self.topology.world_size());
+        let clones = Clones::new(model.clone(), self.topology.world_size());
         self.run(|comm| {
             let mine = clones.take(zero_comm::Communicator::rank(&comm))?;
             f(comm, mine)
@@ -161,13 +161,16 @@ pub fn deep_copy<M: Module>(model: &M) -> M {
 }
 
 /// One deep copy of a module per rank, each taken once (a `Mutex` makes a `Send` value
-/// shareable).
+/// shareable). The module itself is dropped: once every rank has sharded its copy, the weights
+/// they shared are freed (at stage 3 no rank holds them whole).
 #[derive(Debug)]
 pub(crate) struct Clones<M>(Mutex<Vec<Option<M>>>);
 
 impl<M: Module> Clones<M> {
-    pub(crate) fn new(model: &M, n: usize) -> Self {
-        Clones(Mutex::new((0..n).map(|_| Some(deep_copy(model))).collect()))
+    pub(crate) fn new(model: M, n: usize) -> Self {
+        Clones(Mutex::new(
+            (0..n).map(|_| Some(deep_copy(&model))).collect(),
+        ))
     }
 
     pub(crate) fn take(&self, rank: usize) -> Result<M> {

@@ -131,6 +131,8 @@ pub use error::{Error, Result};
 pub use launch::WgpuShared;
 pub use launch::{LOCAL_RANK_VARS, Launch, deep_copy, local_rank};
 pub use offload::IoReport;
+#[doc(hidden)]
+pub use offload::{StoreTimes, time_store};
 pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;

@@ -71,7 +71,7 @@ fn a_cuda_job_without_a_driver_fails_naming_it() {
         );
         return;
     }
-    let err = run_job(&cuda_job(3, 1), &|_, _| {}).expect_err("no driver, no CUDA job");
+    let err = run_job(&cuda_job(3, 1), &|_| {}).expect_err("no driver, no CUDA job");
     let msg = err.to_string();
     assert!(
         msg.contains("CUDA driver") && msg.contains("libcuda"),
@@ -108,7 +108,7 @@ fn gpu_zero3_on_cuda_equals_stage0_bit_for_bit() {
     if !gpu_gate(NAME) {
         return;
     }
-    let run = |stage| run_job(&cuda_job(stage, 4), &|_, _| {}).expect("a CUDA job");
+    let run = |stage| run_job(&cuda_job(stage, 4), &|_| {}).expect("a CUDA job");
     let (zero, three) = (run(0), run(3));
     let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
@@ -132,7 +132,7 @@ fn gpu_zero3_on_cuda_equals_stage0_bit_for_bit() {
         let run = |stage| {
             let mut job = cuda_job(stage, 4);
             job.zero.precision = precision;
-            run_job(&job, &|_, _| {}).expect("a 16-bit CUDA job")
+            run_job(&job, &|_| {}).expect("a 16-bit CUDA job")
         };
         let (zero, three) = (run(0), run(3));
         assert_eq!(
@@ -147,7 +147,7 @@ fn gpu_zero3_on_cuda_equals_stage0_bit_for_bit() {
             backend: Backend::Host,
             ..cuda_job(3, 4)
         },
-        &|_, _| {},
+        &|_| {},
     )
     .expect("the flex job");
     let worst = three
@@ -353,17 +353,10 @@ fn gpu_cuda_loopback_trains_like_host_staged() {
                     &corpus,
                     options,
                     run.clone(),
-                    &|_, _| {},
+                    &|_| {},
                 )
             } else {
-                train_host(
-                    plan.clone(),
-                    model,
-                    &corpus,
-                    options,
-                    run.clone(),
-                    &|_, _| {},
-                )
+                train_host(plan.clone(), model, &corpus, options, run.clone(), &|_| {})
             }
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             for x in &r {

@@ -118,7 +118,7 @@ fn rank_side() {
             &corpus,
             options(),
             run,
-            &|_, _| {},
+            &|_| {},
         )
         .unwrap();
         let out = RankOut {

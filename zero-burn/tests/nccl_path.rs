@@ -93,15 +93,7 @@ fn host_reference(
         keep_final_params: true,
         checkpoint: None,
     };
-    train_host(
-        plan.clone(),
-        model.clone(),
-        corpus,
-        options,
-        run,
-        &|_, _| {},
-    )
-    .unwrap()
+    train_host(plan.clone(), model.clone(), corpus, options, run, &|_| {}).unwrap()
 }
 
 #[test]

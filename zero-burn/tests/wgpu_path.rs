@@ -99,7 +99,7 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
         &corpus,
         options(),
         run_config(),
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap();
     let cpu_secs = t.elapsed().as_secs_f64();
@@ -120,7 +120,7 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
         &corpus,
         options(),
         run_config(),
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap();
     let gpu_secs = t.elapsed().as_secs_f64();
@@ -213,7 +213,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
                 &corpus,
                 options(),
                 run.clone(),
-                &|_, _| {},
+                &|_| {},
                 grads,
             )
             .unwrap();
@@ -279,16 +279,8 @@ fn a_model_off_the_shared_device_is_rejected() {
     let cpu = model_config().init(&Device::flex().autodiff(), 1);
     let p = plan(&cpu, 3);
     let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
-    let err = train_wgpu(
-        &shared,
-        p,
-        cpu,
-        &corpus,
-        options(),
-        run_config(),
-        &|_, _| {},
-    )
-    .expect_err("a flex model on the wgpu path");
+    let err = train_wgpu(&shared, p, cpu, &corpus, options(), run_config(), &|_| {})
+        .expect_err("a flex model on the wgpu path");
     assert!(
         matches!(err.root_cause(), Error::Backend(m) if m.contains("shared device")),
         "{err}"
@@ -311,8 +303,8 @@ fn the_default_job_runs_on_the_wgpu_backend() {
         backend: zero_burn::demo::job::Backend::Wgpu,
         ..host.clone()
     };
-    let want = zero_burn::demo::job::run_job(&host, &|_, _| {}).unwrap();
-    let got = zero_burn::demo::job::run_job(&wgpu, &|_, _| {}).unwrap();
+    let want = zero_burn::demo::job::run_job(&host, &|_| {}).unwrap();
+    let got = zero_burn::demo::job::run_job(&wgpu, &|_| {}).unwrap();
     assert!(got.comm_matches_plan, "traffic differs from the plan");
     assert!(
         got.memory_matches_plan,
@@ -354,7 +346,7 @@ fn a_checkpoint_resumes_bit_identically_on_the_wgpu_path() {
                 &corpus,
                 options(),
                 run,
-                &|_, _| {},
+                &|_| {},
             )
             .unwrap()
         };

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use zero_burn::demo::job::{Backend, DataSource, JobConfig, check, run_job};
+use zero_burn::demo::job::{Backend, DataSource, JobConfig, Tick, check, run_job};
 use zero_burn::optim::Optimizer;
 use zero_core::{AdamWValues, Precision, RunBatch, RunValues, ZeroConfig};
 
@@ -90,7 +90,17 @@ fn model_preset(name: &str) -> anyhow::Result<zero_burn::demo::gpt::GptConfig> {
             heads: 6,
             layers: 5,
         },
-        o => bail!("--model {o:?}: expected tiny, small, medium, wide or gpt-10m"),
+        // 1.76B parameters, wide and shallow in tokens: its model states (16 bytes a parameter
+        // in bf16 with AdamW) are 28 GB, more than this machine's memory; they fit with the
+        // optimizer state and the parameter shard on NVMe.
+        "gpt-1.7b" => GptConfig {
+            vocab: 64,
+            context: 16,
+            d_model: 2048,
+            heads: 16,
+            layers: 35,
+        },
+        o => bail!("--model {o:?}: expected tiny, small, medium, wide, gpt-10m or gpt-1.7b"),
     })
 }
 
@@ -258,13 +268,31 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
         )
         .expect("valid template"),
     );
+    // Building can take a while (with NVMe placement it writes every offloaded unit first): the
+    // bar ticks and says so until the first step.
+    let nvme = zero_core::Placement::Nvme;
+    bar.set_message(
+        if job.zero.optimizer_placement == nvme || job.zero.param_placement == nvme {
+            "building the engine (writing the offloaded state to NVMe)"
+        } else {
+            "building the engine"
+        },
+    );
+    bar.enable_steady_tick(Duration::from_millis(500));
     let tokens_per_step = job.tokens_per_step();
     let started = std::time::Instant::now();
-    let on_step = |step: u64, loss: f32| {
-        let tps =
-            (step + 1) as f64 * tokens_per_step as f64 / started.elapsed().as_secs_f64().max(1e-9);
-        bar.set_position(step + 1);
-        bar.set_message(format!("loss {loss:.4} (rank 0)  {tps:.0} tok/s"));
+    let on_step = |t: Tick| {
+        let tps = (t.step + 1) as f64 * tokens_per_step as f64
+            / started.elapsed().as_secs_f64().max(1e-9);
+        let io = t
+            .nvme_io
+            .map(|io| format!("  {}", crate::report::io_progress(&io)));
+        bar.set_position(t.step + 1);
+        bar.set_message(format!(
+            "loss {:.4} (rank 0)  {tps:.0} tok/s{}",
+            t.loss,
+            io.unwrap_or_default()
+        ));
     };
     let report = run_job(&job, &on_step);
     bar.finish_and_clear();

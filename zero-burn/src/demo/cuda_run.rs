@@ -10,7 +10,7 @@ use zero_core::Plan;
 
 use crate::cuda::CudaTensors;
 use crate::demo::data::{Corpus, TokenBatch};
-use crate::demo::run::{HostRun, RankResult, TrainOptions, engine_builder, run_rank};
+use crate::demo::run::{HostRun, RankResult, Tick, TrainOptions, engine_builder, run_rank};
 use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
 use crate::launch::{Clones, Launch};
@@ -32,7 +32,7 @@ pub fn train_cuda<M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<Vec<RankResult<M>>> {
     let device = crate::cuda::device(gpu)?.autodiff();
     if let Some(d) = model.devices().into_iter().find(|d| *d != device) {
@@ -42,7 +42,7 @@ pub fn train_cuda<M: Segmented<Batch = TokenBatch>>(
     }
     let cuda = CudaDevice::new(gpu)?;
     let quant = Arc::new(zero_quant::CudaQuantizer::new(cuda.stream().clone())?);
-    let models = Clones::new(&model, plan.world_size());
+    let models = Clones::new(model, plan.world_size());
     Launch::new(*plan.topology())
         .timeout(run.timeout)
         .reduction(options.reduction)

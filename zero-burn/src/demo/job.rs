@@ -10,6 +10,7 @@ use zero_core::{Plan, Topology, ZeroConfig};
 pub use super::config::{Backend, DataSource, JobConfig};
 use super::report::report;
 pub use super::report::{Compared, RunReport};
+pub use super::run::Tick;
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::Gpt;
 use crate::demo::gpt::GptConfig;
@@ -194,8 +195,8 @@ pub fn check(job: &JobConfig) -> Result<()> {
     prepare(job).map(|_| ())
 }
 
-/// Builds everything and trains. `on_step(step, loss)` reports progress from rank 0.
-pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<RunReport> {
+/// Builds everything and trains. `on_step` reports progress from rank 0.
+pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(Tick) + Sync)) -> Result<RunReport> {
     let Prepared {
         corpus,
         model_cfg,
@@ -256,7 +257,7 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(u64, f32) + Sync)) -> Result<R
 pub fn run_job_rank<C: Communicator>(
     job: &JobConfig,
     comm: C,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<RunReport> {
     run_job_rank_with(job, comm, on_step, Ok)
 }
@@ -270,7 +271,7 @@ pub fn run_job_rank<C: Communicator>(
 pub fn run_job_rank_cuda<C: zero_comm::nccl::OnCuda>(
     job: &JobConfig,
     comm: C,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<RunReport> {
     if job.backend != Backend::Cuda {
         return run_job_rank(job, comm, on_step);
@@ -288,7 +289,7 @@ pub fn run_job_rank_cuda<C: zero_comm::nccl::OnCuda>(
 fn run_job_rank_with<C: Communicator>(
     job: &JobConfig,
     comm: C,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
     attach: impl FnOnce(EngineBuilder<C, Gpt>) -> Result<EngineBuilder<C, Gpt>>,
 ) -> Result<RunReport> {
     let Prepared {

@@ -21,6 +21,18 @@ use crate::reduction::{Reduction, canonical_sum};
 use crate::segmented::Segmented;
 use crate::trainer::{MeasuredMemory, ZeroEngine};
 
+/// What rank 0 reports after each step, for a progress bar.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tick {
+    /// The step just taken (counted from 0).
+    pub step: u64,
+    /// Its loss (the mean over the ranks).
+    pub loss: f32,
+    /// With state on NVMe: what rank 0's stores have read and written so far, and the time its
+    /// steps waited for them.
+    pub nvme_io: Option<crate::IoReport>,
+}
+
 /// The demo's training options that are not part of the ZeRO plan.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct TrainOptions {
@@ -136,16 +148,16 @@ pub struct SaveRecord {
 
 /// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
 /// from a clone of `model`. The loopback sums in the order `options.reduction` needs (rank order,
-/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step(step, mean_loss)` is called by rank 0 after each step.
+/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step` is called by rank 0 after each step.
 pub fn train_host<M: Segmented<Batch = TokenBatch>>(
     plan: Arc<Plan>,
     model: M,
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<Vec<RankResult<M>>> {
-    let models = Clones::new(&model, plan.world_size());
+    let models = Clones::new(model, plan.world_size());
     Launch::new(*plan.topology())
         .timeout(run.timeout)
         .reduction(options.reduction)
@@ -257,7 +269,7 @@ pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<(RankResult<M>, Vec<RankSummary>)> {
     train_built(
         engine_builder(&plan, comm, model, options),
@@ -274,7 +286,7 @@ pub(crate) fn train_built<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<(RankResult<M>, Vec<RankSummary>)> {
     let mut t = builder.build()?;
     let result = run_engine(&mut t, corpus, options, &run, on_step)?;
@@ -319,7 +331,7 @@ pub(super) fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<RankResult<M>> {
     let mut t = builder.build()?;
     run_engine(&mut t, corpus, options, &run, on_step)
@@ -331,7 +343,7 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: &HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<RankResult<M>> {
     let ckpt = run.checkpoint.as_ref();
     let first_step = match ckpt.and_then(|c| c.resume.as_ref().map(|s| (c, s))) {
@@ -355,7 +367,11 @@ fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
         let out = corpus_step(t, corpus, &options)?;
         step_seconds.push(t0.elapsed().as_secs_f64());
         if t.rank() == 0 {
-            on_step(s, out.loss);
+            on_step(Tick {
+                step: s,
+                loss: out.loss,
+                nvme_io: t.nvme_io(),
+            });
         }
         losses.push(out.loss);
         micro_losses.push(out.micro_losses);

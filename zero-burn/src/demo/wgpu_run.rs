@@ -9,7 +9,7 @@ use zero_core::Plan;
 use crate::demo::data::{Corpus, TokenBatch};
 #[cfg(doc)]
 use crate::demo::run::train_host;
-use crate::demo::run::{HostRun, RankResult, TrainOptions, engine_builder, run_rank};
+use crate::demo::run::{HostRun, RankResult, Tick, TrainOptions, engine_builder, run_rank};
 use crate::device::{DeviceQuant, DeviceTensors};
 use crate::error::{Error, Result};
 use crate::launch::{Clones, Launch, WgpuShared};
@@ -36,7 +36,7 @@ pub fn train_wgpu<M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
 ) -> Result<Vec<RankResult<M>>> {
     train_wgpu_with(
         shared,
@@ -70,7 +70,7 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
     corpus: &dyn Corpus,
     options: TrainOptions,
     run: HostRun,
-    on_step: &(dyn Fn(u64, f32) + Sync),
+    on_step: &(dyn Fn(Tick) + Sync),
     grads: WgpuTensors,
 ) -> Result<Vec<RankResult<M>>> {
     if let Some(d) = model.devices().into_iter().find(|d| *d != shared.device()) {
@@ -79,7 +79,7 @@ pub fn train_wgpu_with<M: Segmented<Batch = TokenBatch>>(
             shared.device()
         )));
     }
-    let models = Clones::new(&model, plan.world_size());
+    let models = Clones::new(model, plan.world_size());
     // The WGSL codecs, compiled once for every rank.
     let quant = match grads {
         WgpuTensors::Bridge => {

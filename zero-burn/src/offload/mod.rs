@@ -12,7 +12,8 @@
 //! The optimizer's state ([`crate::trainer`]'s `opt_state`) and the parameter shard (its
 //! `sharded` and `shard_disk`) page units in and out through it.
 //! Checkpoints read and write the state through the same calls, so their format does not depend
-//! on the placement, and a checkpoint moves between placements. IO is buffered (no direct IO).
+//! on the placement, and a checkpoint moves between placements. IO is direct (`O_DIRECT`) where
+//! the file system allows it, buffered where it does not; [`IoReport::direct_io`] says which.
 
 mod ring;
 mod store;
@@ -20,3 +21,51 @@ mod store;
 pub use ring::IoReport;
 pub(crate) use ring::Ring;
 pub(crate) use store::{Disk, Word};
+
+/// What [`time_store`] measured.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct StoreTimes {
+    /// Bytes written, then read back.
+    pub bytes: u64,
+    /// Seconds writing every unit.
+    pub write_secs: f64,
+    /// Seconds reading them all back, checksums checked.
+    pub read_secs: f64,
+    /// Whether the IO went past the page cache.
+    pub direct_io: bool,
+}
+
+/// The store's own bandwidth, for `examples/store_bench.rs`: `units` units of `len` f32 each
+/// (the same values) written once into a store under `dir`, then read back, one after another on this thread (no
+/// ring), every value checked. The store's files are removed on return.
+#[doc(hidden)]
+pub fn time_store(dir: &std::path::Path, units: usize, len: usize) -> crate::Result<StoreTimes> {
+    let disk = Disk::<f32>::create(dir, 0, "bench", &vec![Some(len); units])?;
+    let values: Vec<f32> = (0..len).map(|i| i as f32).collect();
+    let t = std::time::Instant::now();
+    for u in 0..units {
+        disk.write(u, &values)?;
+    }
+    let write_secs = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
+    for u in 0..units {
+        if disk.read(u)? != values {
+            return Err(crate::Error::Offload {
+                rank: 0,
+                unit: Some(u),
+                path: disk.path(u).display().to_string(),
+                what: "the unit came back changed".into(),
+            });
+        }
+    }
+    let read_secs = t.elapsed().as_secs_f64();
+    let (read, written) = disk.traffic();
+    debug_assert_eq!(read, written);
+    Ok(StoreTimes {
+        bytes: written,
+        write_secs,
+        read_secs,
+        direct_io: disk.direct(),
+    })
+}

@@ -44,16 +44,22 @@ pub struct IoReport {
     pub wait_secs: f64,
     /// The most units' state in host memory at once (at most the ring's buffers).
     pub peak_buffers: usize,
+    /// Whether the IO went past the page cache (direct IO) or, where the file system refused
+    /// that, through it.
+    #[serde(default)]
+    pub direct_io: bool,
 }
 
 impl IoReport {
-    /// Two stores' reports as one: bytes and waits summed, buffers held at once summed.
+    /// Two stores' reports as one: bytes and waits summed, buffers held at once summed, direct
+    /// only if both were.
     pub fn plus(self, other: IoReport) -> IoReport {
         IoReport {
             read_bytes: self.read_bytes + other.read_bytes,
             written_bytes: self.written_bytes + other.written_bytes,
             wait_secs: self.wait_secs + other.wait_secs,
             peak_buffers: self.peak_buffers + other.peak_buffers,
+            direct_io: self.direct_io && other.direct_io,
         }
     }
 }
@@ -95,6 +101,7 @@ impl<T: Word> Ring<T> {
             written_bytes,
             wait_secs: self.waited.as_secs_f64(),
             peak_buffers: self.peak,
+            direct_io: self.disk.direct(),
         }
     }
 

@@ -7,17 +7,20 @@
 //! only once every byte is in the file: a failed write (a full disk, an IO error) leaves the
 //! last state whole. The adopted slot's CRC-32C per block is kept in memory and every read is
 //! checked against it, so a short file or a changed byte is an error naming the file and the
-//! unit, never wrong values. The files are scratch space for one run (checkpoints are the
+//! unit, never wrong values. IO is direct (`O_DIRECT`, past the page cache) where the file system
+//! allows it: the buffers start on a block boundary and every offset and length is whole blocks.
+//! Where it does not (the first open or transfer refused with `EINVAL`), the store says so
+//! ([`Disk::direct`]) and goes on buffered. The files are scratch space for one run (checkpoints are the
 //! durable copy): nothing is synced, and the files (and the folder, once empty) are removed when
 //! the store is dropped.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::ErrorKind;
+use std::io::{self, ErrorKind};
 use std::marker::PhantomData;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::{Error, Result};
 
@@ -60,6 +63,45 @@ impl Word for u16 {
     }
 }
 
+/// A zeroed buffer of `len` bytes that starts on a block boundary, as direct IO asks of memory.
+struct Aligned {
+    raw: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn zeroed(len: usize) -> Self {
+        let raw = vec![0u8; len + BLOCK];
+        // `align_offset` may decline (`usize::MAX`): the buffer is then unaligned, direct IO
+        // refuses it with EINVAL and the store goes on buffered.
+        let at = raw.as_ptr().align_offset(BLOCK).min(BLOCK);
+        Aligned { raw, at, len }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.raw[self.at..self.at + self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.raw[self.at..self.at + self.len]
+    }
+}
+
+/// Opens `path` past the page cache where the platform has direct IO.
+fn open(path: &Path, write: bool, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(!write).write(write).create(write).truncate(false);
+    #[cfg(target_os = "linux")]
+    if direct {
+        use std::os::unix::fs::OpenOptionsExt;
+        o.custom_flags(libc::O_DIRECT);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = direct;
+    o.open(path)
+}
+
 /// One unit's file and which slot holds its state.
 #[derive(Debug)]
 struct UnitFile {
@@ -80,6 +122,8 @@ pub(crate) struct Disk<T = f32> {
     units: Vec<Option<Mutex<UnitFile>>>,
     read_bytes: AtomicU64,
     written_bytes: AtomicU64,
+    /// Whether IO still goes past the page cache (cleared by the file system's first refusal).
+    direct: AtomicBool,
     word: PhantomData<fn() -> T>,
 }
 
@@ -116,6 +160,7 @@ impl<T: Word> Disk<T> {
             units: lens.iter().map(unit).collect(),
             read_bytes: AtomicU64::new(0),
             written_bytes: AtomicU64::new(0),
+            direct: AtomicBool::new(cfg!(target_os = "linux")),
             word: PhantomData,
         })
     }
@@ -136,6 +181,30 @@ impl<T: Word> Disk<T> {
             self.read_bytes.load(Ordering::Relaxed),
             self.written_bytes.load(Ordering::Relaxed),
         )
+    }
+
+    /// Whether the store's IO has gone past the page cache (direct IO) so far.
+    pub(crate) fn direct(&self) -> bool {
+        self.direct.load(Ordering::Relaxed)
+    }
+
+    /// Runs `op` on unit `u`'s file, opened direct while the file system allows it; its first
+    /// `EINVAL` for direct IO (at the open or the transfer) turns the store buffered for good.
+    fn with_file(
+        &self,
+        u: usize,
+        write: bool,
+        mut op: impl FnMut(&File) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let path = self.path(u);
+        if self.direct() {
+            let refused = |e: &io::Error| e.kind() == ErrorKind::InvalidInput;
+            match open(&path, write, true).and_then(|f| op(&f)) {
+                Err(e) if refused(&e) => self.direct.store(false, Ordering::Relaxed),
+                done => return done,
+            }
+        }
+        op(&open(&path, write, false)?)
     }
 
     fn error(&self, u: usize, what: String) -> Error {
@@ -163,21 +232,20 @@ impl<T: Word> Disk<T> {
             return Err(self.error(u, what));
         }
         let bytes = slot_bytes(f.len, T::BYTES);
-        let mut buf = vec![0u8; bytes];
-        for (dst, v) in buf.chunks_exact_mut(T::BYTES).zip(values) {
+        let mut buf = Aligned::zeroed(bytes);
+        for (dst, v) in buf.bytes_mut().chunks_exact_mut(T::BYTES).zip(values) {
             v.put(dst);
         }
         let slot = f.slot.map_or(0, |s| 1 - s);
-        let path = self.path(u);
-        let file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| self.error(u, format!("cannot open for writing: {e}")))?;
-        file.write_all_at(&buf, (slot * bytes) as u64)
-            .map_err(|e| self.error(u, format!("writing slot {slot}: {e}")))?;
-        f.sums = buf.chunks_exact(BLOCK).map(crc32c::crc32c).collect();
+        self.with_file(u, true, |file| {
+            file.write_all_at(buf.bytes(), (slot * bytes) as u64)
+        })
+        .map_err(|e| self.error(u, format!("writing slot {slot}: {e}")))?;
+        f.sums = buf
+            .bytes()
+            .chunks_exact(BLOCK)
+            .map(crc32c::crc32c)
+            .collect();
         f.slot = Some(slot);
         self.written_bytes
             .fetch_add(bytes as u64, Ordering::Relaxed);
@@ -191,17 +259,26 @@ impl<T: Word> Disk<T> {
             return Err(self.error(u, "read before the unit was first written".into()));
         };
         let bytes = slot_bytes(f.len, T::BYTES);
-        let mut buf = vec![0u8; bytes];
-        let file = File::open(self.path(u))
-            .map_err(|e| self.error(u, format!("cannot open for reading: {e}")))?;
-        file.read_exact_at(&mut buf, (slot * bytes) as u64)
-            .map_err(|e| match e.kind() {
-                ErrorKind::UnexpectedEof => self.error(
-                    u,
-                    format!("short read: slot {slot} ends early (the file was truncated)"),
-                ),
-                _ => self.error(u, format!("reading slot {slot}: {e}")),
-            })?;
+        let end = ((slot + 1) * bytes) as u64;
+        let short = |len: u64| {
+            let what =
+                format!("slot {slot} ends at byte {end}, the file at {len} (it was truncated)");
+            io::Error::new(ErrorKind::UnexpectedEof, what)
+        };
+        let mut buf = Aligned::zeroed(bytes);
+        self.with_file(u, false, |file| {
+            // Direct IO stops at the end of the file without an error: check the length first.
+            let len = file.metadata()?.len();
+            if len < end {
+                return Err(short(len));
+            }
+            file.read_exact_at(buf.bytes_mut(), (slot * bytes) as u64)
+        })
+        .map_err(|e| match e.kind() {
+            ErrorKind::UnexpectedEof => self.error(u, format!("short read: {e}")),
+            _ => self.error(u, format!("reading slot {slot}: {e}")),
+        })?;
+        let buf = buf.bytes();
         for (b, (block, want)) in buf.chunks_exact(BLOCK).zip(&f.sums).enumerate() {
             if crc32c::crc32c(block) != *want {
                 let at = slot * bytes + b * BLOCK;
@@ -275,6 +352,7 @@ mod tests {
         let h = Disk::<u16>::create(tmp.path(), 1, "param", &[Some(3000)]).unwrap();
         let words: Vec<u16> = (0..3000).map(|i| (i as u16).wrapping_mul(40503)).collect();
         f.write(0, &values(3000, 1.0)).unwrap();
+        h.write(0, &[7; 3000]).unwrap();
         h.write(0, &words).unwrap();
         assert_eq!(
             h.read(0).unwrap(),
@@ -296,6 +374,32 @@ mod tests {
             !tmp.path().join("rank1").exists(),
             "the empty folder is removed"
         );
+    }
+
+    #[test]
+    fn io_is_direct_where_the_file_system_allows_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        // The oracle: one aligned block written to a file opened with O_DIRECT, by hand.
+        let probe = tmp.path().join("probe.bin");
+        let block = Aligned::zeroed(BLOCK);
+        let allowed = open(&probe, true, true).and_then(|f| f.write_all_at(block.bytes(), 0));
+        let d = disk(tmp.path(), &[Some(3000)]);
+        d.write(0, &values(3000, 1.0)).unwrap();
+        assert_eq!(d.read(0).unwrap(), values(3000, 1.0));
+        match allowed {
+            Ok(()) => assert!(
+                d.direct(),
+                "the file system takes direct IO, the store did not"
+            ),
+            Err(e) => {
+                assert!(
+                    !d.direct(),
+                    "direct IO was refused ({e}), the store says it is direct"
+                );
+                let why = format!("this file system refuses direct IO ({e}); IO ran buffered");
+                zero_testkit::record_skip!("", &why);
+            }
+        }
     }
 
     #[test]

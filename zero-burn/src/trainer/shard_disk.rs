@@ -14,28 +14,37 @@ use crate::offload::{Disk, IoReport, Ring, Word};
 #[derive(Debug)]
 pub(super) struct OnDisk<T: Word> {
     ring: Ring<T>,
+    /// Values in the store, every unit's.
+    elems: u64,
     /// The unit in host memory, and whether it changed since it was read.
     resident: Option<(usize, bool)>,
 }
 
 impl<T: Word> OnDisk<T> {
-    /// Moves every unit of `units` into a new store in `root/rank{rank}`, with a ring of
-    /// `buffers`: `take` hands a unit's values over and leaves its buffer empty.
+    /// Moves every unit of `units` (of `len` values each) into a new store in
+    /// `root/rank{rank}`, with a ring of `buffers`, one unit at a time: `take` hands a unit's
+    /// values over and leaves its buffer empty.
     pub(super) fn create<E>(
         (root, rank, buffers): (&Path, usize, usize),
         units: &mut [E],
+        len: impl Fn(&E) -> usize,
         take: impl Fn(&mut E) -> Vec<T>,
     ) -> Result<Self> {
-        let values: Vec<Vec<T>> = units.iter_mut().map(take).collect();
-        let lens: Vec<_> = values.iter().map(|v| Some(v.len())).collect();
+        let lens: Vec<_> = units.iter().map(|e| Some(len(e))).collect();
         let disk = Disk::create(root, rank, "param", &lens)?;
-        for (u, v) in values.iter().enumerate() {
-            disk.write(u, v)?;
+        for (u, e) in units.iter_mut().enumerate() {
+            disk.write(u, &take(e))?;
         }
         Ok(OnDisk {
             ring: Ring::new(disk, buffers),
+            elems: lens.iter().flatten().map(|&n| n as u64).sum(),
             resident: None,
         })
+    }
+
+    /// Bytes of the shard the store holds (all of it, whichever unit is paged in).
+    pub(super) fn bytes(&self) -> u64 {
+        self.elems * T::BYTES as u64
     }
 
     /// Makes unit `u` the one in host memory, read into `units[u]` by `put` (the unit paged in

@@ -94,11 +94,16 @@ impl Stage3Weights {
     pub(super) fn move_to_disk(&mut self, store: (&Path, usize, usize)) -> Result<()> {
         match self {
             Stage3Weights::F32 { shard, disk, .. } => {
-                *disk = Some(OnDisk::create(store, shard.units_mut(), take_f32)?);
+                *disk = Some(OnDisk::create(
+                    store,
+                    shard.units_mut(),
+                    Slab::len,
+                    take_f32,
+                )?);
             }
             Stage3Weights::Half {
                 half, shard, disk, ..
-            } => *disk = Some(OnDisk::create(store, shard, take_words(*half))?),
+            } => *disk = Some(OnDisk::create(store, shard, Words::len, take_words(*half))?),
         }
         Ok(())
     }
@@ -333,19 +338,25 @@ impl Stage3Weights {
     }
 
     /// Bytes held: (the shard, the secondary slices), host buffers as allocated, tensors by
-    /// their elements.
+    /// their elements, and on NVMe the shard the store holds (as the optimizer's state counts).
     pub(super) fn bytes(&self) -> (u64, u64) {
         match self {
             Stage3Weights::F32 {
-                shard, secondary, ..
+                shard,
+                secondary,
+                disk,
             } => (
-                shard.bytes(),
+                disk.as_ref().map_or_else(|| shard.bytes(), OnDisk::bytes),
                 secondary.iter().flatten().map(Slab::bytes).sum(),
             ),
             Stage3Weights::Half {
-                shard, secondary, ..
+                shard,
+                secondary,
+                disk,
+                ..
             } => (
-                shard.iter().map(Words::bytes).sum(),
+                disk.as_ref()
+                    .map_or_else(|| shard.iter().map(Words::bytes).sum(), OnDisk::bytes),
                 secondary.iter().flatten().map(Words::bytes).sum(),
             ),
         }

@@ -111,7 +111,7 @@ pub(crate) fn train_tiny(
             keep_final_params: true,
             checkpoint: None,
         },
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap();
     for r in &res {

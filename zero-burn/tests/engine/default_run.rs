@@ -16,7 +16,7 @@ fn default_job_loss_trajectory() {
         steps: 6,
         ..JobConfig::default_job()
     };
-    let report = run_job(&job, &|_, _| {}).unwrap();
+    let report = run_job(&job, &|_| {}).unwrap();
     assert!(report.comm_matches_plan, "traffic differs from the plan");
     assert!(
         report.memory_matches_plan,
@@ -25,7 +25,7 @@ fn default_job_loss_trajectory() {
     let rounded: Vec<String> = report.loss.iter().map(|l| format!("{l:.4}")).collect();
     insta::assert_snapshot!(rounded.join("\n"));
     // The same job again gives the same bits.
-    let again = run_job(&job, &|_, _| {}).unwrap();
+    let again = run_job(&job, &|_| {}).unwrap();
     assert_eq!(report.loss, again.loss);
 }
 
@@ -39,7 +39,7 @@ fn the_default_job_with_a_tied_head_trains_as_planned() {
         tie_embeddings: true,
         ..JobConfig::default_job()
     };
-    let report = run_job(&job, &|_, _| {}).unwrap();
+    let report = run_job(&job, &|_| {}).unwrap();
     assert!(report.comm_matches_plan, "traffic differs from the plan");
     assert!(report.memory_matches_plan, "model-state bytes differ");
     let shared: Vec<(&str, &str, &[String])> = report
@@ -57,7 +57,7 @@ fn the_default_job_with_a_tied_head_trains_as_planned() {
             steps: 1,
             ..JobConfig::default_job()
         },
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap();
     assert!(untied.shared.is_empty());

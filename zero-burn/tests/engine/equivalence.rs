@@ -246,7 +246,7 @@ fn zeropp_converges_like_zero3_over_hundreds_of_steps() {
                 keep_final_params: false,
                 checkpoint: None,
             },
-            &|_, _| {},
+            &|_| {},
         )
         .unwrap();
         let l = &r[0].losses;

@@ -198,7 +198,7 @@ fn default_job_in_16_bit_matches_the_plan() {
             ..JobConfig::default_job()
         };
         job.zero.precision = precision;
-        let r = run_job(&job, &|_, _| {}).unwrap();
+        let r = run_job(&job, &|_| {}).unwrap();
         assert!(
             r.comm_matches_plan,
             "{precision:?}: traffic differs from the plan"
@@ -239,7 +239,7 @@ fn bf16_tracks_fp32_on_the_default_gpt() {
             param_persistence_threshold: 1024,
             ..Default::default()
         };
-        let r = run_job(&job, &|_, _| {}).unwrap();
+        let r = run_job(&job, &|_| {}).unwrap();
         assert!(
             r.comm_matches_plan && r.memory_matches_plan,
             "{precision:?}"

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use zero_burn::checkpoint::{MemStorage, Storage};
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, train_host};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, Tick, train_host};
 use zero_burn::{Error, plan_for};
 use zero_core::{Placement, Precision, Topology, ZeroConfig};
 
@@ -42,7 +42,7 @@ fn train(
         keep_final_params: true,
         checkpoint,
     };
-    train_host(plan, model, &corpus, common::options(), run, &|_, _| {})
+    train_host(plan, model, &corpus, common::options(), run, &|_| {})
 }
 
 /// The bytes of a rank's stage-3 parameter shard under `cfg`, as the plan books them.
@@ -177,8 +177,8 @@ fn a_changed_byte_in_the_store_fails_the_next_step() {
         };
         let (model, corpus) = common::tiny();
         let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), &cfg).unwrap());
-        let flip = |step: u64, _: f32| {
-            if step == 1 {
+        let flip = |t: Tick| {
+            if t.step == 1 {
                 let mut bytes = std::fs::read(&file).unwrap();
                 bytes.iter_mut().step_by(4096).for_each(|b| *b ^= 0x40);
                 std::fs::write(&file, bytes).unwrap();

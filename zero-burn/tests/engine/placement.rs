@@ -57,7 +57,7 @@ fn train_flex(
         &corpus,
         common::options(),
         run(steps, ckpt),
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap()
 }
@@ -206,7 +206,7 @@ mod wgpu {
             &corpus,
             options,
             run(steps, ckpt),
-            &|_, _| {},
+            &|_| {},
         )
         .unwrap()
     }
@@ -530,7 +530,7 @@ mod wgpu {
             let corpus = MarkovLanguage::new(gpt().vocab, 3).unwrap();
             let mut options = common::options();
             options.seq = gpt().context;
-            train_host(plan, model, &corpus, options, run(3, None), &|_, _| {}).unwrap()
+            train_host(plan, model, &corpus, options, run(3, None), &|_| {}).unwrap()
         };
         let reference = train(1, 1, Placement::Device);
         for (hpz, placement) in [
@@ -581,7 +581,7 @@ mod wgpu {
                 let mut options = common::options();
                 options.seq = gpt().context;
                 options.reduction = tree;
-                train_host(plan, model, &corpus, options, run(3, None), &|_, _| {}).unwrap()
+                train_host(plan, model, &corpus, options, run(3, None), &|_| {}).unwrap()
             };
             let (dev, host) = (train(Placement::Device), train(Placement::Host));
             let (worst, same) = gap(&dev, &host);

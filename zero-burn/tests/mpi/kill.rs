@@ -204,7 +204,7 @@ fn rank_side() {
         checkpoint: Some(checkpointing(store, false)),
         ..HostRun::new(6, Duration::from_secs(30))
     };
-    let r = train_rank(comm, plan, model, &corpus, options(), run, &|_, _| {});
+    let r = train_rank(comm, plan, model, &corpus, options(), run, &|_| {});
     unreachable!("rank {me} finished with a dead peer: {:?}", r.map(|_| ()));
 }
 
@@ -296,7 +296,7 @@ fn killed_and_resumed(name: &str, draw: Draw) -> bool {
             checkpoint: Some(checkpointing(store.clone(), true)),
             ..HostRun::new(6, Duration::from_secs(30))
         },
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap();
     let whole = train_host(
@@ -305,7 +305,7 @@ fn killed_and_resumed(name: &str, draw: Draw) -> bool {
         &corpus,
         options(),
         HostRun::new(6, Duration::from_secs(30)),
-        &|_, _| {},
+        &|_| {},
     )
     .unwrap();
     let from = draw.latest() as usize;

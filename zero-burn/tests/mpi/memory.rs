@@ -64,7 +64,7 @@ fn rank_side() {
         reduction: Reduction::RankOrdered,
     };
     let run = HostRun::new(2, Duration::from_secs(120));
-    train_rank(comm, plan, model, &corpus, options, run, &|_, _| {}).unwrap();
+    train_rank(comm, plan, model, &corpus, options, run, &|_| {}).unwrap();
     let peak = peak_rss_bytes().expect("VmHWM in /proc/self/status");
     std::fs::write(out_file(&dir, stage, me), format!("{base} {peak}")).unwrap();
     rank_ok(me, n);

@@ -93,7 +93,7 @@ fn rank_side() {
             &corpus,
             options(),
             run(),
-            &|_, _| {},
+            &|_| {},
         )
         .unwrap();
         let out = RankOut {
@@ -129,7 +129,7 @@ fn wgpu_ranks_as_processes_match_in_process_ranks() {
     for (name, cfg) in configs() {
         let (model, corpus) = model(&shared);
         let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
-        let reference = train_host(plan, model, &corpus, options(), run(), &|_, _| {}).unwrap();
+        let reference = train_host(plan, model, &corpus, options(), run(), &|_| {}).unwrap();
         for r in &reference {
             let got: RankOut = serde_json::from_slice(
                 &std::fs::read(out_file(&dir.display().to_string(), name, r.rank)).unwrap(),
