@@ -29,7 +29,7 @@ pub(crate) enum Offload {
 #[derive(Args, Debug)]
 pub(crate) struct TrainArgs {
     /// Model size: tiny, small (default), medium, wide (model states dominate memory), gpt-10m, or
-    /// gpt-1.7b (1.76B parameters: to train on this machine, offload to NVMe).
+    /// gpt-1.7b (1.66B parameters: to train on this machine, offload to NVMe).
     #[arg(long, default_value = "small")]
     model: String,
     /// ZeRO stage 0–3 (default 3, or the config file's).

@@ -7,7 +7,7 @@
 use crate::common;
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use zero_burn::checkpoint::{MemStorage, Storage};
@@ -42,7 +42,24 @@ fn train(
         keep_final_params: true,
         checkpoint,
     };
-    train_host(plan, model, &corpus, common::options(), run, &|_| {})
+    let saves = run.checkpoint.as_ref().is_some_and(|c| c.save.is_some());
+    let ticks = Mutex::new(Vec::new());
+    let out = train_host(plan, model, &corpus, common::options(), run, &|t| {
+        ticks.lock().unwrap().push(t)
+    })?;
+    // Rank 0's progress: one tick a step, with its stores' traffic so far where it has a store.
+    let ticks = ticks.into_inner().unwrap();
+    let numbers: Vec<u64> = ticks.iter().map(|t| t.step).collect();
+    assert_eq!(numbers, (out[0].first_step..steps).collect::<Vec<_>>());
+    assert!(
+        ticks
+            .iter()
+            .all(|t| t.nvme_io.is_some() == out[0].nvme_io.is_some())
+    );
+    if !saves {
+        assert_eq!(ticks.last().and_then(|t| t.nvme_io), out[0].nvme_io);
+    }
+    Ok(out)
 }
 
 /// The bytes of a rank's stage-3 parameter shard under `cfg`, as the plan books them.
