@@ -26,7 +26,7 @@ use crate::trainer::{MeasuredMemory, ZeroEngine};
 pub struct Tick {
     /// The step just taken (counted from 0).
     pub step: u64,
-    /// Its loss (the mean over the ranks).
+    /// Rank 0's loss of the step (the mean over its micro-batches).
     pub loss: f32,
     /// With state on NVMe: what rank 0's stores have read and written so far, and the time its
     /// steps waited for them.
