@@ -135,15 +135,12 @@ fn train<C: Communicator>(
     let every = (job.steps / 10).max(1);
     let on_step = |t: Tick| {
         if (t.step + 1).is_multiple_of(every) || t.step + 1 == job.steps {
-            let io = t
-                .nvme_io
-                .map(|io| format!("  {}", crate::report::io_progress(&io)));
             eprintln!(
                 "step {}/{}  loss {:.4} (rank 0){}",
                 t.step + 1,
                 job.steps,
                 t.loss,
-                io.unwrap_or_default()
+                crate::report::io_progress(t.nvme_io)
             );
         }
     };

@@ -15,14 +15,17 @@ use zero_burn::demo::job::RunReport;
 use zero_core::report::human_bytes;
 use zero_core::{Collective, LinkClass, Precision};
 
-/// Rank 0's NVMe traffic so far in a few words, for the progress line.
-pub(crate) fn io_progress(io: &zero_burn::IoReport) -> String {
-    format!(
-        "NVMe {} read, {} written, {:.1} s IO wait",
-        human_bytes(io.read_bytes),
-        human_bytes(io.written_bytes),
-        io.wait_secs
-    )
+/// Rank 0's NVMe traffic so far in a few words, appended to a progress line (empty without a
+/// store).
+pub(crate) fn io_progress(io: Option<zero_burn::IoReport>) -> String {
+    io.map_or_else(String::new, |io| {
+        format!(
+            "  NVMe {} read, {} written, {:.1} s IO wait",
+            human_bytes(io.read_bytes),
+            human_bytes(io.written_bytes),
+            io.wait_secs
+        )
+    })
 }
 
 /// Prints the report, writes `report.json` (with the process's peak RSS when known),

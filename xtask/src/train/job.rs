@@ -284,14 +284,11 @@ pub(crate) fn run(a: TrainArgs) -> anyhow::Result<()> {
     let on_step = |t: Tick| {
         let tps = (t.step + 1) as f64 * tokens_per_step as f64
             / started.elapsed().as_secs_f64().max(1e-9);
-        let io = t
-            .nvme_io
-            .map(|io| format!("  {}", crate::report::io_progress(&io)));
         bar.set_position(t.step + 1);
         bar.set_message(format!(
             "loss {:.4} (rank 0)  {tps:.0} tok/s{}",
             t.loss,
-            io.unwrap_or_default()
+            crate::report::io_progress(t.nvme_io)
         ));
     };
     let report = run_job(&job, &on_step);

@@ -148,7 +148,8 @@ pub struct SaveRecord {
 
 /// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
 /// from a clone of `model`. The loopback sums in the order `options.reduction` needs (rank order,
-/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step` is called by rank 0 after each step.
+/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step` is called by rank 0 after
+/// each step.
 pub fn train_host<M: Segmented<Batch = TokenBatch>>(
     plan: Arc<Plan>,
     model: M,

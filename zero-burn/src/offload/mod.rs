@@ -37,8 +37,8 @@ pub struct StoreTimes {
 }
 
 /// The store's own bandwidth, for `examples/store_bench.rs`: `units` units of `len` f32 each
-/// (the same values) written once into a store under `dir`, then read back, one after another on this thread (no
-/// ring), every value checked. The store's files are removed on return.
+/// (the same values) written once into a store under `dir`, then read back, one after another
+/// on this thread (no ring), every value checked. The store's files are removed on return.
 #[doc(hidden)]
 pub fn time_store(dir: &std::path::Path, units: usize, len: usize) -> crate::Result<StoreTimes> {
     let disk = Disk::<f32>::create(dir, 0, "bench", &vec![Some(len); units])?;

@@ -10,8 +10,8 @@
 //! unit, never wrong values. IO is direct (`O_DIRECT`, past the page cache) where the file system
 //! allows it: the buffers start on a block boundary and every offset and length is whole blocks.
 //! Where it does not (the first open or transfer refused with `EINVAL`), the store says so
-//! ([`Disk::direct`]) and goes on buffered. The files are scratch space for one run (checkpoints are the
-//! durable copy): nothing is synced, and the files (and the folder, once empty) are removed when
+//! ([`Disk::direct`]) and goes on buffered. The files are scratch space for one run
+//! (checkpoints are the durable copy): nothing is synced, and the files (and the folder, once empty) are removed when
 //! the store is dropped.
 
 use std::fs::{self, File, OpenOptions};
