@@ -269,7 +269,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub fn report(&self) -> RankReport {
         let plan = self.plan();
         // Planned for the steps this engine ran (after a load, since the checkpoint's step).
-        let (base, base_skipped) = self.meter.steps_base;
+        let (base, base_skipped) = self.core.meter.steps_base;
         let skipped = self.skipped_steps() - base_skipped;
         let mut planned_traffic = TrafficTable::new();
         let clean = plan.comm(self.rank()).by_collective;

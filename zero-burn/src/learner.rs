@@ -133,7 +133,7 @@ where
     /// gradients). Refuses stage 3, fp16 and gradient accumulation in the plan
     /// ([`crate::Error::Invalid`], naming the option).
     pub fn new(engine: ZeroEngine<C, Whole<M, B, F>>) -> Result<Self> {
-        engine.check_external_grads()?;
+        engine.core.check_external_grads()?;
         Ok(Self {
             model: engine.model().module.clone(),
             engine: Arc::new(Mutex::new(engine)),

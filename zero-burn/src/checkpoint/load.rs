@@ -146,11 +146,11 @@ pub(crate) fn load<C: Communicator, M: Segmented>(
     // rank's state is partly the checkpoint's, and every rank refuses to go on.
     match agree(e.ckpt_world(), "load", restored) {
         Ok(()) => {
-            e.ckpt_partly_restored(None);
+            e.core.ckpt_partly_restored(None);
             Ok(p.loaded)
         }
         Err(err) => {
-            e.ckpt_partly_restored(Some(err.full_message()));
+            e.core.ckpt_partly_restored(Some(err.full_message()));
             Err(err)
         }
     }
@@ -163,14 +163,14 @@ fn restore<C: Communicator, M: Segmented>(
     p: &Prepared,
 ) -> Result<()> {
     let plan = e.plan().clone();
-    e.ckpt_restore(
+    e.core.ckpt_restore(
         |v, state, range, dst| p.fill(store, v, plan.chunk_len(v), state, range, dst),
         p.scalars,
     )?;
     // The loose parameters, one at a time.
     for (param, pieces) in &p.loose {
         let values = p.read_loose(store, pieces, plan.model().params[*param].numel())?;
-        e.ckpt_restore_loose(*param, values);
+        e.core.ckpt_restore_loose(*param, values);
     }
     Ok(())
 }
@@ -216,7 +216,9 @@ fn prepare<C: Communicator, M: Segmented>(
     // The copy runs (zero_core's reshard map; the identity on the same plan) of every
     // destination chunk this rank needs: the whole unit where the model holds it, else its own.
     let src = &m.layout;
-    let needs: Vec<_> = (0..plan.units().len()).map(|u| e.ckpt_needs(u)).collect();
+    let needs: Vec<_> = (0..plan.units().len())
+        .map(|u| e.core.ckpt_needs(u))
+        .collect();
     let mut by_rank: BTreeMap<usize, Vec<CopyRun>> = BTreeMap::new();
     for (u, (w, _)) in needs.iter().enumerate() {
         let c = plan.chunk_len(u);

@@ -106,7 +106,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// from [`Self::load`]. An error on any rank fails the save on every rank and leaves the
     /// previous `LATEST` in place. Its collectives are booked as [`Self::other_traffic`].
     pub fn save(&mut self, store: &dyn Storage, client_state: ClientState) -> Result<SaveReport> {
-        self.check_restored()?;
+        self.core.check_restored()?;
         self.untracked(|e| save::save(e, store, client_state))
     }
 
@@ -200,8 +200,8 @@ fn engine_scalars<C: Communicator, M: Segmented>(e: &ZeroEngine<C, M>) -> Engine
         opt_steps,
         skipped,
         scaler,
-    } = e.ckpt_scalars();
-    let (opt, reduction) = e.ckpt_options();
+    } = e.core.ckpt_scalars();
+    let (opt, reduction) = e.core.ckpt_options();
     EngineScalars {
         step,
         opt_steps,

@@ -39,7 +39,7 @@ pub(crate) fn save<C: Communicator, M: Segmented>(
     client_state: ClientState,
 ) -> Result<SaveReport> {
     let t0 = Instant::now();
-    let micro = e.ckpt_micro();
+    let micro = e.core.ckpt_micro();
     if micro != 0 {
         return Err(Error::SaveBetweenMicroSteps { micro });
     }
@@ -152,7 +152,7 @@ fn write_rank_file<C: Communicator, M: Segmented>(
     // The tensor table from the lengths alone, so the header goes first and the tensors stream
     // after it, one at a time, with the block checksums computed on the way.
     let units = plan.units().len();
-    let lens: Vec<[usize; 3]> = (0..units).map(|u| e.ckpt_unit_lens(u)).collect();
+    let lens: Vec<[usize; 3]> = (0..units).map(|u| e.core.ckpt_unit_lens(u)).collect();
     let loose: Vec<_> = layout.loose.iter().filter(|l| l.rank == rank).collect();
     let mut tensors = Vec::new();
     let mut offset = 0u64;
@@ -204,13 +204,13 @@ fn write_rank_file<C: Communicator, M: Segmented>(
         for (s, &len) in l.iter().enumerate() {
             if len > 0 {
                 let what = || format!("unit {u}'s saved state {s}");
-                put_tensor(&what, e.ckpt_unit_state(u, s)?, len as u64)?;
+                put_tensor(&what, e.core.ckpt_unit_state(u, s)?, len as u64)?;
             }
         }
     }
     for l in &loose {
         let what = || format!("loose parameter {}", l.param);
-        put_tensor(&what, e.ckpt_loose(l.param)?, l.numel)?;
+        put_tensor(&what, e.core.ckpt_loose(l.param)?, l.numel)?;
     }
     store.sync_file(&tmp)?;
     store.rename(&tmp, &join(staging, &name))?;

@@ -8,8 +8,7 @@
 //! job runs when it is submitted and its result waits in a queue, which makes the inline mode
 //! the synchronous trainer exactly.
 //!
-//! The communication thread owns the rank's communicators for the micro-step and hands them
-//! back when it ends. It stops at the first failed job (the rank's compute side returns that
+//! The communication thread borrows the rank's communicators for the micro-step. It stops at the first failed job (the rank's compute side returns that
 //! error when it reaches it); a panic in a communicator is re-raised on the rank's thread.
 
 use std::collections::VecDeque;
@@ -288,16 +287,19 @@ fn mixed() -> Error {
 }
 
 /// Runs a micro-step's collectives (see the module docs), each submitted with a ticket of the
-/// caller's that says what to do with its result: the executor owns what is in flight.
-pub(crate) struct Exec<C: Communicator, T> {
-    mode: Mode<C>,
+/// caller's that says what to do with its result: the executor owns what is in flight, and
+/// borrows the rank's communicators for as long as it lives.
+pub(crate) struct Exec<'a, C: Communicator, T> {
+    mode: Mode<'a, C>,
+    /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
+    device_quant: bool,
     /// The tickets of the collectives submitted and not yet returned, oldest first.
     tickets: VecDeque<T>,
 }
 
-enum Mode<C: Communicator> {
+enum Mode<'a, C: Communicator> {
     Inline {
-        comms: Box<Comms<C>>,
+        comms: &'a mut Comms<C>,
         done: VecDeque<Result<Out<C>>>,
     },
     Thread {
@@ -307,12 +309,19 @@ enum Mode<C: Communicator> {
     },
 }
 
-impl<C: Communicator, T> Exec<C, T> {
-    fn new(mode: Mode<C>) -> Self {
+impl<'a, C: Communicator, T> Exec<'a, C, T> {
+    fn new(mode: Mode<'a, C>, device_quant: bool) -> Self {
         Exec {
             mode,
+            device_quant,
             tickets: VecDeque::new(),
         }
+    }
+
+    /// Whether the communicators have [`DeviceQuant`] codecs, so qwZ and qgZ can run on
+    /// tensors kept in the communicator's memory.
+    pub(crate) fn device_quant(&self) -> bool {
+        self.device_quant
     }
 
     /// Submits a collective with its ticket; both come back from [`Self::next`] after those
@@ -357,38 +366,26 @@ fn stopped(rank: usize) -> Error {
 }
 
 /// Runs `f` with an executor over `comms`: inline, or (`overlap`) on a communication thread for
-/// the duration of `f`. Returns the communicators with `f`'s result.
+/// the duration of `f`.
 pub(crate) fn with_exec<C: Communicator, T, R>(
-    comms: Comms<C>,
+    comms: &mut Comms<C>,
     overlap: bool,
     rank: usize,
-    f: impl FnOnce(&mut Exec<C, T>) -> R,
-) -> (Comms<C>, R) {
-    let inline = |comms: Comms<C>, f: &mut dyn FnMut(&mut Exec<C, T>) -> R| {
-        let mut exec = Exec::new(Mode::Inline {
-            comms: Box::new(comms),
-            done: VecDeque::new(),
-        });
-        let r = f(&mut exec);
-        let Mode::Inline { comms, .. } = exec.mode else {
-            unreachable!("the inline executor stays inline")
-        };
-        (*comms, r)
-    };
-    let mut f = Some(f);
-    let mut call = move |e: &mut Exec<C, T>| (f.take().expect("called once"))(e);
+    f: impl FnOnce(&mut Exec<'_, C, T>) -> R,
+) -> R {
     if !overlap {
-        return inline(comms, &mut call);
+        return inline(comms, f);
     }
+    let device_quant = comms.quant.is_some();
     thread::scope(|s| {
         // The communicators travel to the worker once it runs, so a failed spawn keeps them.
-        let (comms_tx, comms_rx) = channel::<Comms<C>>();
+        let (comms_tx, comms_rx) = channel::<&mut Comms<C>>();
         let (job_tx, job_rx) = channel::<Job<C>>();
         let (res_tx, res_rx) = channel::<Result<Out<C>>>();
         let worker = thread::Builder::new()
             .name(format!("zero-comm-rank{rank}"))
             .spawn_scoped(s, move || {
-                let mut comms = comms_rx.recv().ok()?;
+                let Ok(comms) = comms_rx.recv() else { return };
                 for job in job_rx {
                     let r = comms.run(job);
                     let failed = r.is_err();
@@ -398,31 +395,42 @@ pub(crate) fn with_exec<C: Communicator, T, R>(
                         break;
                     }
                 }
-                Some(comms)
             });
         let Ok(worker) = worker else {
             // No thread to overlap on: the same collectives, inline.
-            return inline(comms, &mut call);
+            return inline(comms, f);
         };
         if let Err(back) = comms_tx.send(comms) {
             // The worker is gone before its first job (it cannot be, short of a panic in the
             // channel): the same collectives, inline.
-            return inline(back.0, &mut call);
+            return inline(back.0, f);
         }
-        let mut exec = Exec::new(Mode::Thread {
-            rank,
-            jobs: job_tx,
-            results: res_rx,
-        });
-        let r = call(&mut exec);
+        let mut exec = Exec::new(
+            Mode::Thread {
+                rank,
+                jobs: job_tx,
+                results: res_rx,
+            },
+            device_quant,
+        );
+        let r = f(&mut exec);
         // Closing the job channel ends the worker once it has finished what it holds.
         drop(exec);
-        match worker.join() {
-            Ok(Some(comms)) => (comms, r),
-            Ok(None) => unreachable!("the worker received its communicators"),
-            Err(panic) => std::panic::resume_unwind(panic),
+        if let Err(panic) = worker.join() {
+            std::panic::resume_unwind(panic);
         }
+        r
     })
+}
+
+/// Runs `f` with an executor that runs each collective on the rank's thread when submitted.
+fn inline<C: Communicator, T, R>(
+    comms: &mut Comms<C>,
+    f: impl FnOnce(&mut Exec<'_, C, T>) -> R,
+) -> R {
+    let device_quant = comms.quant.is_some();
+    let done = VecDeque::new();
+    f(&mut Exec::new(Mode::Inline { comms, done }, device_quant))
 }
 
 #[cfg(test)]

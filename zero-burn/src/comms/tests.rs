@@ -19,7 +19,7 @@ fn rank1_waits_for_rank0s_submit(overlap: bool, timeout: Duration) -> Vec<Result
     world
         .launch(|comm| {
             let rank = comm.rank();
-            let comms = Comms {
+            let mut comms = Comms {
                 world: comm,
                 hpz: None,
                 qgroups: None,
@@ -30,7 +30,7 @@ fn rank1_waits_for_rank0s_submit(overlap: bool, timeout: Duration) -> Vec<Result
                 qwz_scratch: QuantScratch::new(),
                 qgz_scratch: QuantScratch::new(),
             };
-            let (_, r) = with_exec(comms, overlap, rank, |exec| {
+            with_exec(&mut comms, overlap, rank, |exec| {
                 if rank == 1 {
                     let guard = Instant::now() + Duration::from_secs(60);
                     while !submitted.load(Ordering::SeqCst) {
@@ -52,8 +52,7 @@ fn rank1_waits_for_rank0s_submit(overlap: bool, timeout: Duration) -> Vec<Result
                     Some(("the all-reduce", Elems::F32(v))) => Ok(v),
                     _ => Err(mixed()),
                 }
-            });
-            r
+            })
         })
         .into_iter()
         .map(|r| r.expect("no rank panics"))

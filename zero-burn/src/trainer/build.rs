@@ -15,7 +15,7 @@ use super::layout::RankLayout;
 use super::opt_state::OptState;
 use super::sharded::Stage3Weights;
 use super::slab;
-use super::{Clock, EngineOptions, Meter, UnitStatus, ZeroEngine};
+use super::{Clock, Core, EngineOptions, Meter, UnitStatus, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
 use crate::params;
@@ -144,22 +144,21 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             })
             .collect();
         let draws = crate::rng::Draws::new(model.num_segments());
-        let mut t = ZeroEngine {
+        let comms = Comms {
+            world,
+            hpz,
+            qgroups,
+            qwz,
+            qgz,
+            half,
+            quant: None,
+            qwz_scratch: QuantScratch::new(),
+            qgz_scratch: QuantScratch::new(),
+        };
+        let mut t = Core {
             plan: plan.clone(),
             rank,
             device_tensors: None,
-            device_quant: false,
-            comms: Some(Comms {
-                world,
-                hpz,
-                qgroups,
-                qwz,
-                qgz,
-                half,
-                quant: None,
-                qwz_scratch: QuantScratch::new(),
-                qgz_scratch: QuantScratch::new(),
-            }),
             model,
             device: device.clone(),
             options,
@@ -248,10 +247,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             })
             .collect();
         t.set_params(fresh);
-        t.meter.traffic_base = t.traffic();
-        Ok(t)
+        let mut e = ZeroEngine { comms, core: t };
+        e.core.meter.traffic_base = e.traffic();
+        Ok(e)
     }
+}
 
+impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Whether parameter `i` lives in a stage-3 gather unit (released between uses).
     pub(super) fn is_gathered_param(&self, i: usize) -> bool {
         self.plan

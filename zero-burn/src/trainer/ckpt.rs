@@ -6,7 +6,7 @@ use std::ops::Range;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
-use super::{Part, ZeroEngine};
+use super::{Core, Part, ZeroEngine};
 use crate::error::Result;
 use crate::optim::Optimizer;
 use crate::params;
@@ -24,9 +24,16 @@ pub(crate) struct Scalars {
     pub(crate) scaler: Option<(f64, u32, i64, i64)>,
 }
 
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+    /// The world communicator, for the checkpoint's own collectives.
+    pub(crate) fn ckpt_world(&mut self) -> &mut C {
+        &mut self.comms.world
+    }
+}
+
 /// Checkpoint access (see [`crate::checkpoint`]): what a rank saves, what it needs back, and the
 /// restore. Kept in one block so the checkpoint code needs nothing else of the engine's internals.
-impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Micro-steps run since the last optimizer step (0 at a step boundary).
     pub(crate) fn ckpt_micro(&self) -> u32 {
         self.clock.micro
@@ -61,11 +68,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 cause: cause.clone(),
             }),
         }
-    }
-
-    /// The world communicator (at a step boundary the communicators are home).
-    pub(crate) fn ckpt_world(&mut self) -> &mut C {
-        &mut self.comms().world
     }
 
     /// The lengths of what [`Self::ckpt_unit_state`] returns for unit `u`, without copying it.

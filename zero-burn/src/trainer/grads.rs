@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 use zero_comm::Communicator;
 
 use super::micro::Stash;
-use super::{Pending, ZeroEngine, check_lr};
+use super::{Core, Pending, ZeroEngine, check_lr};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
 use crate::precision::StepInfo;
@@ -31,17 +31,18 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// non-finite gradient on this rank is [`Error::Diverged`] (on gradients packed on a device
     /// only the clipping norm, when clipping is on, sees it).
     pub fn step_grads(&mut self, lr: f32, grads: &GradientsParams) -> Result<StepInfo> {
-        self.check_external_grads()?;
-        self.check_restored()?;
+        self.core.check_external_grads()?;
+        self.core.check_restored()?;
         check_lr(lr)?;
-        let overlap = self.plan.config().overlap_comm;
+        let overlap = self.core.plan.config().overlap_comm;
         let max_reduces = usize::from(overlap);
-        let segments = self.model.num_segments();
+        let segments = self.core.model.num_segments();
         self.with_exec(overlap, |t, exec| {
             let mut pending: Vec<Option<Pending<C::Buffer<f32>>>> =
                 (0..t.plan.units().len()).map(|_| None).collect();
             for i in (0..segments).rev() {
-                t.collect_grads(i, GradSource::Read(grads), &mut pending, None)?;
+                let dq = exec.device_quant();
+                t.collect_grads(i, GradSource::Read(grads), &mut pending, None, dq)?;
             }
             // The loss is the caller's, so this rank's gradients stand in for `step`'s check of
             // it (the other ranks learn of it from this rank's dropped communicator).
@@ -63,13 +64,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         })?;
         // The caller's forward updated the buffers (a clone of the engine's model shares them).
         self.sync_buffers()?;
-        self.clock.micro += 1;
-        self.sample_memory();
-        self.clock.micro_losses.clear();
-        self.optimizer_step(lr)?;
-        Ok(self.opt.last)
+        let core = &mut self.core;
+        core.clock.micro += 1;
+        core.sample_memory();
+        core.clock.micro_losses.clear();
+        core.optimizer_step(&mut self.comms, lr)?;
+        Ok(core.opt.last)
     }
+}
 
+impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Why [`ZeroEngine::step_grads`] cannot serve this engine, if it cannot.
     pub(crate) fn check_external_grads(&self) -> Result<()> {
         let cfg = self.plan.config();
@@ -121,6 +125,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         gp: GradSource<'_>,
         pending: &mut [Option<Pending<C::Buffer<f32>>>],
         mut stash: Option<&mut Stash>,
+        device_quant: bool,
     ) -> Result<()> {
         let plan = self.plan.clone();
         let mut want = HashMap::new();
@@ -136,7 +141,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
         }
         let device: Vec<bool> = (0..plan.units().len())
-            .map(|u| self.packs_grads_on_device(u))
+            .map(|u| self.packs_grads_on_device(u, device_quant))
             .collect();
         let words: Vec<bool> = (0..plan.units().len())
             .map(|u| self.packs_words_on_device(u))

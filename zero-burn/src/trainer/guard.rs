@@ -25,12 +25,12 @@ use burn::optim::GradientsParams;
 use zero_comm::Communicator;
 use zero_core::UnitKind;
 
-use super::{UnitStatus, ZeroEngine};
+use super::{Core, UnitStatus};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
 use crate::segmented::{Activation, SegmentOut, Segmented};
 
-impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Whether recomputes are compared with their forwards: when the check is on
     /// ([`crate::EngineBuilder::recompute_check`]), but not with qwZ and hpZ at stage 3.
     pub(super) fn recompute_guarded(&self) -> bool {

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use zero_comm::Communicator;
 use zero_core::{MemoryModel, TrafficTable};
 
-use super::ZeroEngine;
+use super::{Core, ZeroEngine};
 use crate::params;
 use crate::segmented::Segmented;
 
@@ -110,9 +110,9 @@ impl Meter {
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Peak measured memory so far.
     pub fn measured_memory(&self) -> MeasuredMemory {
-        let mut m = self.meter.peak;
+        let mut m = self.core.meter.peak;
         // The codecs' wire buffers keep their capacity: they coexist with the reduction buffers.
-        let c = self.comms_ref();
+        let c = &self.comms;
         m.communication_buffers +=
             (c.qwz_scratch.peak_wire_bytes() + c.qgz_scratch.peak_wire_bytes()) as u64;
         m.model_states_bytes = m.parameters + m.gradients + m.optimizer_states + m.master_weights;
@@ -126,18 +126,20 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// burn's pools do not manage (a communicator's own buffers) is not in it. `None` on flex,
     /// whose memory is the process's.
     pub fn device_memory_peak(&self) -> Option<u64> {
-        self.meter.device_peak
+        self.core.meter.device_peak
     }
 
     /// With NVMe placement, what the NVMe stores (the optimizer's, the parameters') moved
     /// together (in [`Self::report`]).
     pub(crate) fn nvme_io(&self) -> Option<crate::IoReport> {
-        match (self.opt.io(), self.sharded.io_report()) {
+        match (self.core.opt.io(), self.core.sharded.io_report()) {
             (Some(a), Some(b)) => Some(a.plus(b)),
             (a, b) => a.or(b),
         }
     }
+}
 
+impl<C: Communicator, M: Segmented> Core<C, M> {
     pub(super) fn track_comm_buffer(&mut self, bytes: u64) {
         self.meter.peak.communication_buffers = self.meter.peak.communication_buffers.max(bytes);
     }

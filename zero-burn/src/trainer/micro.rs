@@ -7,7 +7,7 @@ use zero_core::{GroupKind, UnitKind};
 
 use super::layout::ReduceBy;
 use super::sharded::Source;
-use super::{Pending, Ticket, UnitStatus, ZeroEngine, words};
+use super::{Core, Pending, Ticket, UnitStatus, ZeroEngine, words};
 use crate::comms::{Elems, Exec, Job};
 use crate::error::{Error, Result};
 use crate::params::GradSource;
@@ -16,18 +16,20 @@ use crate::segmented::{Activation, SegmentOut, Segmented};
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     pub(super) fn micro_step(&mut self, batch: &M::Batch) -> Result<f32> {
-        let overlap = self.plan.config().overlap_comm;
-        let r = self.with_exec(overlap, |t, exec| t.micro_step_with(exec, batch));
+        let overlap = self.core.plan.config().overlap_comm;
+        let r = self.with_exec(overlap, |core, exec| core.micro_step_with(exec, batch));
         let loss = r?;
         self.sync_buffers()?;
-        self.clock.micro += 1;
-        self.sample_memory();
+        self.core.clock.micro += 1;
+        self.core.sample_memory();
         Ok(loss)
     }
+}
 
+impl<C: Communicator, M: Segmented> Core<C, M> {
     pub(super) fn micro_step_with(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         batch: &M::Batch,
     ) -> Result<f32> {
         let plan = self.plan.clone();
@@ -84,7 +86,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 return Err(Error::NoInputGradient { segment: i });
             }
             let mut gp = GradientsParams::from_grads(grads, &self.model);
-            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending, Some(&mut stash))?;
+            self.collect_grads(
+                i,
+                GradSource::Take(&mut gp),
+                &mut pending,
+                Some(&mut stash),
+                exec.device_quant(),
+            )?;
             self.check_no_stray_grads(i, &gp)?;
             drop(gp);
             if stage3 {
@@ -102,7 +110,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// `max_reduces` in flight.
     pub(super) fn reduce_completed(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         i: usize,
         pending: &mut [Option<Pending<C::Buffer<f32>>>],
         max_reduces: usize,
@@ -125,7 +133,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// issues them (last segment first).
     pub(super) fn micro_step_one_graph(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         batch: &M::Batch,
         scale: f32,
         max_reduces: usize,
@@ -157,7 +165,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // One graph: burn summed the gradients of a shared parameter over its readers; its owner
         // collects them.
         for i in (0..segments).rev() {
-            self.collect_grads(i, GradSource::Take(&mut gp), &mut pending, None)?;
+            self.collect_grads(
+                i,
+                GradSource::Take(&mut gp),
+                &mut pending,
+                None,
+                exec.device_quant(),
+            )?;
         }
         drop(gp);
         for i in (0..segments).rev() {
@@ -180,7 +194,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// evaluation: the model made `valid()` (inference mode, no autodiff).
     pub(super) fn forward(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         batch: &M::Batch,
         train: bool,
     ) -> Result<Forward<M>> {
@@ -236,7 +250,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// applied to the accumulator by [`Self::complete_one`].
     pub(super) fn submit_reduce(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         u: usize,
         g: Pending<C::Buffer<f32>>,
     ) -> Result<()> {
@@ -348,7 +362,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// Waits for the oldest collective in flight and applies its result: a gathered unit is
     /// installed in the model, a reduced gradient goes into the accumulator.
-    pub(super) fn complete_one(&mut self, exec: &mut Exec<C, Ticket>) -> Result<()> {
+    pub(super) fn complete_one(&mut self, exec: &mut Exec<'_, C, Ticket>) -> Result<()> {
         let Some((ticket, words)) = exec.next()? else {
             return Ok(());
         };
@@ -362,7 +376,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// Applies everything in flight.
-    pub(super) fn settle_all(&mut self, exec: &mut Exec<C, Ticket>) -> Result<()> {
+    pub(super) fn settle_all(&mut self, exec: &mut Exec<'_, C, Ticket>) -> Result<()> {
         while exec.in_flight().next().is_some() {
             self.complete_one(exec)?;
         }
@@ -374,7 +388,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// within the hpZ group. Its elements count as gathered from here on.
     pub(super) fn submit_gather(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         u: usize,
         backward: bool,
     ) -> Result<()> {
@@ -387,7 +401,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
         // from there.
         let device = self.device_tensors.is_some()
-            && (self.device_quant || !plan.config().quantized_weights);
+            && (exec.device_quant() || !plan.config().quantized_weights);
         if !hpz {
             // On NVMe: the shard paged in, the next gather unit in this direction read ahead.
             let units = plan.units();
@@ -450,7 +464,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// [`zero_core::GatherOrder::prefetch`]).
     pub(super) fn gather_segment(
         &mut self,
-        exec: &mut Exec<C, Ticket>,
+        exec: &mut Exec<'_, C, Ticket>,
         seg: usize,
         backward: bool,
     ) -> Result<()> {
@@ -472,7 +486,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 }
 
 /// The reductions in flight: how many, and the bytes of their gradient buffers.
-fn reductions_in_flight<C: Communicator>(exec: &Exec<C, Ticket>) -> (usize, u64) {
+fn reductions_in_flight<C: Communicator>(exec: &Exec<'_, C, Ticket>) -> (usize, u64) {
     exec.in_flight()
         .filter_map(|t| match t {
             Ticket::Reduce { bytes, .. } => Some(*bytes),

@@ -34,8 +34,9 @@
 //!
 //! # Files
 //!
-//! - `mod.rs`: the `ZeroEngine` state, its accessors, `step`, `eval`; `Clock` (steps,
-//!   micro-steps, the last step's losses, a failed load).
+//! - `mod.rs`: `ZeroEngine` (the rank's communicators beside its `Core`, everything else), its
+//!   accessors, `step`, `eval`; `Clock` (steps, micro-steps, the last step's losses, a failed
+//!   load).
 //! - `build.rs`: every check, once; the cross-rank agreement; the initial shards and master.
 //! - `layout.rs`: `RankLayout`: each parameter's segment, each segment's units, the accumulator
 //!   and optimizer offsets, each unit's reduction (all-reduce, reduce-scatter or qgZ) and
@@ -164,25 +165,26 @@ enum Ticket {
     },
 }
 
-/// The communicators are away only inside `ZeroEngine::with_exec` (a micro-step, `eval_output`,
-/// `step_grads`), which always takes them back, so every other method finds them home.
-const HOME: &str = "the communicators are home between micro-steps";
-
 /// One rank's engine: executes a [`Plan`] for a [`Segmented`] burn model over one communicator.
 /// Built by [`crate::EngineBuilder`]; the caller owns the loop and the data and calls
 /// [`ZeroEngine::step`] once per optimizer step.
 #[derive(Debug)]
 pub struct ZeroEngine<C: Communicator, M: Segmented> {
+    /// The rank's communicators: borrowed by the executor during a micro-step (by the
+    /// communication thread when overlapped), by the optimizer step for its collectives.
+    comms: Comms<C>,
+    /// Everything else: what a micro-step works on while the executor holds the communicators.
+    pub(crate) core: Core<C, M>,
+}
+
+/// A rank's engine less its communicators: the model and every part of its sharded state.
+#[derive(Debug)]
+pub(crate) struct Core<C: Communicator, M: Segmented> {
     plan: Arc<Plan>,
     rank: usize,
     /// Packs gradients in, and installs gathered weights from, the communicator's memory (the
     /// wgpu path's zero-copy bridge, or burn-cuda's `cuda::CudaTensors`).
     device_tensors: Option<Box<dyn DeviceTensors<C>>>,
-    /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
-    device_quant: bool,
-    /// The rank's communicators: lent to the executor inside `with_exec` (to the communication
-    /// thread when overlapped), home otherwise (see [`crate::comms`]).
-    comms: Option<Comms<C>>,
     model: M,
     /// The model's device: the one whose generator the segments' forwards seed.
     device: burn::tensor::Device,
@@ -216,94 +218,58 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// between burn and the communicator's memory through `hook` (see [`DeviceTensors`]) instead
     /// of through host memory. The arithmetic is the same, so are the bits.
     pub fn with_device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
-        self.device_tensors = Some(hook);
+        self.core.device_tensors = Some(hook);
         self
     }
 
     /// Runs qwZ and qgZ on the communicator's memory through `quant` (see [`DeviceQuant`]) where
     /// a [`DeviceTensors`] hook keeps the tensors there. The same bits as the host codecs.
     pub fn with_device_quant(mut self, quant: Arc<dyn DeviceQuant<C>>) -> Self {
-        self.comms().quant = Some(quant);
-        self.device_quant = true;
+        self.comms.quant = Some(quant);
         self
     }
 
     /// Gradient bytes packed in the communicator's memory by the [`DeviceTensors`] hook so far
     /// (bytes that never passed through host memory).
     pub fn device_grad_bytes(&self) -> u64 {
-        self.meter.device_grad_bytes
+        self.core.meter.device_grad_bytes
     }
 
     /// Weight bytes the [`DeviceTensors`] hook installed in the model straight from the
     /// communicator's memory so far.
     pub fn device_weight_bytes(&self) -> u64 {
-        self.meter.device_weight_bytes
-    }
-
-    /// Whether unit `u`'s bf16/fp16 gradients are rounded and reduced on the device: with a
-    /// [`DeviceTensors`] hook that moves 16-bit words, on a device with the type, reduced every
-    /// micro-step, not through qgZ (which quantizes them widened in host memory).
-    fn packs_words_on_device(&self, u: usize) -> bool {
-        let plan = &self.plan;
-        let c = plan.config();
-        self.half
-            .is_some_and(|h| words::words_device(h, Some(self.device.clone().inner())).is_some())
-            && self
-                .device_tensors
-                .as_ref()
-                .is_some_and(|d| d.moves_words())
-            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
-            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
-    }
-
-    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
-    fn packs_grads_on_device(&self, u: usize) -> bool {
-        let plan = &self.plan;
-        let c = plan.config();
-        self.device_tensors.is_some()
-            && self.half.is_none()
-            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
-            && (self.device_quant
-                || !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather))
-    }
-
-    fn comms(&mut self) -> &mut Comms<C> {
-        self.comms.as_mut().expect(HOME)
-    }
-
-    fn comms_ref(&self) -> &Comms<C> {
-        self.comms.as_ref().expect(HOME)
+        self.core.meter.device_weight_bytes
     }
 
     /// This rank's index.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.core.rank
     }
 
     /// The model (stage 3: gather units are released between steps; see
     /// [`Self::consolidated_model`] for the full one).
     pub fn model(&self) -> &M {
-        &self.model
+        &self.core.model
     }
 
     /// The plan this engine executes.
     pub fn plan(&self) -> &Arc<Plan> {
-        &self.plan
+        &self.core.plan
     }
 
     /// Steps skipped because fp16 gradients overflowed.
     pub fn skipped_steps(&self) -> u64 {
-        self.meter.skipped
+        self.core.meter.skipped
     }
 
     /// Traffic of collectives outside the plan's schedule: [`Self::eval`], consolidation,
     /// checkpoints and the buffer sync.
     pub fn other_traffic(&self) -> &TrafficTable {
-        &self.meter.other_traffic
+        &self.core.meter.other_traffic
     }
 
     pub(crate) fn has_device_tensors(&self) -> bool {
-        self.device_tensors.is_some()
+        self.core.device_tensors.is_some()
     }
 
     /// Runs `f` and books its traffic as [`Self::other_traffic`] rather than training traffic.
@@ -311,14 +277,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let before = self.traffic();
         let r = f(self);
         let delta = self.traffic().since(&before);
-        self.meter.other_traffic.merge(&delta);
-        self.meter.traffic_base.merge(&delta);
+        self.core.meter.other_traffic.merge(&delta);
+        self.core.meter.traffic_base.merge(&delta);
         r
     }
 
     /// New values for every parameter, indexed like the plan's model.
     pub(crate) fn params_with(&self, values: Vec<Vec<f32>>) -> params::NewValues {
-        self.params
+        self.core
+            .params
             .iter()
             .zip(values)
             .map(|(p, v)| (p.id, (v, p.shape.clone(), p.trainable)))
@@ -337,11 +304,11 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// loss), computed without autodiff: logits for an accuracy, predictions for a metric.
     pub fn eval_output(&mut self, batch: &M::Batch) -> Result<(f32, Option<M::Output>)> {
         self.untracked(|e| {
-            let r = e.with_exec(false, |e, exec| {
-                e.forward(exec, batch, false).map(|f| (f.loss, f.output))
+            let r = e.with_exec(false, |core, exec| {
+                core.forward(exec, batch, false).map(|f| (f.loss, f.output))
             });
             // Nothing of an eval's gathers outlives it: no hpZ secondary (kept for a backward).
-            e.sharded.clear_secondaries();
+            e.core.sharded.clear_secondaries();
             r
         })
     }
@@ -350,7 +317,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// engine was built, less the build's own collectives and [`Self::other_traffic`] (eval,
     /// consolidation, checkpoints, buffer sync).
     pub fn traffic(&self) -> TrafficTable {
-        let c = self.comms_ref();
+        let c = &self.comms;
         let mut t = c.world.traffic().clone();
         if let Some(h) = &c.hpz {
             t.merge(h.traffic());
@@ -358,23 +325,23 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         if let Some(q) = &c.qgroups {
             t.merge(&q.traffic());
         }
-        t.since(&self.meter.traffic_base)
+        t.since(&self.core.meter.traffic_base)
     }
 
     /// Steps taken (skipped fp16 steps included).
     pub fn steps(&self) -> u64 {
-        self.clock.step
+        self.core.clock.step
     }
 
     /// What happened at the last optimizer step: skipped (fp16 overflow) or not, and the loss
     /// scale its backward used.
     pub fn last_step(&self) -> StepInfo {
-        self.opt.last
+        self.core.opt.last
     }
 
     /// fp16: the loss scale the next step will use.
     pub fn loss_scale(&self) -> Option<f64> {
-        self.opt.scaler.as_ref().map(LossScaler::scale)
+        self.core.opt.scaler.as_ref().map(LossScaler::scale)
     }
 
     /// Testing aid (hidden from the docs): bf16/fp16: a host copy of this rank's fp32 master
@@ -382,8 +349,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// fp32.
     #[doc(hidden)]
     pub fn master_weights(&self) -> Result<Vec<f32>> {
-        let l = &self.layout;
-        self.opt.flat(Part::Master, &l.opt_offset, l.opt_len)
+        let l = &self.core.layout;
+        self.core.opt.flat(Part::Master, &l.opt_offset, l.opt_len)
     }
 
     /// Testing aid (fp16): makes the first element of this rank's reduced gradient shard inf at
@@ -391,31 +358,31 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// skip that step together. Hidden from the docs.
     #[doc(hidden)]
     pub fn inject_overflow_next_step(&mut self) {
-        self.opt.inject_overflow = true;
+        self.core.opt.inject_overflow = true;
     }
 
     /// Where this rank's optimizer state (moments, bf16/fp16 master weights) lives: the model's
     /// device, or `None` for host memory (a model on a CPU backend, or
     /// `optimizer_placement = host`).
     pub fn optimizer_device(&self) -> Option<&burn::tensor::Device> {
-        self.opt.device()
+        self.core.opt.device()
     }
 
     /// Testing aid (hidden from the docs): a host copy of this rank's optimizer state: first and
     /// second moment (empty when the optimizer has none), laid out like the master weights.
     #[doc(hidden)]
     pub fn optimizer_state(&self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let l = &self.layout;
+        let l = &self.core.layout;
         Ok((
-            self.opt.flat(Part::M, &l.opt_offset, l.opt_len)?,
-            self.opt.flat(Part::V, &l.opt_offset, l.opt_len)?,
+            self.core.opt.flat(Part::M, &l.opt_offset, l.opt_len)?,
+            self.core.opt.flat(Part::V, &l.opt_offset, l.opt_len)?,
         ))
     }
 
     /// One optimizer step at learning rate `lr` over this rank's `gradient_accumulation_steps`
     /// micro-batches, in order. Every rank must call it with the same number of batches.
     pub fn step(&mut self, lr: f32, batches: &[M::Batch]) -> Result<StepOutput> {
-        let a = self.plan.config().gradient_accumulation_steps as usize;
+        let a = self.core.plan.config().gradient_accumulation_steps as usize;
         if batches.len() != a {
             return Err(Error::Invalid {
                 field: "batches",
@@ -423,53 +390,81 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 expected: format!("{a}, the plan's gradient_accumulation_steps"),
             });
         }
-        self.check_restored()?;
+        self.core.check_restored()?;
         check_lr(lr)?;
         let mut loss = 0.0f64;
-        self.clock.micro_losses.clear();
+        self.core.clock.micro_losses.clear();
         for batch in batches {
             let l = self.micro_step(batch)?;
             if !l.is_finite() {
                 // The other ranks learn of it from this rank's dropped communicator (PeerFailed).
                 return Err(Error::Diverged {
-                    step: self.clock.step + 1,
-                    rank: self.rank,
+                    step: self.core.clock.step + 1,
+                    rank: self.core.rank,
                     what: format!("the loss is not finite ({l})"),
                 });
             }
             loss += f64::from(l);
-            self.clock.micro_losses.push(l);
+            self.core.clock.micro_losses.push(l);
         }
-        self.optimizer_step(lr)?;
+        self.core.optimizer_step(&mut self.comms, lr)?;
         Ok(StepOutput {
             loss: (loss / a as f64) as f32,
-            micro_losses: self.clock.micro_losses.clone(),
-            info: self.opt.last,
+            micro_losses: self.core.clock.micro_losses.clone(),
+            info: self.core.opt.last,
         })
     }
 
     /// Runs `f` with the communicators lent to an executor (inline, or on the communication
     /// thread with `overlap`), then applies what is still in flight, or after a failure drops
-    /// it with the executor; the communicators are home again afterwards.
+    /// it with the executor.
     fn with_exec<T>(
         &mut self,
         overlap: bool,
-        f: impl FnOnce(&mut Self, &mut Exec<C, Ticket>) -> Result<T>,
+        f: impl FnOnce(&mut Core<C, M>, &mut Exec<'_, C, Ticket>) -> Result<T>,
     ) -> Result<T> {
-        let comms = self.comms.take().expect(HOME);
-        let (comms, r) = comms::with_exec(comms, overlap, self.rank, |exec| {
-            let v = f(self, exec)?;
-            self.settle_all(exec).map(|()| v)
+        let Self { comms, core } = self;
+        let r = comms::with_exec(comms, overlap, core.rank, |exec| {
+            let v = f(core, exec)?;
+            core.settle_all(exec).map(|()| v)
         });
-        self.comms = Some(comms);
         if r.is_err() {
-            for s in &mut self.status {
+            for s in &mut core.status {
                 if *s == UnitStatus::Fetching {
                     *s = UnitStatus::Released;
                 }
             }
         }
         r
+    }
+}
+
+impl<C: Communicator, M: Segmented> Core<C, M> {
+    /// Whether unit `u`'s bf16/fp16 gradients are rounded and reduced on the device: with a
+    /// [`DeviceTensors`] hook that moves 16-bit words, on a device with the type, reduced every
+    /// micro-step, not through qgZ (which quantizes them widened in host memory).
+    pub(super) fn packs_words_on_device(&self, u: usize) -> bool {
+        let plan = &self.plan;
+        let c = plan.config();
+        self.half
+            .is_some_and(|h| words::words_device(h, Some(self.device.clone().inner())).is_some())
+            && self
+                .device_tensors
+                .as_ref()
+                .is_some_and(|d| d.moves_words())
+            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
+            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
+    }
+
+    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
+    pub(super) fn packs_grads_on_device(&self, u: usize, device_quant: bool) -> bool {
+        let plan = &self.plan;
+        let c = plan.config();
+        self.device_tensors.is_some()
+            && self.half.is_none()
+            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
+            && (device_quant
+                || !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather))
     }
 }
 

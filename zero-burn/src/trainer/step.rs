@@ -21,12 +21,12 @@ use burn::tensor::Tensor;
 use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
+use super::Core;
 use super::sharded::Source;
 use super::slab::Slab;
 use super::weights::{cut_range, fill_parts};
 use super::words::{Words, words_device};
-use super::{HOME, ZeroEngine};
-use crate::comms::{Elems, Out};
+use crate::comms::{Comms, Elems, Out};
 use crate::error::{Error, Result};
 use crate::params;
 use crate::precision::{Half, LossScaler, StepInfo};
@@ -51,8 +51,8 @@ enum Publish<O> {
     InPlace,
 }
 
-impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
-    pub(super) fn optimizer_step(&mut self, lr: f32) -> Result<()> {
+impl<C: Communicator, M: Segmented> Core<C, M> {
+    pub(super) fn optimizer_step(&mut self, comms: &mut Comms<C>, lr: f32) -> Result<()> {
         let plan = self.plan.clone();
         let c = plan.config();
         let stage = plan.stage();
@@ -81,7 +81,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             // A non-finite element makes its rank's partial, and so every rank's total,
             // non-finite: every rank sums the same partials in the same order and decides alike.
             let total = global_sum_sq(
-                &mut self.comms.as_mut().expect(HOME).world,
+                &mut comms.world,
                 &plan,
                 &self.layout.acc_offset,
                 self.rank,
@@ -187,7 +187,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                         Some(mut w) => {
                             let stepped = self.opt.step_host_part(u, lr, 0, &g.host(), &mut w);
                             stepped.and_then(|()| {
-                                let world = &mut self.comms.as_mut().expect(HOME).world;
+                                let world = &mut comms.world;
                                 world.all_gather_vec(w).map_err(Error::from)
                             })
                         }
@@ -289,9 +289,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let mut tensors = params::NewTensors::new();
         for (u, publish) in updates {
             let publish = match publish {
-                Publish::Gather(piece) => Publish::Gathered(self.post_step_gather(piece)?),
+                Publish::Gather(piece) => Publish::Gathered(self.post_step_gather(comms, piece)?),
                 Publish::Gather16(h, piece) => {
-                    let full = h.all_gather(&mut self.comms().world, &piece)?;
+                    let full = h.all_gather(&mut comms.world, &piece)?;
                     Publish::Write(h.widen_all(&full))
                 }
                 p => p,

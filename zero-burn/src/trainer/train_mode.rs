@@ -22,7 +22,7 @@ use burn::module::ParamId;
 use serde::Serialize;
 use zero_comm::{Communicator, ReduceOp};
 
-use super::ZeroEngine;
+use super::{Core, ZeroEngine};
 use crate::error::Result;
 use crate::params;
 use crate::segmented::{SegmentOut, Segmented};
@@ -39,7 +39,7 @@ pub enum BufferSync {
     Average,
 }
 
-impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
+impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Runs segment `i` of `model` with the device's generator seeded for this step, micro-step,
     /// segment and rank (see [`crate::rng`]): the first forward, the recompute and the forward
     /// without checkpointing draw the same numbers. `graph`: whether the forward records a graph
@@ -97,24 +97,26 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let model = self.model.clone();
         self.model = params::write_tensors(model, snapshot);
     }
+}
 
+impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Makes the buffers equal across ranks by the engine's [`BufferSync`] (collective; every rank
     /// calls it after each micro-step). Booked as other traffic.
     pub(super) fn sync_buffers(&mut self) -> Result<()> {
-        if !self.has_buffers() {
+        if !self.core.has_buffers() {
             return Ok(());
         }
-        params::settle_buffers(&self.model);
-        if self.plan.world_size() == 1 {
+        params::settle_buffers(&self.core.model);
+        if self.core.plan.world_size() == 1 {
             return Ok(());
         }
-        let slots = self.buffer_slots();
-        let values = params::read_values(&self.model, &slots)?;
+        let slots = self.core.buffer_slots();
+        let values = params::read_values(&self.core.model, &slots)?;
         let lens: Vec<usize> = values.iter().map(Vec::len).collect();
         let mut flat: Vec<f32> = values.into_iter().flatten().collect();
-        let sync = self.options.buffers;
+        let sync = self.core.options.buffers;
         self.untracked(|e| {
-            let world = &mut e.comms().world;
+            let world = &mut e.comms.world;
             match sync {
                 BufferSync::Broadcast => world.broadcast_host(&mut flat, 0)?,
                 BufferSync::Average => world.all_reduce_host(&mut flat, ReduceOp::Mean)?,
@@ -123,13 +125,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         })?;
         let mut rest = flat.as_slice();
         let mut values = params::NewValues::with_capacity(slots.len());
-        let buffers = self.params.iter().filter(|p| p.buffer);
+        let buffers = self.core.params.iter().filter(|p| p.buffer);
         for (p, len) in buffers.zip(lens) {
             let (mine, tail) = rest.split_at(len);
             rest = tail;
             values.insert(p.id, (mine.to_vec(), p.shape.clone(), false));
         }
-        self.set_params(values);
+        self.core.set_params(values);
         Ok(())
     }
 }

@@ -11,8 +11,8 @@ use zero_core::GatherOrder;
 use super::sharded::Source;
 use super::slab::Slab;
 use super::words::Words;
-use super::{HOME, UnitStatus, ZeroEngine};
-use crate::comms::{Elems, Job, Out};
+use super::{Core, UnitStatus, ZeroEngine};
+use crate::comms::{Comms, Elems, Job, Out};
 use crate::device::{DeviceTensors, WordBuffer};
 use crate::error::{Error, Result};
 use crate::params;
@@ -22,14 +22,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Every parameter's current values, indexed like the plan's model (stage 3 gathers each unit
     /// with one all-gather; call it after reading [`Self::traffic`]).
     pub fn gather_all_params(&mut self) -> Result<Vec<Vec<f32>>> {
-        let plan = self.plan.clone();
-        let mut out = vec![Vec::new(); self.params.len()];
+        let plan = self.core.plan.clone();
+        let mut out = vec![Vec::new(); self.core.params.len()];
         if plan.stage() == 3 {
             for u in 0..plan.units().len() {
-                self.sharded
+                self.core
+                    .sharded
                     .page(u, (u + 1 < plan.units().len()).then_some(u + 1), false)?;
-                let world = &mut self.comms.as_mut().expect(HOME).world;
-                let full = match self.sharded.source(u, false)? {
+                let world = &mut self.comms.world;
+                let full = match self.core.sharded.source(u, false)? {
                     Source::F32(slab) => world.all_gather_host(&slab.read(0..slab.len()))?,
                     Source::Half(h, piece) => h.widen_all(&h.all_gather(world, &piece.bits(h))?),
                 };
@@ -38,29 +39,35 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
                 }
             }
             // The buffers are in no unit: every rank holds them (equal across ranks).
-            let loose: Vec<usize> = (0..self.params.len())
+            let loose: Vec<usize> = (0..self.core.params.len())
                 .filter(|&i| plan.locate(i).is_none())
                 .collect();
             let want: HashMap<ParamId, usize> = loose
                 .iter()
                 .enumerate()
-                .map(|(k, &i)| (self.params[i].id, k))
+                .map(|(k, &i)| (self.core.params[i].id, k))
                 .collect();
-            for (&i, v) in loose.iter().zip(params::read_values(&self.model, &want)?) {
+            for (&i, v) in loose
+                .iter()
+                .zip(params::read_values(&self.core.model, &want)?)
+            {
                 out[i] = v;
             }
         } else {
             let want: HashMap<ParamId, usize> = self
+                .core
                 .params
                 .iter()
                 .enumerate()
                 .map(|(i, p)| (p.id, i))
                 .collect();
-            out = params::read_values(&self.model, &want)?;
+            out = params::read_values(&self.core.model, &want)?;
         }
         Ok(out)
     }
+}
 
+impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Unit `u`'s parameters: id → their slot in the unit's entries.
     fn unit_ids(&self, u: usize) -> HashMap<ParamId, usize> {
         self.plan
@@ -362,9 +369,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// persistent units), from host values or a [`device_piece`](Self::device_piece): into the
     /// communicator's memory when a [`DeviceTensors`] hook installs weights from there, else into
     /// host memory.
-    pub(super) fn post_step_gather(&mut self, piece: Out<C>) -> Result<Out<C>> {
+    pub(super) fn post_step_gather(&self, comms: &mut Comms<C>, piece: Out<C>) -> Result<Out<C>> {
         let device = self.device_tensors.is_some();
-        let comms = self.comms();
         match piece {
             piece if device => comms.run(Job::GatherDevice {
                 piece,
