@@ -463,7 +463,7 @@ fn names(code: &str, path: &str) -> bool {
 }
 
 /// Every module folder under `src`, `src` itself (the crate's top-level modules) included: its
-/// module path (`demo::`, `trainer::`, empty for the root) and its children's imports of each
+/// module path (`demo::`, `engine::`, empty for the root) and its children's imports of each
 /// other: a child imports a sibling when its code names `super::sibling` (a file directly in
 /// the folder) or `crate::<folder path>sibling` (any file under it). A child folder counts as
 /// one child with all its files.
@@ -593,10 +593,10 @@ fn the_folder_circle_finder_finds_a_circle() {
     );
     assert!(names("use super::report::x;", "super::report"));
     assert!(!names("use super::reports::x;", "super::report"));
-    // zero-burn's top level is not trivially empty: the engine imports the trainer.
+    // zero-burn's top level is not trivially empty: the checkpoint imports the engine.
     let burn = folder_graphs(&root().join("zero-burn/src"));
     let top = &burn.iter().find(|(m, _)| m.is_empty()).unwrap().1;
-    assert!(top["engine"].contains("trainer"), "{top:?}");
+    assert!(top["checkpoint"].contains("engine"), "{top:?}");
     assert!(names("use crate::x::Y;", "crate::x"));
     assert!(!code_of("// crate::z\n#[cfg(test)]\nuse crate::t;").contains("crate::"));
 }

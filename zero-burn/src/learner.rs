@@ -52,10 +52,10 @@ use burn::tensor::Device;
 use burn_train::{InferenceStep, Learner, LearnerModel, TrainOutput, TrainStep};
 use zero_comm::Communicator;
 
+use crate::engine::ZeroEngine;
 use crate::error::Result;
 use crate::precision::StepInfo;
 use crate::segmented::Whole;
-use crate::trainer::ZeroEngine;
 
 /// The one learning rate of `lr` for every trainable parameter of `model`: its base rate, or
 /// [`Error::Invalid`](crate::Error::Invalid) naming the first parameter a group gives another

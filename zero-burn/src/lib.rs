@@ -70,14 +70,14 @@
 //!
 //! # Modules
 //!
-//! `demo` sits on top; `engine`, `checkpoint` and `learner` build on `trainer`, which builds on
-//! the rest; `error` is at the bottom. They import each other one way, with no circle
+//! `demo` sits on top; `checkpoint` and `learner` build on `engine`, which builds on the rest;
+//! `error` is at the bottom. They import each other one way, with no circle
 //! (`module_folders_import_one_way` in `xtask/tests/tidy.rs`).
 //!
 //! - `segmented`: the model contract (`Segmented`, `Whole`, `Activation`, `SegmentOut`).
-//! - `engine.rs`: `EngineBuilder` (every check, once, in `build`), `RankReport`, `report()` and
-//!   `consolidated_model()`.
-//! - `trainer`: `ZeroEngine` and its parts; its module docs list its files.
+//! - `model`: a model as the planner sees it (`parameters`, `describe_model`, `plan_for`).
+//! - `engine`: `ZeroEngine` and its parts, `EngineBuilder` (every check, once, in `build`) and
+//!   `RankReport`; its module docs list its files.
 //! - `comms`: the executor (`Comms`, `Job`, `Exec`): a micro-step's collectives, inline or on a
 //!   communication thread of the rank's own (`overlap_comm`).
 //! - `device`: the `DeviceTensors` and `DeviceQuant` hooks, which keep burn tensors and ZeRO++'s
@@ -109,27 +109,28 @@ mod comms;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod demo;
-pub mod device;
+mod device;
 mod engine;
-pub mod error;
+mod error;
 mod launch;
 #[cfg(feature = "burn-train")]
 pub mod learner;
+mod model;
 mod offload;
 pub mod optim;
 pub mod params;
 pub mod precision;
 pub mod reduction;
 pub mod rng;
-pub mod segmented;
-pub mod trainer;
+mod segmented;
 
 pub use device::{DeviceQuant, DeviceTensors, WordBuffer};
-pub use engine::{EngineBuilder, RankReport};
+pub use engine::{BufferSync, EngineBuilder, MeasuredMemory, RankReport, StepOutput, ZeroEngine};
 pub use error::{Error, Result};
 #[cfg(feature = "wgpu")]
 pub use launch::WgpuShared;
 pub use launch::{LOCAL_RANK_VARS, Launch, deep_copy, local_rank};
+pub use model::{describe_model, parameters, plan_for};
 pub use offload::IoReport;
 #[doc(hidden)]
 pub use offload::{StoreTimes, time_store};
@@ -137,7 +138,6 @@ pub use optim::Optimizer;
 pub use precision::StepInfo;
 pub use reduction::Reduction;
 pub use segmented::{Activation, SegmentOut, Segmented, Whole};
-pub use trainer::{BufferSync, MeasuredMemory, StepOutput, ZeroEngine};
 pub use zero_comm::Communicator;
 pub use zero_core::{Placement, Plan, Precision, Topology, ZeroConfig};
 
@@ -148,36 +148,4 @@ pub mod prelude {
         Plan, Precision, Reduction, SegmentOut, Segmented, Topology, Whole, ZeroConfig, ZeroEngine,
         parameters, plan_for,
     };
-}
-
-/// Every parameter and buffer of `model`, in visit order: its path (`blocks.0.attn.query.weight`,
-/// the name the plan, its report and errors use), shape, and whether it is trainable or a buffer.
-pub fn parameters<M: burn::module::Module>(model: &M) -> Vec<params::ParamInfo> {
-    params::describe(model)
-}
-
-use zero_core::ModelDesc;
-
-/// The zero-core description of a segmented model: parameters in visit order, grouped for stage-3
-/// gathers by segment (`segment.K`, the first segment that visits the parameter), with the other
-/// segments that read it (tied weights) as its readers, and the segments in order as the modules.
-pub fn describe_model<M: Segmented>(model: &M) -> Result<ModelDesc> {
-    let params = params::describe(model);
-    let readers = segmented::param_readers(model, &params)?;
-    let name = |s: usize| format!("segment.{s}");
-    let mut desc = params::model_desc(&params, |i| name(readers[i][0]))?;
-    for (d, r) in desc.params.iter_mut().zip(&readers) {
-        // A buffer is in no unit: every rank holds it whole, whoever reads it.
-        if !d.buffer {
-            d.readers = r[1..].iter().map(|&s| name(s)).collect();
-        }
-    }
-    desc.modules = (0..model.num_segments()).map(name).collect();
-    desc.validate()?;
-    Ok(desc)
-}
-
-/// A checked plan for `model`.
-pub fn plan_for<M: Segmented>(model: &M, topology: Topology, config: &ZeroConfig) -> Result<Plan> {
-    Ok(Plan::new(&describe_model(model)?, topology, config)?)
 }

@@ -278,7 +278,7 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
             assert!(engine.report().traffic_matches_plan(), "{what}: traffic");
             let params = engine.gather_all_params().expect("the parameters");
             let bits: Vec<u32> = params.iter().flatten().map(|v| v.to_bits()).collect();
-            (losses, bits, engine.device_weight_bytes())
+            (losses, bits, engine.report().device_weight_bytes)
         };
         let (bridged, staged) = (train(true), train(false));
         assert_eq!(bridged.0, staged.0, "{what}: losses");

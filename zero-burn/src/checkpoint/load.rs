@@ -16,9 +16,9 @@ use super::resolve::{in_manifest, open_file, resolve};
 use super::shard::{self, ShardFile};
 use super::storage::Storage;
 use super::{LoadOptions, Loaded, Scalars, agree, engine_scalars};
+use crate::engine::ZeroEngine;
 use crate::error::Result;
 use crate::segmented::Segmented;
-use crate::trainer::ZeroEngine;
 
 /// A saved rank file as the load reads it: on the same plan the rank's own file whole (it needs
 /// all of it, its shard); any other file, and every file on a reshard, by the checksum blocks

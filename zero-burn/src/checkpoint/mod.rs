@@ -74,9 +74,9 @@ pub use zero_core::checkpoint::ClientState;
 use zero_comm::Communicator;
 use zero_core::checkpoint::{EngineScalars, LossScalerState};
 
+use crate::engine::{Scalars, ZeroEngine};
 use crate::error::Result;
 use crate::segmented::Segmented;
-use crate::trainer::{Scalars, ZeroEngine};
 
 /// What a save did on this rank.
 #[derive(Clone, Debug, PartialEq)]
@@ -104,7 +104,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Saves a checkpoint of this rank's shard into `store` and, on rank 0, commits it; every
     /// rank must call it at the same step. `client_state` (data position, epoch, ...) comes back
     /// from [`Self::load`]. An error on any rank fails the save on every rank and leaves the
-    /// previous `LATEST` in place. Its collectives are booked as [`Self::other_traffic`].
+    /// previous `LATEST` in place. Its collectives are booked as [`RankReport::other_traffic`](crate::RankReport::other_traffic).
     pub fn save(&mut self, store: &dyn Storage, client_state: ClientState) -> Result<SaveReport> {
         self.core.check_restored()?;
         self.untracked(|e| save::save(e, store, client_state))

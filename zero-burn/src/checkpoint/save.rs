@@ -13,9 +13,9 @@ use super::storage::{Storage, join, put};
 use super::{
     COMMIT, SaveReport, all_gather_bytes, engine_scalars, failed, shard, status_bytes, statuses,
 };
+use crate::engine::ZeroEngine;
 use crate::error::{Error, Result};
 use crate::segmented::Segmented;
-use crate::trainer::ZeroEngine;
 
 /// A save id unique enough to tell two saves apart (time, process, a counter).
 fn nonce() -> u64 {

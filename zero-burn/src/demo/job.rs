@@ -170,7 +170,7 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
         model =
             crate::checkpoint::init_from_safetensors(model, &bytes, &path.display().to_string())?;
     }
-    let plan: Arc<Plan> = Arc::new(crate::plan_for(&model, topo, &zero)?);
+    let plan: Arc<Plan> = Arc::new(crate::model::plan_for(&model, topo, &zero)?);
     let options = TrainOptions {
         lr: job.lr,
         optimizer,

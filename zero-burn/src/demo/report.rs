@@ -8,8 +8,8 @@ use crate::demo::config::JobConfig;
 use crate::demo::data::Corpus;
 use crate::demo::gpt::GptConfig;
 use crate::demo::run::{RankSummary, SaveRecord};
+use crate::engine::MeasuredMemory;
 use crate::error::{Error, Result};
-use crate::trainer::MeasuredMemory;
 
 /// Measured next to planned.
 #[derive(Clone, Debug, Serialize)]

@@ -14,12 +14,12 @@ use zero_core::{Plan, TrafficTable};
 use crate::checkpoint::{LoadOptions, Storage};
 use crate::demo::data::{Corpus, TokenBatch};
 use crate::engine::EngineBuilder;
+use crate::engine::{MeasuredMemory, ZeroEngine};
 use crate::error::Result;
 use crate::launch::{Clones, Launch};
 use crate::optim::Optimizer;
 use crate::reduction::{Reduction, canonical_sum};
 use crate::segmented::Segmented;
-use crate::trainer::{MeasuredMemory, ZeroEngine};
 
 /// What rank 0 reports after each step, for a progress bar.
 #[derive(Clone, Copy, Debug, PartialEq)]

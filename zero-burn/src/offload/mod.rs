@@ -9,7 +9,7 @@
 //!   last one written on IO threads while a unit is stepped, and no more units' state than the
 //!   ring's buffers is ever in host memory.
 //!
-//! The optimizer's state ([`crate::trainer`]'s `opt_state`) and the parameter shard (its
+//! The optimizer's state ([`crate::engine`]'s `opt_state`) and the parameter shard (its
 //! `sharded` and `shard_disk`) page units in and out through it.
 //! Checkpoints read and write the state through the same calls, so their format does not depend
 //! on the placement, and a checkpoint moves between placements. IO is direct (`O_DIRECT`) where

@@ -387,7 +387,7 @@ mod wgpu {
             })
             .unwrap();
         drop(model);
-        let measured = engines.iter().map(|e| e.measured_memory()).collect();
+        let measured = engines.iter().map(|e| e.report().memory).collect();
         (in_use().saturating_sub(before), measured, plan)
     }
 

@@ -19,8 +19,10 @@ use crate::params;
 use crate::segmented::Segmented;
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
-    /// Every parameter's current values, indexed like the plan's model (stage 3 gathers each unit
-    /// with one all-gather; call it after reading [`Self::traffic`]).
+    /// Testing aid (hidden from the docs; [`Self::consolidated_model`] is the public way):
+    /// every parameter's current values, indexed like the plan's model (stage 3 gathers each
+    /// unit with one all-gather; call it after reading [`Self::traffic`]).
+    #[doc(hidden)]
     pub fn gather_all_params(&mut self) -> Result<Vec<Vec<f32>>> {
         let plan = self.core.plan.clone();
         let mut out = vec![Vec::new(); self.core.params.len()];

@@ -102,7 +102,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             })?;
         let params = params::describe(&model);
         let readers = crate::segmented::param_readers(&model, &params)?;
-        check_plan_describes(&plan, &crate::describe_model(&model)?)?;
+        check_plan_describes(&plan, &crate::model::describe_model(&model)?)?;
         let layout = RankLayout::new(&plan, model.num_segments(), readers)?;
         // Every local check is done: now every rank must agree before anything moves.
         check_ranks_agree(&mut world, &plan, &options, &model)?;

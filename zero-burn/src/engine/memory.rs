@@ -84,7 +84,7 @@ pub(crate) struct Meter {
     /// Stage 3: per unit, the bytes of the buffer it was installed from (0 when released).
     pub(super) unit_gathered_bytes: Vec<u64>,
     /// The peak bytes in use that the model's device's memory pools counted at the samples
-    /// (`None` on flex; see [`ZeroEngine::device_memory_peak`]).
+    /// (`None` on flex; see [`RankReport::device_peak_bytes`](super::RankReport::device_peak_bytes)).
     pub(super) device_peak: Option<u64>,
 }
 
@@ -109,7 +109,7 @@ impl Meter {
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Peak measured memory so far.
-    pub fn measured_memory(&self) -> MeasuredMemory {
+    pub(crate) fn measured_memory(&self) -> MeasuredMemory {
         let mut m = self.core.meter.peak;
         // The codecs' wire buffers keep their capacity: they coexist with the reduction buffers.
         let c = &self.comms;
@@ -119,13 +119,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         m
     }
 
-    /// The peak bytes in use on the model's device, counted by the device's own memory pools
-    /// (burn's `Device::memory_pool_usage`, CubeCL's statistics) where the engine samples its
-    /// memory: after every micro-step and optimizer step. For the whole device: ranks that share
-    /// it (in-process ranks on one GPU or wgpu adapter) each see their sum, and memory that
-    /// burn's pools do not manage (a communicator's own buffers) is not in it. `None` on flex,
-    /// whose memory is the process's.
-    pub fn device_memory_peak(&self) -> Option<u64> {
+    /// The peak bytes in use on the model's device ([`RankReport::device_peak_bytes`](super::RankReport::device_peak_bytes)).
+    pub(crate) fn device_memory_peak(&self) -> Option<u64> {
         self.core.meter.device_peak
     }
 

@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use zero_comm::Communicator;
+use zero_core::UnitKind;
 
 use super::micro::Stash;
-use super::{Core, Pending, ZeroEngine, check_lr};
+use super::{Core, Pending, ZeroEngine, check_lr, words};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
 use crate::precision::StepInfo;
@@ -74,6 +75,33 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 }
 
 impl<C: Communicator, M: Segmented> Core<C, M> {
+    /// Whether unit `u`'s bf16/fp16 gradients are rounded and reduced on the device: with a
+    /// [`DeviceTensors`] hook that moves 16-bit words, on a device with the type, reduced every
+    /// micro-step, not through qgZ (which quantizes them widened in host memory).
+    pub(super) fn packs_words_on_device(&self, u: usize) -> bool {
+        let plan = &self.plan;
+        let c = plan.config();
+        self.half
+            .is_some_and(|h| words::words_device(h, Some(self.device.clone().inner())).is_some())
+            && self
+                .device_tensors
+                .as_ref()
+                .is_some_and(|d| d.moves_words())
+            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
+            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
+    }
+
+    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
+    pub(super) fn packs_grads_on_device(&self, u: usize, device_quant: bool) -> bool {
+        let plan = &self.plan;
+        let c = plan.config();
+        self.device_tensors.is_some()
+            && self.half.is_none()
+            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
+            && (device_quant
+                || !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather))
+    }
+
     /// Why [`ZeroEngine::step_grads`] cannot serve this engine, if it cannot.
     pub(crate) fn check_external_grads(&self) -> Result<()> {
         let cfg = self.plan.config();

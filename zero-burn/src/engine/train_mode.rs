@@ -12,7 +12,7 @@
 //!   0's values (DDP's default, `broadcast_buffers=True`), or the mean over ranks. Every forward
 //!   therefore starts from the same buffers on every rank, and checkpoints,
 //!   `consolidated_model()`, `eval` and exports see one consistent set. The collective is booked
-//!   as other traffic ([`ZeroEngine::other_traffic`]): it is not in the plan's step traffic.
+//!   as other traffic ([`RankReport::other_traffic`](super::RankReport::other_traffic)): it is not in the plan's step traffic.
 //!   Batch statistics computed across ranks (SyncBatchNorm) are not offered yet: each rank
 //!   normalises with its own micro-batch's statistics, as DDP does without SyncBatchNorm.
 

@@ -1,4 +1,4 @@
-//! The per-rank trainer: executes a [`Plan`] with one communicator per rank.
+//! The engine: one rank's [`ZeroEngine`] executes a [`Plan`] over one communicator.
 //!
 //! With activation checkpointing (`ZeroConfig::checkpoint_activations`, by default on at stage 3
 //! only) one micro-step runs the model segment by segment (see [`crate::segmented`]):
@@ -37,15 +37,19 @@
 //! - `mod.rs`: `ZeroEngine` (the rank's communicators beside its `Core`, everything else), its
 //!   accessors, `step`, `eval`; `Clock` (steps, micro-steps, the last step's losses, a failed
 //!   load).
+//! - `builder.rs`: `EngineBuilder`, the public way to build an engine.
+//! - `report.rs`: `RankReport` (measured and booked against the plan), `consolidated_model`.
 //! - `build.rs`: every check, once; the cross-rank agreement; the initial shards and master.
 //! - `layout.rs`: `RankLayout`: each parameter's segment, each segment's units, the accumulator
 //!   and optimizer offsets, each unit's reduction (all-reduce, reduce-scatter or qgZ) and
 //!   backward gather group, read from `Plan::schedule()`. Pure and immutable once built.
-//! - `micro.rs`: the micro-step driver (forward, backward, gathers and prefetch, reductions),
-//!   the only code that talks to the executor.
+//! - `micro.rs`: the micro-step driver (forward and backward over the segments).
+//! - `submit.rs`: what the micro-step submits to the executor (reductions, gathers and prefetch)
+//!   and the results applied; with `micro.rs`, the only code that talks to the executor.
 //! - `step.rs`: one optimizer step for fp32, bf16 and fp16: finish the gradients, the global
 //!   norm, the update of each unit's fp32 master wherever it lives, publish.
-//! - `grads.rs`: a segment's gradients into the units' buffers (shared ones summed), `step_grads`.
+//! - `grads.rs`: a segment's gradients into the units' buffers (shared ones summed), on the
+//!   device where a unit's are packed there; `step_grads`.
 //! - `guard.rs`: the recompute guard and the read guard around the user's forwards.
 //! - `grad_acc.rs`: `GradAcc`, the one owner of the reduced gradients (a variant per precision
 //!   and reduction), and `GradView`, what the optimizer step reads of it.
@@ -64,7 +68,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use zero_comm::Communicator;
-use zero_core::{Plan, TrafficTable, UnitKind};
+use zero_core::{Plan, TrafficTable};
 
 use crate::comms::{self, Comms, Exec};
 use crate::device::{DeviceQuant, DeviceTensors};
@@ -80,6 +84,7 @@ use opt_state::{OptState, Part};
 use sharded::Stage3Weights;
 
 mod build;
+mod builder;
 mod ckpt;
 mod grad_acc;
 mod grads;
@@ -89,21 +94,25 @@ mod memory;
 mod micro;
 mod opt_state;
 mod opt_unit;
+mod report;
 mod shard_disk;
 mod sharded;
 mod slab;
 mod step;
+mod submit;
 mod train_mode;
 mod weights;
 mod words;
 
+pub use builder::EngineBuilder;
 pub(crate) use ckpt::Scalars;
 pub use memory::MeasuredMemory;
 use memory::Meter;
+pub use report::RankReport;
 pub use train_mode::BufferSync;
 
 /// The engine's options that are not part of the ZeRO plan (set through
-/// [`crate::EngineBuilder`]).
+/// [`EngineBuilder`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct EngineOptions {
     /// Optimizer.
@@ -166,7 +175,7 @@ enum Ticket {
 }
 
 /// One rank's engine: executes a [`Plan`] for a [`Segmented`] burn model over one communicator.
-/// Built by [`crate::EngineBuilder`]; the caller owns the loop and the data and calls
+/// Built by [`EngineBuilder`]; the caller owns the loop and the data and calls
 /// [`ZeroEngine::step`] once per optimizer step.
 #[derive(Debug)]
 pub struct ZeroEngine<C: Communicator, M: Segmented> {
@@ -217,27 +226,27 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Moves gradients and gathered weights (fp32, and 16-bit words where the hook moves them)
     /// between burn and the communicator's memory through `hook` (see [`DeviceTensors`]) instead
     /// of through host memory. The arithmetic is the same, so are the bits.
-    pub fn with_device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
+    pub(crate) fn with_device_tensors(mut self, hook: Box<dyn DeviceTensors<C>>) -> Self {
         self.core.device_tensors = Some(hook);
         self
     }
 
     /// Runs qwZ and qgZ on the communicator's memory through `quant` (see [`DeviceQuant`]) where
     /// a [`DeviceTensors`] hook keeps the tensors there. The same bits as the host codecs.
-    pub fn with_device_quant(mut self, quant: Arc<dyn DeviceQuant<C>>) -> Self {
+    pub(crate) fn with_device_quant(mut self, quant: Arc<dyn DeviceQuant<C>>) -> Self {
         self.comms.quant = Some(quant);
         self
     }
 
     /// Gradient bytes packed in the communicator's memory by the [`DeviceTensors`] hook so far
     /// (bytes that never passed through host memory).
-    pub fn device_grad_bytes(&self) -> u64 {
+    pub(crate) fn device_grad_bytes(&self) -> u64 {
         self.core.meter.device_grad_bytes
     }
 
     /// Weight bytes the [`DeviceTensors`] hook installed in the model straight from the
     /// communicator's memory so far.
-    pub fn device_weight_bytes(&self) -> u64 {
+    pub(crate) fn device_weight_bytes(&self) -> u64 {
         self.core.meter.device_weight_bytes
     }
 
@@ -257,14 +266,16 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         &self.core.plan
     }
 
-    /// Steps skipped because fp16 gradients overflowed.
+    /// Testing aid (hidden from the docs): steps skipped because fp16 gradients overflowed, since
+    /// the first step (restored by a load); [`RankReport`] counts those since the build.
+    #[doc(hidden)]
     pub fn skipped_steps(&self) -> u64 {
         self.core.meter.skipped
     }
 
     /// Traffic of collectives outside the plan's schedule: [`Self::eval`], consolidation,
     /// checkpoints and the buffer sync.
-    pub fn other_traffic(&self) -> &TrafficTable {
+    pub(crate) fn other_traffic(&self) -> &TrafficTable {
         &self.core.meter.other_traffic
     }
 
@@ -272,7 +283,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.core.device_tensors.is_some()
     }
 
-    /// Runs `f` and books its traffic as [`Self::other_traffic`] rather than training traffic.
+    /// Runs `f` and books its traffic as [`RankReport::other_traffic`] rather than training traffic.
     pub(crate) fn untracked<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         let before = self.traffic();
         let r = f(self);
@@ -294,7 +305,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 
     /// The mean loss of `batch` with the current weights: a forward pass only, no gradients and
     /// no optimizer state touched (stage 3 gathers each segment's units and releases them). Its
-    /// traffic is booked as [`Self::other_traffic`]. Collective at stage 3: every rank must call it.
+    /// traffic is booked as [`RankReport::other_traffic`]. Collective at stage 3: every rank must call it.
     pub fn eval(&mut self, batch: &M::Batch) -> Result<f32> {
         self.eval_output(batch).map(|(loss, _)| loss)
     }
@@ -314,7 +325,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     }
 
     /// Training traffic measured on every communicator of this rank: what moved since the
-    /// engine was built, less the build's own collectives and [`Self::other_traffic`] (eval,
+    /// engine was built, less the build's own collectives and [`RankReport::other_traffic`] (eval,
     /// consolidation, checkpoints, buffer sync).
     pub fn traffic(&self) -> TrafficTable {
         let c = &self.comms;
@@ -364,7 +375,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
     /// Where this rank's optimizer state (moments, bf16/fp16 master weights) lives: the model's
     /// device, or `None` for host memory (a model on a CPU backend, or
     /// `optimizer_placement = host`).
-    pub fn optimizer_device(&self) -> Option<&burn::tensor::Device> {
+    pub(crate) fn optimizer_device(&self) -> Option<&burn::tensor::Device> {
         self.core.opt.device()
     }
 
@@ -436,35 +447,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
         }
         r
-    }
-}
-
-impl<C: Communicator, M: Segmented> Core<C, M> {
-    /// Whether unit `u`'s bf16/fp16 gradients are rounded and reduced on the device: with a
-    /// [`DeviceTensors`] hook that moves 16-bit words, on a device with the type, reduced every
-    /// micro-step, not through qgZ (which quantizes them widened in host memory).
-    pub(super) fn packs_words_on_device(&self, u: usize) -> bool {
-        let plan = &self.plan;
-        let c = plan.config();
-        self.half
-            .is_some_and(|h| words::words_device(h, Some(self.device.clone().inner())).is_some())
-            && self
-                .device_tensors
-                .as_ref()
-                .is_some_and(|d| d.moves_words())
-            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
-            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
-    }
-
-    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
-    pub(super) fn packs_grads_on_device(&self, u: usize, device_quant: bool) -> bool {
-        let plan = &self.plan;
-        let c = plan.config();
-        self.device_tensors.is_some()
-            && self.half.is_none()
-            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
-            && (device_quant
-                || !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather))
     }
 }
 
