@@ -22,6 +22,7 @@ use zero_comm::quantized::{
     qwz_all_gather_device,
 };
 use zero_comm::{Communicator, Element, ReduceOp};
+use zero_core::Plan;
 use zero_quant::{Int4Block, Int8Block};
 
 use crate::device::{DeviceQuant, WordBuffer};
@@ -49,6 +50,47 @@ pub(crate) struct Comms<C: Communicator> {
     pub(crate) qwz_scratch: QuantScratch,
     /// qgZ's wire buffers and accumulators (apart from qwZ's, as the plan counts them).
     pub(crate) qgz_scratch: QuantScratch,
+}
+
+impl<C: Communicator> Comms<C> {
+    /// The communicators and codecs `plan` asks of rank `world.rank()`: the hpZ group, qgZ's
+    /// groups (collectives: every rank builds its own at the same point), the ZeRO++ codecs.
+    pub(crate) fn new(mut world: C, plan: &Plan) -> Result<Self> {
+        let c = plan.config();
+        let rank = world.rank();
+        let hpz = if c.hpz() {
+            let h = c.hpz_partition_size;
+            Some(world.split(rank / h, rank)?)
+        } else {
+            None
+        };
+        let qgroups = if c.quantized_gradients {
+            Some(QuantGroups::new(&mut world)?)
+        } else {
+            None
+        };
+        let qwz = if c.quantized_weights {
+            Some(Int8Block::new(c.qwz_block_size)?)
+        } else {
+            None
+        };
+        let qgz = if c.quantized_gradients {
+            Some(Int4Block::new(c.qgz_block_size)?)
+        } else {
+            None
+        };
+        Ok(Comms {
+            world,
+            hpz,
+            qgroups,
+            qwz,
+            qgz,
+            half: Half::of(c.precision),
+            quant: None,
+            qwz_scratch: QuantScratch::new(),
+            qgz_scratch: QuantScratch::new(),
+        })
+    }
 }
 
 /// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns), in host memory; or in the

@@ -6,9 +6,7 @@ use std::sync::Arc;
 
 use burn::module::ParamId;
 use zero_comm::Communicator;
-use zero_comm::quantized::{QuantGroups, QuantScratch};
 use zero_core::{Placement, Plan, UnitKind};
-use zero_quant::{Int4Block, Int8Block};
 
 use super::grad_acc::GradAcc;
 use super::layout::RankLayout;
@@ -109,27 +107,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let units = plan.units();
         let stage = plan.stage();
         let acc_len = layout.acc_len;
-        let hpz = if plan.config().hpz() {
-            let h = plan.config().hpz_partition_size;
-            Some(world.split(rank / h, rank)?)
-        } else {
-            None
-        };
-        let qgroups = if plan.config().quantized_gradients {
-            Some(QuantGroups::new(&mut world)?)
-        } else {
-            None
-        };
-        let qwz = if plan.config().quantized_weights {
-            Some(Int8Block::new(plan.config().qwz_block_size)?)
-        } else {
-            None
-        };
-        let qgz = if plan.config().quantized_gradients {
-            Some(Int4Block::new(plan.config().qgz_block_size)?)
-        } else {
-            None
-        };
         // The optimizer's slot of each trainable unit: the whole unit at stage 0, else the
         // rank's chunk.
         let slot_lens: Vec<Option<usize>> = (0..units.len())
@@ -144,17 +121,7 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             })
             .collect();
         let draws = crate::rng::Draws::new(model.num_segments());
-        let comms = Comms {
-            world,
-            hpz,
-            qgroups,
-            qwz,
-            qgz,
-            half,
-            quant: None,
-            qwz_scratch: QuantScratch::new(),
-            qgz_scratch: QuantScratch::new(),
-        };
+        let comms = Comms::new(world, &plan)?;
         let mut t = Core {
             plan: plan.clone(),
             rank,
@@ -173,62 +140,96 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             clock: Clock::default(),
             draws,
         };
+        t.init_master()?;
+        t.init_shards()?;
+        t.init_working_weights()?;
+        let mut e = ZeroEngine { comms, core: t };
+        e.core.meter.traffic_base = e.traffic();
+        Ok(e)
+    }
+}
+
+impl<C: Communicator, M: Segmented> Core<C, M> {
+    /// bf16/fp16: the fp32 master of this rank's part of every trainable unit, from the initial
+    /// values.
+    fn init_master(&mut self) -> Result<()> {
+        let plan = self.plan.clone();
+        let (units, stage, rank) = (plan.units(), plan.stage(), self.rank);
+        let half = self.half;
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial
             // values (stage 0: whole units; otherwise the rank's chunk).
             for u in 0..units.len() {
-                if t.layout.opt_offset[u].is_none() {
+                if self.layout.opt_offset[u].is_none() {
                     continue;
                 }
-                let full = t.read_unit(u)?;
+                let full = self.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
                 let mine = if stage == 0 {
                     &full[..]
                 } else {
                     &full[rank * c..(rank + 1) * c]
                 };
-                t.opt.set_master(u, mine)?;
+                self.opt.set_master(u, mine)?;
             }
         }
+        Ok(())
+    }
+
+    /// Stage 3: the rank's shard of every unit, where `param_placement` puts it; the gather units
+    /// released.
+    fn init_shards(&mut self) -> Result<()> {
+        let plan = self.plan.clone();
+        let (units, stage, rank) = (plan.units(), plan.stage(), self.rank);
+        let device = self.device.clone();
         if stage == 3 {
             // The shard of every unit, from the initial full values; then release gather units.
             let mut chunks = Vec::new();
             for (u, unit) in units.iter().enumerate() {
-                let full = t.read_unit(u)?;
+                let full = self.read_unit(u)?;
                 let c = plan.chunk_len(u) as usize;
                 chunks.push(full[rank * c..(rank + 1) * c].to_vec());
                 if unit.kind == UnitKind::Gather {
-                    t.release(u);
+                    self.release(u);
                 }
             }
             // The shard lives where `param_placement` puts it, whatever the optimizer's placement
             // (the plan books it there): on NVMe, filled in host memory and moved to the store.
             let c = plan.config();
             let on = slab::state_device(c.param_placement, &device);
-            t.sharded.fill(chunks, on);
+            self.sharded.fill(chunks, on);
             if let (Placement::Nvme, Some(root)) = (c.param_placement, c.nvme_path.as_deref()) {
                 let store = (Path::new(root), rank, c.offload_buffer_count as usize);
-                t.sharded.move_to_disk(store)?;
+                self.sharded.move_to_disk(store)?;
             }
         }
+        Ok(())
+    }
+
+    /// The working weights of the parameters this rank keeps resident, as fresh autodiff leaves
+    /// (rounded to 16 bits in bf16/fp16).
+    fn init_working_weights(&mut self) -> Result<()> {
+        let plan = self.plan.clone();
+        let stage = plan.stage();
+        let half = self.half;
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
         // share their tensors (so the clones cost nothing until here, and stage 3 never holds a
         // full copy), and burn's autodiff graph must not be shared between threads: it
         // deadlocks on merge.
-        let slots: Vec<usize> = (0..t.params.len())
-            .filter(|&i| !(stage == 3 && t.is_gathered_param(i)))
+        let slots: Vec<usize> = (0..self.params.len())
+            .filter(|&i| !(stage == 3 && self.is_gathered_param(i)))
             .collect();
         let want: HashMap<ParamId, usize> = slots
             .iter()
             .enumerate()
-            .map(|(k, &i)| (t.params[i].id, k))
+            .map(|(k, &i)| (self.params[i].id, k))
             .collect();
-        let mut values = params::read_values(&t.model, &want)?;
+        let mut values = params::read_values(&self.model, &want)?;
         if let Some(h) = half {
             // The working weights: the initial values rounded to 16 bits (widened for burn).
             // Buffers keep their precision: they are not weights.
             for (v, &i) in values.iter_mut().zip(&slots) {
-                if t.params[i].buffer {
+                if self.params[i].buffer {
                     continue;
                 }
                 for x in v.iter_mut() {
@@ -241,19 +242,15 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             .zip(values)
             .map(|(&i, v)| {
                 (
-                    t.params[i].id,
-                    (v, t.params[i].shape.clone(), t.params[i].trainable),
+                    self.params[i].id,
+                    (v, self.params[i].shape.clone(), self.params[i].trainable),
                 )
             })
             .collect();
-        t.set_params(fresh);
-        let mut e = ZeroEngine { comms, core: t };
-        e.core.meter.traffic_base = e.traffic();
-        Ok(e)
+        self.set_params(fresh);
+        Ok(())
     }
-}
 
-impl<C: Communicator, M: Segmented> Core<C, M> {
     /// Whether parameter `i` lives in a stage-3 gather unit (released between uses).
     pub(super) fn is_gathered_param(&self, i: usize) -> bool {
         self.plan

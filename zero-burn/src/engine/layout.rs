@@ -51,6 +51,13 @@ pub(crate) enum ReduceBy {
 }
 
 impl RankLayout {
+    /// Unit `u`'s offset in the gradient accumulator and its reduction: both for a trainable
+    /// unit (the build checks that the schedule reduces every trainable unit and nothing else),
+    /// neither for a frozen one.
+    pub(crate) fn reduction(&self, u: usize) -> Option<(usize, ReduceBy)> {
+        self.acc_offset[u].zip(self.reduce[u])
+    }
+
     /// The layout of `plan` for a model of `segments` segments whose parameter `i` is visited
     /// by segments `param_readers[i]` (ascending). A stage-3 gather unit must lie within one
     /// segment, and the plan's modules must be the segments.

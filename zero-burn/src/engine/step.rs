@@ -5,15 +5,15 @@
 //!    all N·A micro-batches, then the one division. bf16/fp16: the 16-bit accumulator is read
 //!    widened and unscaled (fp16; the scale is a power of two, so unscaling is exact barring
 //!    subnormals).
-//! 2. **The global norm** ([`global_sum_sq`], when clipping, and always in fp16 where it is the
-//!    overflow flag): non-finite in fp16 skips the step on every rank together; non-finite
+//! 2. **The global norm** (`clip`, [`global_sum_sq`]; when clipping, and always in fp16 where it is
+//!    the overflow flag): non-finite in fp16 skips the step on every rank together; non-finite
 //!    otherwise is [`Error::Diverged`] on every rank together.
 //! 3. **The update** of this rank's part of every trainable unit: its fp32 master is the model's
 //!    weights (fp32, stages 0–2), the stage-3 shard (fp32), or the master slab (bf16/fp16, whose
 //!    rounding is the new working weights).
-//! 4. **Publish**: write the unit into the model (stage 0), all-gather the updated chunks
-//!    (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered at
-//!    their next use). With the state in host memory, stages 0–2 step the unit's parameters in
+//! 4. **Publish** (`publish`): write the unit into the model (stage 0), all-gather the updated
+//!    chunks (stages 1–2, and stage-3 persistent units), or nothing (stage-3 gather units, gathered
+//!    at their next use). With the state in host memory, stages 0–2 step the unit's parameters in
 //!    burn's own memory, taken out of the model and put back at once (stages 1–2 gather there).
 
 use burn::tensor::Tensor;
@@ -22,6 +22,7 @@ use zero_comm::Communicator;
 use zero_core::{Plan, UnitKind};
 
 use super::Core;
+use super::grad_acc::GradView;
 use super::sharded::Source;
 use super::slab::Slab;
 use super::weights::{cut_range, fill_parts};
@@ -72,45 +73,8 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         // norm and the clipped slices; otherwise the update takes its slices as they are (fp32
         // without clipping: nothing changes them).
         let grads = self.acc.view(c.gradient_clipping > 0.0 || fp16, inv);
-        let mut coef = 1.0f32;
-        let mut overflow = false;
-        let mut grad_norm = None;
-        // fp16 always checks (the plan schedules the 8-byte partial for it); otherwise only to
-        // clip.
-        if c.gradient_clipping > 0.0 || fp16 {
-            // A non-finite element makes its rank's partial, and so every rank's total,
-            // non-finite: every rank sums the same partials in the same order and decides alike.
-            let total = global_sum_sq(
-                &mut comms.world,
-                &plan,
-                &self.layout.acc_offset,
-                self.rank,
-                |mut s, at, len| {
-                    for i in at..at + len {
-                        let g = f64::from(grads.at(i));
-                        s += g * g;
-                    }
-                    s
-                },
-            )?;
-            if !total.is_finite() {
-                if !fp16 {
-                    return Err(Error::Diverged {
-                        step: self.clock.step,
-                        rank: self.rank,
-                        what: "the global gradient norm is not finite".into(),
-                    });
-                }
-                overflow = true;
-            } else if c.gradient_clipping > 0.0 {
-                let norm = total.sqrt();
-                grad_norm = Some(norm as f32);
-                let k = c.gradient_clipping / (norm + 1e-6);
-                if k < 1.0 {
-                    coef = k as f32;
-                }
-            }
-        }
+        let (coef, info) = self.clip(comms, &grads, loss_scale)?;
+        let overflow = info.skipped;
         if let Some(s) = &mut self.opt.scaler {
             s.update(overflow).map_err(|m| Error::Diverged {
                 step: self.clock.step,
@@ -121,11 +85,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                 ),
             })?;
         }
-        self.opt.last = StepInfo {
-            skipped: overflow,
-            loss_scale: loss_scale as f32,
-            grad_norm,
-        };
+        self.opt.last = info;
         if overflow {
             // Skip: master, working weights and optimizer state stay as they are.
             self.meter.skipped += 1;
@@ -135,10 +95,10 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         self.opt.steps += 1;
         let mut updates: Vec<(usize, Publish<Out<C>>)> = Vec::new();
         for (u, unit) in plan.units().iter().enumerate() {
-            if !unit.trainable {
+            // Every trainable unit has a slot in the accumulator; a frozen one none.
+            let Some(off) = self.layout.acc_offset[u] else {
                 continue;
-            }
-            let off = self.layout.acc_offset[u].expect("trainable");
+            };
             let len = if stage == 0 {
                 unit.len as usize
             } else {
@@ -264,7 +224,78 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         }
         // NVMe placement: the store holds the whole stepped state before anything else moves.
         self.opt.settle()?;
-        if stage == 3 {
+        self.publish(comms, updates)
+    }
+
+    /// Step 2: the global norm, when clipping and always in fp16 (where a non-finite norm is the
+    /// overflow flag): the clipping coefficient of the gradients, and what the step does
+    /// (skipped in fp16 on overflow; otherwise a non-finite norm is [`Error::Diverged`]).
+    fn clip(
+        &self,
+        comms: &mut Comms<C>,
+        grads: &GradView<'_>,
+        loss_scale: f64,
+    ) -> Result<(f32, StepInfo)> {
+        let plan = &self.plan;
+        let c = plan.config();
+        let fp16 = self.opt.scaler.is_some();
+        let mut coef = 1.0f32;
+        let mut overflow = false;
+        let mut grad_norm = None;
+        // fp16 always checks (the plan schedules the 8-byte partial for it); otherwise only to
+        // clip.
+        if c.gradient_clipping > 0.0 || fp16 {
+            // A non-finite element makes its rank's partial, and so every rank's total,
+            // non-finite: every rank sums the same partials in the same order and decides alike.
+            let total = global_sum_sq(
+                &mut comms.world,
+                plan,
+                &self.layout.acc_offset,
+                self.rank,
+                |mut s, at, len| {
+                    for i in at..at + len {
+                        let g = f64::from(grads.at(i));
+                        s += g * g;
+                    }
+                    s
+                },
+            )?;
+            if !total.is_finite() {
+                if !fp16 {
+                    return Err(Error::Diverged {
+                        step: self.clock.step,
+                        rank: self.rank,
+                        what: "the global gradient norm is not finite".into(),
+                    });
+                }
+                overflow = true;
+            } else if c.gradient_clipping > 0.0 {
+                let norm = total.sqrt();
+                grad_norm = Some(norm as f32);
+                let k = c.gradient_clipping / (norm + 1e-6);
+                if k < 1.0 {
+                    coef = k as f32;
+                }
+            }
+        }
+        let info = StepInfo {
+            skipped: overflow,
+            loss_scale: loss_scale as f32,
+            grad_norm,
+        };
+        Ok((coef, info))
+    }
+
+    /// Step 4: publish every updated unit: stage 3's persistent units gathered from the shard,
+    /// the all-gathers of the updated chunks, and the units written into the model in one pass;
+    /// then the step is closed.
+    fn publish(
+        &mut self,
+        comms: &mut Comms<C>,
+        mut updates: Vec<(usize, Publish<Out<C>>)>,
+    ) -> Result<()> {
+        let plan = self.plan.clone();
+        if plan.stage() == 3 {
             // Persistent units stay gathered: all-gather them after the step.
             for (u, unit) in plan.units().iter().enumerate() {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
@@ -355,12 +386,10 @@ fn global_sum_sq<C: Communicator>(
     let stage = plan.stage();
     let partial = |r: usize| -> f64 {
         let mut s = 0.0f64;
-        for (u, unit) in plan.units().iter().enumerate() {
-            if !unit.trainable {
-                continue;
-            }
+        for (u, off) in acc_offset.iter().enumerate() {
+            // Trainable units only: a frozen one has no slot.
+            let Some(off) = *off else { continue };
             let cl = plan.chunk_len(u) as usize;
-            let off = acc_offset[u].expect("trainable");
             // Where the unit's reduced chunk r lives in the accumulator.
             let at = if stage == 0 { off + r * cl } else { off };
             s = sq(s, at, cl);
@@ -372,7 +401,9 @@ fn global_sum_sq<C: Communicator>(
     }
     let all = world.all_gather_host(&partial(rank).to_le_bytes())?;
     Ok(all
-        .chunks_exact(8)
-        .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .as_chunks::<8>()
+        .0
+        .iter()
+        .map(|b| f64::from_le_bytes(*b))
         .fold(0.0, |a, b| a + b))
 }

@@ -24,10 +24,11 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         u: usize,
         g: Pending<C::Buffer<f32>>,
     ) -> Result<()> {
-        let off = self.layout.acc_offset[u].expect("only trainable units are reduced");
-        // What the plan's schedule lists for the unit (checked at build: every trainable unit
-        // has one).
-        let reduce = self.layout.reduce[u].expect("the schedule reduces every trainable unit");
+        // What the plan's schedule lists for the unit; a frozen unit has neither a slot nor a
+        // reduction, so nothing to submit.
+        let Some((off, reduce)) = self.layout.reduction(u) else {
+            return Ok(());
+        };
         let len = self.plan.units()[u].len as usize;
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
