@@ -4,13 +4,9 @@ use half::{bf16, f16};
 use zero_comm::ReduceOp;
 use zero_core::Topology;
 
+use crate::bodies::collectives::{self as shared, COUNTS, LENS, OPS};
+use crate::bodies::{host, stamp};
 use crate::common::*;
-
-/// Chunk lengths (per rank). 2049 crosses the host reduction block of 2048.
-const COUNTS: &[usize] = &[0, 1, 3, 7, 64, 2049];
-/// Buffer lengths for ops that take any length.
-const LENS: &[usize] = &[0, 1, 2, 5, 13, 100, 4099];
-const OPS: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Mean];
 
 fn for_worlds(f: impl Fn(Factory<zero_comm::host::HostComm>, Topology)) {
     for n in 1..=8 {
@@ -130,14 +126,6 @@ fn test_inputs_are_order_sensitive() {
     );
 }
 
-#[test]
-fn upload_into_rewrites_existing_buffers() {
-    for n in [1, 2, 3] {
-        let t = Topology::single_node(n).unwrap();
-        run_ranks(host_world(t), |mut c| {
-            upload_into_body::<_, f32>(&mut c);
-            upload_into_body::<_, bf16>(&mut c);
-            upload_into_body::<_, u8>(&mut c);
-        });
-    }
+stamp! { host, shared:
+    upload_into_rewrites_existing_buffers();
 }

@@ -5,14 +5,10 @@ use half::{bf16, f16};
 use zero_comm::ReduceOp;
 use zero_core::Topology;
 
+use crate::bodies::collectives::{self as shared, COUNTS, LENS, OPS};
+use crate::bodies::stamp;
 use crate::common::*;
-use crate::device::{or_skip, wgpu_world};
-
-/// Chunk lengths (per rank); odd ones misalign 16-bit and byte chunks.
-const COUNTS: &[usize] = &[0, 1, 3, 7, 64, 2049];
-/// Buffer lengths for ops that take any length.
-const LENS: &[usize] = &[0, 1, 2, 5, 13, 100, 4099];
-const OPS: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Mean];
+use crate::device::{or_skip, wgpu, wgpu_world};
 
 /// World sizes for the 16-bit types and `u8`: 1, even, odd, and a prime that makes `Mean`
 /// divide inexactly.
@@ -94,14 +90,6 @@ fn sixteen_bit_and_byte_moves() {
     });
 }
 
-#[test]
-fn upload_into_rewrites_existing_buffers() {
-    worlds([1, 2, 3], |t| {
-        run_ranks(wgpu_world(t), |mut c| {
-            upload_into_body::<_, f32>(&mut c);
-            upload_into_body::<_, bf16>(&mut c);
-            upload_into_body::<_, f16>(&mut c);
-            upload_into_body::<_, u8>(&mut c);
-        });
-    });
+stamp! { wgpu, shared:
+    upload_into_rewrites_existing_buffers();
 }

@@ -1,11 +1,13 @@
 //! The one device of this test process, and the skip rule.
 
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use zero_comm::wgpu_loopback::{WgpuComm, WgpuDevice, WgpuWorld};
 use zero_core::Topology;
 use zero_testkit::gate::Device;
 
+use crate::bodies::World;
 use crate::common::SAFE_TIMEOUT;
 
 static DEVICE: OnceLock<Result<Arc<WgpuDevice>, String>> = OnceLock::new();
@@ -47,6 +49,19 @@ pub(crate) fn or_skip() -> Option<Arc<WgpuDevice>> {
 
 /// The factory for the shared bodies: a world on the process's device.
 pub(crate) fn wgpu_world(topology: Topology) -> Vec<WgpuComm> {
+    wgpu_world_within(topology, SAFE_TIMEOUT)
+}
+
+/// A world on the process's device whose ranks wait at most `timeout`.
+fn wgpu_world_within(topology: Topology, timeout: Duration) -> Vec<WgpuComm> {
     let device = shared().expect("wgpu_world called without a device: check or_skip() first");
-    WgpuWorld::with_device(device, topology, SAFE_TIMEOUT).into_comms()
+    WgpuWorld::with_device(device, topology, timeout).into_comms()
+}
+
+/// The wgpu loopback as a backend of the stamped tests (`bodies::stamp!`): its worlds, or `None`
+/// after [`or_skip`] recorded that the calling test did not run.
+#[track_caller]
+pub(crate) fn wgpu() -> Option<World<WgpuComm>> {
+    or_skip()?;
+    Some(wgpu_world_within)
 }

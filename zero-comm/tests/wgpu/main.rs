@@ -15,6 +15,12 @@
 #[path = "../comm/common.rs"]
 mod common;
 
+// Whole tests shared with the host binary, stamped here with `device::wgpu`; the host's own
+// backend is not used here.
+#[allow(dead_code)]
+#[path = "../comm/bodies/mod.rs"]
+mod bodies;
+
 #[path = "../comm/bits.rs"]
 mod bits;
 mod collectives;
