@@ -36,7 +36,7 @@ pub enum Reduction {
     /// Unscaled gradients summed over the canonical pairwise tree of all micro-batches, divided
     /// once by `N·A`: the same bits for every world size that is a power of two. Needs a
     /// communicator whose reductions follow [`zero_comm::ReduceOrder::PairwiseTree`] (the host
-    /// loopback built with it; [`crate::demo::run::train_host`] does this).
+    /// loopback built with it; [`crate::demo::train::train`] does this).
     CanonicalTree,
 }
 

@@ -292,19 +292,19 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
     cookie(NAME);
 }
 
-/// The CUDA loopback with the CUDA bridge (`demo::cuda_run::train_cuda`): 2 in-process ranks on
-/// one GPU with their collectives in its memory give the host-staged path's losses and final
+/// The CUDA loopback with the CUDA bridge (`demo::train::train` on `On::Cuda`): 2 in-process ranks
+/// on one GPU with their collectives in its memory give the host-staged path's losses and final
 /// parameters bit for bit (the same models on the same GPU, the host loopback moving the bytes
-/// through host memory, both summing in rank order in f32), with the traffic the plan books,
-/// every gradient packed on the device and gathered weights installed from the loopback's memory.
-/// Stages 0 and 3 (plain, accumulation, hpZ, ZeRO++), and bf16 and fp16 at stage 3.
+/// through host memory, both summing in rank order in f32), with the traffic the plan books, every
+/// gradient packed on the device and gathered weights installed from the loopback's memory. Stages
+/// 0 and 3 (plain, accumulation, hpZ, ZeRO++), and bf16 and fp16 at stage 3.
 #[cfg(feature = "gpu-tests")]
 #[test]
 fn gpu_cuda_loopback_trains_like_host_staged() {
     use std::sync::Arc;
     use std::time::Duration;
-    use zero_burn::demo::cuda_run::train_cuda;
-    use zero_burn::demo::run::{HostRun, train_host};
+    use zero_burn::demo::run::HostRun;
+    use zero_burn::demo::train::{On, train};
     use zero_burn::optim::Optimizer;
     use zero_burn::plan_for;
     use zero_core::{Precision, Topology, ZeroConfig};
@@ -345,19 +345,16 @@ fn gpu_cuda_loopback_trains_like_host_staged() {
             };
             let topology = Topology::new(2, 2).expect("a topology");
             let plan = Arc::new(plan_for(&model, topology, &zero).expect("a plan"));
-            let r = if bridged {
-                train_cuda(
-                    0,
-                    plan.clone(),
-                    model,
-                    &corpus,
-                    options,
-                    run.clone(),
-                    &|_| {},
-                )
-            } else {
-                train_host(plan.clone(), model, &corpus, options, run.clone(), &|_| {})
-            }
+            let on = if bridged { On::Cuda(0) } else { On::Host };
+            let r = train(
+                on,
+                plan.clone(),
+                model,
+                &corpus,
+                options,
+                run.clone(),
+                &|_| {},
+            )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             for x in &r {
                 let want = common::planned_traffic(&plan, x.rank, run.steps);

@@ -22,9 +22,8 @@ use burn::tensor::Device;
 use zero_burn::checkpoint::DirStorage;
 use zero_burn::demo::data::{Corpus, MarkovLanguage};
 use zero_burn::demo::gpt::{Gpt, GptConfig};
-use zero_burn::demo::run::{
-    HostRun, RankResult, TrainOptions, corpus_step, engine_builder, train_host,
-};
+use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, corpus_step, engine_builder};
+use zero_burn::demo::train::{On, train};
 use zero_burn::optim::Optimizer;
 use zero_burn::reduction::Reduction;
 use zero_comm::nccl::{NcclComm, NcclOptions};
@@ -93,7 +92,16 @@ fn host_reference(
         keep_final_params: true,
         checkpoint: None,
     };
-    train_host(plan.clone(), model.clone(), corpus, options, run, &|_| {}).unwrap()
+    train(
+        On::Host,
+        plan.clone(),
+        model.clone(),
+        corpus,
+        options,
+        run,
+        &|_| {},
+    )
+    .unwrap()
 }
 
 #[test]

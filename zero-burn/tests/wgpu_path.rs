@@ -1,7 +1,7 @@
 //! The wgpu path (feature `wgpu`): the trainer on burn's wgpu backend with the wgpu loopback, both
-//! on one `wgpu::Device` (`demo::wgpu_run::train_wgpu`), against the reference path (flex CPU backend, host
-//! loopback) on the same job: losses per step within a stated tolerance, and measured traffic and
-//! model-state bytes equal to the plan exactly.
+//! on one `wgpu::Device` (`demo::train::train` on `On::Wgpu`), against the reference path (flex CPU
+//! backend, host loopback) on the same job: losses per step within a stated tolerance, and measured
+//! traffic and model-state bytes equal to the plan exactly.
 //!
 //! Runs on any wgpu adapter (Mesa lavapipe on CPU-only machines). Without one each test records
 //! that it did not run (`record_skip`) and returns, which `cargo xtask test` counts and fails on
@@ -19,8 +19,8 @@ use burn::tensor::Device;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::{Gpt, GptConfig};
 use zero_burn::demo::job::JobConfig;
-use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, train_host};
-use zero_burn::demo::wgpu_run::{WgpuTensors, train_wgpu, train_wgpu_with};
+use zero_burn::demo::run::{HostRun, RankResult, TrainOptions};
+use zero_burn::demo::train::{On, WgpuTensors, train};
 use zero_burn::optim::Optimizer;
 use zero_burn::{Error, MeasuredMemory, Reduction, plan_for};
 use zero_core::{Plan, Precision, Topology, ZeroConfig};
@@ -93,7 +93,8 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
     let cpu = model_config().init(&Device::flex().autodiff(), 11);
     let cpu_plan = plan(&cpu, stage);
     let t = Instant::now();
-    let want = train_host(
+    let want = train(
+        On::Host,
         cpu_plan.clone(),
         cpu,
         &corpus,
@@ -113,8 +114,8 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
         "the same model on both devices"
     );
     let t = Instant::now();
-    let got = train_wgpu(
-        &shared,
+    let got = train(
+        On::Wgpu(shared.clone(), WgpuTensors::Bridge),
         gpu_plan.clone(),
         gpu,
         &corpus,
@@ -206,15 +207,14 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
                 ..plan(&gpu, stage).config().clone()
             };
             let p = Arc::new(plan_for(&gpu, Topology::new(2, 2).unwrap(), &zero).unwrap());
-            let r = train_wgpu_with(
-                &shared,
+            let r = train(
+                On::Wgpu(shared.clone(), grads),
                 p.clone(),
                 gpu,
                 &corpus,
                 options(),
                 run.clone(),
                 &|_| {},
-                grads,
             )
             .unwrap();
             for x in &r {
@@ -279,8 +279,16 @@ fn a_model_off_the_shared_device_is_rejected() {
     let cpu = model_config().init(&Device::flex().autodiff(), 1);
     let p = plan(&cpu, 3);
     let corpus = MarkovLanguage::new(model_config().vocab, 5).unwrap();
-    let err = train_wgpu(&shared, p, cpu, &corpus, options(), run_config(), &|_| {})
-        .expect_err("a flex model on the wgpu path");
+    let err = train(
+        On::Wgpu(shared.clone(), WgpuTensors::Bridge),
+        p,
+        cpu,
+        &corpus,
+        options(),
+        run_config(),
+        &|_| {},
+    )
+    .expect_err("a flex model on the wgpu path");
     assert!(
         matches!(err.root_cause(), Error::Backend(m) if m.contains("shared device")),
         "{err}"
@@ -339,8 +347,8 @@ fn a_checkpoint_resumes_bit_identically_on_the_wgpu_path() {
                 keep_final_params: true,
                 checkpoint,
             };
-            train_wgpu(
-                &shared,
+            train(
+                On::Wgpu(shared.clone(), WgpuTensors::Bridge),
                 plan(&gpu, stage),
                 gpu,
                 &corpus,

@@ -37,11 +37,11 @@ pub enum Backend {
     Host,
     /// burn's wgpu backend with the wgpu loopback on one shared device (feature `wgpu`; fp32
     /// gradients and gathers go through the zero-copy bridge, the rest through host memory: see
-    /// `demo::wgpu_run::train_wgpu`).
+    /// `demo::train::train` on `On::Wgpu`).
     Wgpu,
     /// burn's CUDA backend (feature `cuda`): every rank's model and optimizer state on a GPU,
     /// the one [`local_rank`](crate::local_rank) names. In-process ranks share it and reduce and
-    /// gather in its memory (the CUDA loopback, `demo::cuda_run::train_cuda`); one rank per
+    /// gather in its memory (the CUDA loopback, `demo::train::train` on `On::Cuda`); one rank per
     /// process over NCCL does likewise through the CUDA bridge; over MPI the collectives are
     /// staged through host memory.
     Cuda,

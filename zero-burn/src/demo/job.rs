@@ -14,9 +14,8 @@ pub use super::run::Tick;
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::Gpt;
 use crate::demo::gpt::GptConfig;
-use crate::demo::run::{
-    HostRun, RankSummary, TrainOptions, engine_builder, train_built, train_host,
-};
+use crate::demo::run::{HostRun, RankSummary, TrainOptions, engine_builder, train_built};
+use crate::demo::train::{On, train};
 use crate::engine::EngineBuilder;
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
@@ -208,31 +207,24 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(Tick) + Sync)) -> Result<RunRe
     } = prepare(job)?;
     let start = Instant::now();
     let run = host_run(job);
-    let results = match &compute {
-        Compute::Flex => train_host(plan.clone(), model, corpus.as_ref(), options, run, on_step)?,
+    let on = match &compute {
+        Compute::Flex => On::Host,
         // On CUDA the in-process ranks share the GPU and the CUDA loopback's collectives run in
         // its memory.
         #[cfg(feature = "cuda")]
-        Compute::Cuda(_, gpu) => crate::demo::cuda_run::train_cuda(
-            *gpu,
-            plan.clone(),
-            model,
-            corpus.as_ref(),
-            options,
-            run,
-            on_step,
-        )?,
+        Compute::Cuda(_, gpu) => On::Cuda(*gpu),
         #[cfg(feature = "wgpu")]
-        Compute::Wgpu(s) => crate::demo::wgpu_run::train_wgpu(
-            s,
-            plan.clone(),
-            model,
-            corpus.as_ref(),
-            options,
-            run,
-            on_step,
-        )?,
+        Compute::Wgpu(s) => On::Wgpu(s.clone(), crate::demo::train::WgpuTensors::Bridge),
     };
+    let results = train(
+        on,
+        plan.clone(),
+        model,
+        corpus.as_ref(),
+        options,
+        run,
+        on_step,
+    )?;
     let wall = start.elapsed().as_secs_f64();
     let summaries: Vec<RankSummary> = results.iter().map(RankSummary::of).collect();
     report(

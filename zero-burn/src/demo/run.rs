@@ -1,8 +1,7 @@
-//! The demo's launchers: N ranks in one process training a token model on a [`Corpus`] on the
-//! host loopback ([`train_host`]), and one rank of a job whose ranks are processes
-//! ([`train_rank`]); `demo::wgpu_run` runs them on burn's wgpu backend. Built on the public API
-//! ([`crate::Launch`], [`crate::EngineBuilder`], [`crate::ZeroEngine::step`]) and the
-//! crate-private `launch::Clones`, each rank's deep copy of the model.
+//! One rank's run of the demo: a token model trained on a [`Corpus`], with optional checkpoints,
+//! for [`crate::demo::train::train`]'s in-process ranks and for one rank of a job whose ranks are
+//! processes ([`train_rank`]). Built on the public API ([`crate::EngineBuilder`],
+//! [`crate::ZeroEngine::step`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +15,6 @@ use crate::demo::data::{Corpus, TokenBatch};
 use crate::engine::EngineBuilder;
 use crate::engine::{MeasuredMemory, ZeroEngine};
 use crate::error::Result;
-use crate::launch::{Clones, Launch};
 use crate::optim::Optimizer;
 use crate::reduction::{Reduction, canonical_sum};
 use crate::segmented::Segmented;
@@ -144,29 +142,6 @@ pub struct SaveRecord {
     pub bytes: u64,
     /// Wall time of the collective save on this rank.
     pub seconds: f64,
-}
-
-/// Trains `steps` optimizer steps with one thread per rank on the host loopback. Every rank starts
-/// from a clone of `model`. The loopback sums in the order `options.reduction` needs (rank order,
-/// or the pairwise tree for [`Reduction::CanonicalTree`]). `on_step` is called by rank 0 after
-/// each step.
-pub fn train_host<M: Segmented<Batch = TokenBatch>>(
-    plan: Arc<Plan>,
-    model: M,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(Tick) + Sync),
-) -> Result<Vec<RankResult<M>>> {
-    let models = Clones::new(model, plan.world_size());
-    Launch::new(*plan.topology())
-        .timeout(run.timeout)
-        .reduction(options.reduction)
-        .run(|comm| {
-            let mine = models.take(comm.rank())?;
-            let builder = engine_builder(&plan, comm, mine, options);
-            run_rank(builder, corpus, options, run.clone(), on_step)
-        })
 }
 
 /// The builder of one rank's engine for the demo's plan and options.

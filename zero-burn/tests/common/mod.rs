@@ -12,7 +12,8 @@ use burn::tensor::Device;
 use zero_burn::checkpoint::Storage;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::{Gpt, GptConfig};
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions, train_host};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions};
+use zero_burn::demo::train::{On, train};
 use zero_burn::optim::Optimizer;
 use zero_burn::{MeasuredMemory, Reduction, plan_for};
 use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
@@ -100,7 +101,8 @@ pub(crate) fn train_tiny(
 ) -> (Arc<Plan>, Vec<RankResult<Gpt>>) {
     let (model, corpus) = tiny();
     let plan = Arc::new(plan_for(&model, topo, cfg).unwrap());
-    let res = train_host(
+    let res = train(
+        On::Host,
         plan.clone(),
         model,
         &corpus,

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{HostRun, RankResult, train_host};
+use zero_burn::demo::run::{HostRun, RankResult};
+use zero_burn::demo::train::{On, train};
 use zero_burn::plan_for;
 use zero_core::{Topology, ZeroConfig};
 
@@ -235,7 +236,8 @@ fn zeropp_converges_like_zero3_over_hundreds_of_steps() {
         ..base.clone()
     };
     let go = |c: &ZeroConfig| {
-        let r = train_host(
+        let r = train(
+            On::Host,
             mk(c),
             model.clone(),
             &corpus,

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use zero_burn::checkpoint::{MemStorage, Storage};
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, Tick, train_host};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, Tick};
+use zero_burn::demo::train::{self as launcher, On};
 use zero_burn::{Error, plan_for};
 use zero_core::{Placement, Precision, Topology, ZeroConfig};
 
@@ -44,9 +45,15 @@ fn train(
     };
     let saves = run.checkpoint.as_ref().is_some_and(|c| c.save.is_some());
     let ticks = Mutex::new(Vec::new());
-    let out = train_host(plan, model, &corpus, common::options(), run, &|t| {
-        ticks.lock().unwrap().push(t)
-    })?;
+    let out = launcher::train(
+        On::Host,
+        plan,
+        model,
+        &corpus,
+        common::options(),
+        run,
+        &|t| ticks.lock().unwrap().push(t),
+    )?;
     // Rank 0's progress: one tick a step, with its stores' traffic so far where it has a store.
     let ticks = ticks.into_inner().unwrap();
     let numbers: Vec<u64> = ticks.iter().map(|t| t.step).collect();
@@ -202,7 +209,15 @@ fn a_changed_byte_in_the_store_fails_the_next_step() {
             }
         };
         let run = HostRun::new(3, Duration::from_secs(60));
-        let Err(e) = train_host(plan, model, &corpus, common::options(), run, &flip) else {
+        let Err(e) = launcher::train(
+            On::Host,
+            plan,
+            model,
+            &corpus,
+            common::options(),
+            run,
+            &flip,
+        ) else {
             panic!("training over a changed {name} succeeded");
         };
         let text = e.to_string();

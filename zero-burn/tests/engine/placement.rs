@@ -20,8 +20,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zero_burn::checkpoint::{MemStorage, Storage};
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, train_host};
-use zero_burn::plan_for;
+use zero_burn::demo::data::Corpus;
+use zero_burn::demo::gpt::Gpt;
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions};
+use zero_burn::demo::train::{self as launcher, On};
+use zero_burn::{Plan, plan_for};
 use zero_core::{Placement, Precision, Topology, ZeroConfig};
 
 fn run(steps: u64, checkpoint: Option<Checkpointing>) -> HostRun {
@@ -44,23 +47,24 @@ fn config(stage: u8, precision: Precision, placement: Placement) -> ZeroConfig {
     }
 }
 
-fn train_flex(
-    cfg: &ZeroConfig,
-    steps: u64,
-    ckpt: Option<Checkpointing>,
-) -> Vec<RankResult<zero_burn::demo::gpt::Gpt>> {
+fn train_flex(cfg: &ZeroConfig, steps: u64, ckpt: Option<Checkpointing>) -> Runs {
     let (model, corpus) = common::tiny();
     let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
-    train_host(
-        plan,
-        model,
-        &corpus,
-        common::options(),
-        run(steps, ckpt),
-        &|_| {},
-    )
-    .unwrap()
+    on_host(plan, model, &corpus, common::options(), run(steps, ckpt))
 }
+
+/// `plan` trained from `model` on the host loopback (flex).
+fn on_host(
+    plan: Arc<Plan>,
+    model: Gpt,
+    corpus: &dyn Corpus,
+    o: TrainOptions,
+    run: HostRun,
+) -> Runs {
+    launcher::train(On::Host, plan, model, corpus, o, run, &|_| {}).unwrap()
+}
+
+type Runs = Vec<RankResult<Gpt>>;
 
 /// On flex both placements keep the state in host memory and give the same bits at every stage,
 /// in fp32 and bf16; the plan books host placement's optimizer state, master and gradients in host
@@ -153,7 +157,7 @@ mod wgpu {
     use zero_burn::Reduction;
     use zero_burn::demo::data::MarkovLanguage;
     use zero_burn::demo::gpt::{Gpt, GptConfig};
-    use zero_burn::demo::wgpu_run::train_wgpu;
+    use zero_burn::demo::train::WgpuTensors;
 
     /// Largest relative gap allowed between the placements, per loss and per parameter element
     /// (relative to max(1, |value|)): the device's `sqrt` and division may differ from the CPU's
@@ -199,8 +203,8 @@ mod wgpu {
         let corpus = MarkovLanguage::new(gpt.vocab, 3).unwrap();
         let mut options = common::options();
         options.seq = gpt.context;
-        train_wgpu(
-            shared,
+        launcher::train(
+            On::Wgpu(shared.clone(), WgpuTensors::Bridge),
             plan,
             model,
             &corpus,
@@ -530,7 +534,7 @@ mod wgpu {
             let corpus = MarkovLanguage::new(gpt().vocab, 3).unwrap();
             let mut options = common::options();
             options.seq = gpt().context;
-            train_host(plan, model, &corpus, options, run(3, None), &|_| {}).unwrap()
+            on_host(plan, model, &corpus, options, run(3, None))
         };
         let reference = train(1, 1, Placement::Device);
         for (hpz, placement) in [
@@ -581,7 +585,7 @@ mod wgpu {
                 let mut options = common::options();
                 options.seq = gpt().context;
                 options.reduction = tree;
-                train_host(plan, model, &corpus, options, run(3, None), &|_| {}).unwrap()
+                on_host(plan, model, &corpus, options, run(3, None))
             };
             let (dev, host) = (train(Placement::Device), train(Placement::Host));
             let (worst, same) = gap(&dev, &host);

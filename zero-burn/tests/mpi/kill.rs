@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use zero_burn::checkpoint::{DirStorage, Storage, read_manifest, verify};
 use zero_burn::demo::data::{Corpus, TokenBatch};
-use zero_burn::demo::run::{Checkpointing, HostRun, train_host, train_rank};
+use zero_burn::demo::run::{Checkpointing, HostRun, train_rank};
+use zero_burn::demo::train::{On, train};
 use zero_burn::plan_for;
 use zero_comm::Communicator;
 
@@ -287,7 +288,8 @@ fn killed_and_resumed(name: &str, draw: Draw) -> bool {
     let (model, corpus) = tiny();
     let plan = Arc::new(plan_for(&model, topo(), &configs().remove(3).1).unwrap());
     let store: Arc<dyn Storage> = Arc::new(store);
-    let resumed = train_host(
+    let resumed = train(
+        On::Host,
         plan.clone(),
         model.clone(),
         &corpus,
@@ -299,7 +301,8 @@ fn killed_and_resumed(name: &str, draw: Draw) -> bool {
         &|_| {},
     )
     .unwrap();
-    let whole = train_host(
+    let whole = train(
+        On::Host,
         plan,
         model,
         &corpus,

@@ -10,7 +10,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{HostRun, train_host, train_rank};
+use zero_burn::demo::run::{HostRun, train_rank};
+use zero_burn::demo::train::{On, train};
 use zero_burn::{WgpuShared, plan_for};
 use zero_comm::Communicator;
 use zero_core::{Precision, Topology, ZeroConfig};
@@ -129,7 +130,7 @@ fn wgpu_ranks_as_processes_match_in_process_ranks() {
     for (name, cfg) in configs() {
         let (model, corpus) = model(&shared);
         let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
-        let reference = train_host(plan, model, &corpus, options(), run(), &|_| {}).unwrap();
+        let reference = train(On::Host, plan, model, &corpus, options(), run(), &|_| {}).unwrap();
         for r in &reference {
             let got: RankOut = serde_json::from_slice(
                 &std::fs::read(out_file(&dir.display().to_string(), name, r.rank)).unwrap(),
