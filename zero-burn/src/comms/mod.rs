@@ -42,8 +42,6 @@ pub(crate) struct Comms<C: Communicator> {
     pub(crate) qwz: Option<Int8Block>,
     /// qgZ codec.
     pub(crate) qgz: Option<Int4Block>,
-    /// bf16/fp16: the 16-bit element type of weights and gradients on the wire.
-    pub(crate) half: Option<Half>,
     /// qwZ/qgZ codecs on the communicator's memory, for the device jobs.
     pub(crate) quant: Option<Arc<dyn DeviceQuant<C>>>,
     /// qwZ's wire buffers.
@@ -85,7 +83,6 @@ impl<C: Communicator> Comms<C> {
             qgroups,
             qwz,
             qgz,
-            half: Half::of(c.precision),
             quant: None,
             qwz_scratch: QuantScratch::new(),
             qgz_scratch: QuantScratch::new(),
@@ -93,13 +90,13 @@ impl<C: Communicator> Comms<C> {
     }
 }
 
-/// Elements in flight: f32, or 16-bit (bf16/fp16 bit patterns), in host memory; or in the
-/// communicator's memory: f32 (`B`, its f32 buffer type), or 16-bit words (`Y`, a
+/// Elements in flight: f32, or 16-bit (bit patterns of their [`Half`] type), in host memory; or
+/// in the communicator's memory: f32 (`B`, its f32 buffer type), or 16-bit words (`Y`, a
 /// [`WordBuffer`]).
 #[derive(Debug)]
 pub(crate) enum Elems<B, Y> {
     F32(Vec<f32>),
-    U16(Vec<u16>),
+    U16(Half, Vec<u16>),
     Device(B),
     DeviceWords(Y),
 }
@@ -165,7 +162,7 @@ impl<C: Communicator> Comms<C> {
                             WordBuffer::F16(b) => WordBuffer::F16(gather(comm, &b)?),
                         }));
                     }
-                    Elems::U16(_) => {
+                    Elems::U16(..) => {
                         return Err(Error::Internal(
                             "a device gather of 16-bit elements in host memory".into(),
                         ));
@@ -198,17 +195,13 @@ impl<C: Communicator> Comms<C> {
                 }
                 Ok(Elems::F32(self.world.download_vec(&out)?))
             }
-            Job::AllReduceWords { data, op } => {
-                Ok(Elems::U16(reduce_words(&mut self.world, data, op, true)?))
-            }
-            Job::ReduceScatterWords { data, op } => {
-                Ok(Elems::U16(reduce_words(&mut self.world, data, op, false)?))
-            }
-            Job::AllReduce { data, op } => match (data, self.half) {
-                (Elems::F32(g), _) => Ok(Elems::F32(self.world.all_reduce_vec(g, op)?)),
-                (Elems::U16(mut g), Some(h)) => {
+            Job::AllReduceWords { data, op } => reduce_words(&mut self.world, data, op, true),
+            Job::ReduceScatterWords { data, op } => reduce_words(&mut self.world, data, op, false),
+            Job::AllReduce { data, op } => match data {
+                Elems::F32(g) => Ok(Elems::F32(self.world.all_reduce_vec(g, op)?)),
+                Elems::U16(h, mut g) => {
                     h.all_reduce(&mut self.world, &mut g, op)?;
-                    Ok(Elems::U16(g))
+                    Ok(Elems::U16(h, g))
                 }
                 _ => Err(mixed()),
             },
@@ -217,17 +210,15 @@ impl<C: Communicator> Comms<C> {
                     (true, Some(groups), Some(codec)) => Some((groups, codec)),
                     _ => None,
                 };
-                match (data, self.half, quant) {
-                    (Elems::F32(g), _, Some((groups, codec))) => {
+                match (data, quant) {
+                    (Elems::F32(g), Some((groups, codec))) => {
                         let mut chunk = vec![0.0f32; g.len() / self.world.world_size()];
                         qgz_reduce_scatter(groups, codec, &g, &mut chunk, &mut self.qgz_scratch)?;
                         Ok(Elems::F32(chunk))
                     }
-                    (Elems::F32(g), _, None) => {
-                        Ok(Elems::F32(self.world.reduce_scatter_vec(g, op)?))
-                    }
+                    (Elems::F32(g), None) => Ok(Elems::F32(self.world.reduce_scatter_vec(g, op)?)),
                     // qgZ quantizes the 16-bit gradient (widened) and dequantizes into f32.
-                    (Elems::U16(g), Some(h), Some((groups, codec))) => {
+                    (Elems::U16(h, g), Some((groups, codec))) => {
                         let mut chunk = vec![0.0f32; g.len() / self.world.world_size()];
                         qgz_reduce_scatter(
                             groups,
@@ -236,10 +227,10 @@ impl<C: Communicator> Comms<C> {
                             &mut chunk,
                             &mut self.qgz_scratch,
                         )?;
-                        Ok(Elems::U16(h.round_all(&chunk)))
+                        Ok(Elems::U16(h, h.round_all(&chunk)))
                     }
-                    (Elems::U16(g), Some(h), None) => {
-                        Ok(Elems::U16(h.reduce_scatter(&mut self.world, &g, op)?))
+                    (Elems::U16(h, g), None) => {
+                        Ok(Elems::U16(h, h.reduce_scatter(&mut self.world, &g, op)?))
                     }
                     _ => Err(mixed()),
                 }
@@ -249,21 +240,21 @@ impl<C: Communicator> Comms<C> {
                     (Some(h), true) => h,
                     _ => &mut self.world,
                 };
-                match (piece, self.half, &self.qwz) {
-                    (Elems::F32(p), _, Some(codec)) => {
+                match (piece, &self.qwz) {
+                    (Elems::F32(p), Some(codec)) => {
                         let mut full = vec![0.0f32; p.len() * comm.world_size()];
                         qwz_all_gather(comm, codec, &p, &mut full, &mut self.qwz_scratch)?;
                         Ok(Elems::F32(full))
                     }
-                    (Elems::F32(p), _, None) => Ok(Elems::F32(comm.all_gather_host(&p)?)),
+                    (Elems::F32(p), None) => Ok(Elems::F32(comm.all_gather_host(&p)?)),
                     // qwZ on 16-bit weights: widened, int8 on the wire, rounded back.
-                    (Elems::U16(p), Some(h), Some(codec)) => {
+                    (Elems::U16(h, p), Some(codec)) => {
                         let p = h.widen_all(&p);
                         let mut full = vec![0.0f32; p.len() * comm.world_size()];
                         qwz_all_gather(comm, codec, &p, &mut full, &mut self.qwz_scratch)?;
-                        Ok(Elems::U16(h.round_all(&full)))
+                        Ok(Elems::U16(h, h.round_all(&full)))
                     }
-                    (Elems::U16(p), Some(h), None) => Ok(Elems::U16(h.all_gather(comm, &p)?)),
+                    (Elems::U16(h, p), None) => Ok(Elems::U16(h, h.all_gather(comm, &p)?)),
                     _ => Err(mixed()),
                 }
             }
@@ -272,22 +263,22 @@ impl<C: Communicator> Comms<C> {
 }
 
 /// The all-reduce (`whole`) or reduce-scatter of the 16-bit words `data`, downloaded as bit
-/// patterns (the whole unit, or the rank's chunk).
+/// patterns of their type (the whole unit, or the rank's chunk).
 fn reduce_words<C: Communicator>(
     comm: &mut C,
     data: WordBuffer<C>,
     op: ReduceOp,
     whole: bool,
-) -> Result<Vec<u16>> {
+) -> Result<Out<C>> {
     Ok(match data {
-        WordBuffer::Bf16(b) => reduce(comm, b, op, whole)?
-            .into_iter()
-            .map(bf16::to_bits)
-            .collect(),
-        WordBuffer::F16(b) => reduce(comm, b, op, whole)?
-            .into_iter()
-            .map(f16::to_bits)
-            .collect(),
+        WordBuffer::Bf16(b) => {
+            let v = reduce(comm, b, op, whole)?;
+            Elems::U16(Half::Bf16, v.into_iter().map(bf16::to_bits).collect())
+        }
+        WordBuffer::F16(b) => {
+            let v = reduce(comm, b, op, whole)?;
+            Elems::U16(Half::F16, v.into_iter().map(f16::to_bits).collect())
+        }
     })
 }
 

@@ -25,7 +25,6 @@ fn rank1_waits_for_rank0s_submit(overlap: bool, timeout: Duration) -> Vec<Result
                 qgroups: None,
                 qwz: None,
                 qgz: None,
-                half: None,
                 quant: None,
                 qwz_scratch: QuantScratch::new(),
                 qgz_scratch: QuantScratch::new(),

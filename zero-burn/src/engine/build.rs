@@ -12,7 +12,7 @@ use super::grad_acc::GradAcc;
 use super::layout::RankLayout;
 use super::opt_state::OptState;
 use super::sharded::Stage3Weights;
-use super::slab;
+use super::slab::Place;
 use super::{Clock, Core, EngineOptions, Meter, UnitStatus, ZeroEngine};
 use crate::comms::Comms;
 use crate::error::{Error, Result};
@@ -45,7 +45,7 @@ fn opt_state(
             )
         }
         (p, _) => {
-            let state = slab::state_device(p, device);
+            let state = Place::of(p, device);
             Ok(OptState::new(options.optimizer, state, lens, scaler))
         }
     }
@@ -131,7 +131,6 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             options,
             params,
             layout,
-            half,
             sharded: Stage3Weights::empty(half, units.len()),
             acc: GradAcc::new(&plan, half, options.reduction, acc_len, &device),
             opt: opt_state(&plan, rank, options, &device, &slot_lens)?,
@@ -155,7 +154,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
     fn init_master(&mut self) -> Result<()> {
         let plan = self.plan.clone();
         let (units, stage, rank) = (plan.units(), plan.stage(), self.rank);
-        let half = self.half;
+        let half = self.half();
         if half.is_some() {
             // The fp32 master of this rank's part of every trainable unit, from the initial
             // values (stage 0: whole units; otherwise the rank's chunk).
@@ -196,7 +195,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             // The shard lives where `param_placement` puts it, whatever the optimizer's placement
             // (the plan books it there): on NVMe, filled in host memory and moved to the store.
             let c = plan.config();
-            let on = slab::state_device(c.param_placement, &device);
+            let on = Place::of(c.param_placement, &device);
             self.sharded.fill(chunks, on);
             if let (Placement::Nvme, Some(root)) = (c.param_placement, c.nvme_path.as_deref()) {
                 let store = (Path::new(root), rank, c.offload_buffer_count as usize);
@@ -211,7 +210,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
     fn init_working_weights(&mut self) -> Result<()> {
         let plan = self.plan.clone();
         let stage = plan.stage();
-        let half = self.half;
+        let half = self.half();
         // Fresh autodiff leaves for the parameters this rank keeps resident. Clones of one module
         // share their tensors (so the clones cost nothing until here, and stage 3 never holds a
         // full copy), and burn's autodiff graph must not be shared between threads: it

@@ -98,7 +98,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         Ok(match s {
             1 => state(Part::M)?,
             2 => state(Part::V)?,
-            _ => match (self.layout.opt_offset[u], self.half) {
+            _ => match (self.layout.opt_offset[u], self.half()) {
                 (Some(_), Some(_)) => state(Part::Master)?,
                 _ if stage == 3 => self.sharded.read_f32(u, real)?,
                 _ => self.read_unit_range(u, self.rank * c..self.rank * c + real)?,
@@ -142,7 +142,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
     /// the working precision in bf16/fp16, as the build does: values saved by a run of that
     /// precision come back bit for bit).
     pub(crate) fn ckpt_restore_loose(&mut self, param: usize, mut values: Vec<f32>) {
-        if let Some(h) = self.half {
+        if let Some(h) = self.half() {
             values.iter_mut().for_each(|x| *x = h.quantize(*x));
         }
         let p = &self.params[param];
@@ -192,7 +192,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             }
             if !in_model {
                 // A stage-3 gather unit: the rank's chunk is the shard (the fp32 master).
-                match self.half {
+                match self.half() {
                     None => self
                         .sharded
                         .f32_mut(u, None)?
@@ -210,7 +210,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             // The weights the model holds, one parameter at a time: into the model, and where
             // the parameter overlaps them, the fp32 master (bf16/fp16; zeroed first) and the
             // stage-3 shard.
-            let master = or.clone().filter(|_| self.half.is_some());
+            let master = or.clone().filter(|_| self.half().is_some());
             if master.is_some() {
                 self.opt.fill(u, Part::Master, |_| Ok(()))?;
             }
@@ -238,7 +238,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                     let at = (at - chunk.start) as usize;
                     self.sharded.write(u, at, &w[a..b])?;
                 }
-                if let Some(h) = self.half {
+                if let Some(h) = self.half() {
                     w.iter_mut().for_each(|x| *x = h.quantize(*x));
                 }
                 let p = &self.params[e.param];

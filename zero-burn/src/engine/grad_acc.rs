@@ -11,8 +11,8 @@ use burn::tensor::Device;
 use zero_core::Plan;
 
 use super::opt_state::Grads;
-use super::slab::{self, Slab};
-use super::words::{Words, words_device};
+use super::slab::{Place, Slab};
+use super::words::{Words, words_place};
 use crate::comms::Elems;
 use crate::error::{Error, Result};
 use crate::precision::Half;
@@ -51,23 +51,23 @@ impl GradAcc {
         device: &Device,
     ) -> GradAcc {
         let c = plan.config();
-        let on = slab::state_device(c.optimizer_placement, device);
+        let on = Place::of(c.optimizer_placement, device);
         match (half, c.grad_accum_dtype) {
             (Some(half), Some(zero_core::Precision::Fp32)) => GradAcc::HalfIntoF32 {
                 half,
-                acc: Slab::zeros(len, on.as_ref()),
+                acc: Slab::zeros(len, &on),
             },
             (Some(half), _) => GradAcc::Half {
                 half,
-                acc: Words::zeros(half, len, words_device(half, on.clone()).as_ref()),
+                acc: Words::zeros(half, len, &words_place(half, on.clone())),
             },
             (None, _) if reduction == Reduction::CanonicalTree => GradAcc::Tree {
-                acc: Slab::zeros(len, on.as_ref()),
+                acc: Slab::zeros(len, &on),
                 tree: TreeAccumulator::with(c.gradient_accumulation_steps, || {
-                    Slab::zeros(len, on.as_ref())
+                    Slab::zeros(len, &on)
                 }),
             },
-            (None, _) => GradAcc::F32(Slab::zeros(len, on.as_ref())),
+            (None, _) => GradAcc::F32(Slab::zeros(len, &on)),
         }
     }
 
@@ -97,8 +97,12 @@ impl GradAcc {
     pub(super) fn wire<B, Y>(&self, range: Range<usize>) -> Elems<B, Y> {
         match self {
             GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Elems::F32(s.read(range)),
-            GradAcc::Half { half, acc } => Elems::U16(acc.bits_of(*half, range).into_owned()),
-            GradAcc::HalfIntoF32 { half, acc } => Elems::U16(half.round_all(&acc.read(range))),
+            GradAcc::Half { half, acc } => {
+                Elems::U16(*half, acc.bits_of(*half, range).into_owned())
+            }
+            GradAcc::HalfIntoF32 { half, acc } => {
+                Elems::U16(*half, half.round_all(&acc.read(range)))
+            }
         }
     }
 
@@ -119,20 +123,20 @@ impl GradAcc {
             (GradAcc::F32(s), Elems::F32(r)) => s.add(off, &r),
             (GradAcc::Tree { acc, .. }, Elems::F32(r)) if overwrite => acc.write(off, &r),
             (GradAcc::Tree { acc, tree }, Elems::F32(r)) => tree.push(acc, micro, off, r),
-            (GradAcc::Half { half, acc }, Elems::U16(r)) if overwrite => {
-                acc.write_bits(*half, off, &r)
-            }
-            (GradAcc::Half { half, acc }, Elems::U16(r)) => acc.add_bits(*half, off, &r),
-            (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(r)) if overwrite => {
-                acc.write(off, &half.widen_all(&r))
-            }
-            (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(r)) => {
-                acc.add(off, &half.widen_all(&r))
-            }
+            (GradAcc::Half { half, acc }, Elems::U16(h, r)) if h == *half => match overwrite {
+                true => acc.write_bits(h, off, &r),
+                false => acc.add_bits(h, off, &r),
+            },
+            (GradAcc::HalfIntoF32 { half, acc }, Elems::U16(h, r)) if h == *half => match overwrite
+            {
+                true => acc.write(off, &h.widen_all(&r)),
+                false => acc.add(off, &h.widen_all(&r)),
+            },
             (acc, words) => {
                 let got = match words {
                     Elems::F32(_) => "f32 elements",
-                    Elems::U16(_) => "16-bit elements",
+                    Elems::U16(Half::Bf16, _) => "16-bit elements (bf16)",
+                    Elems::U16(Half::F16, _) => "16-bit elements (fp16)",
                     Elems::Device(_) | Elems::DeviceWords(_) => {
                         "elements in the communicator's memory"
                     }
@@ -298,7 +302,7 @@ mod tests {
             acc.apply(1, words(&a, &wa), false, 0).unwrap();
             acc.apply(1, words(&b, &wb), false, 1).unwrap();
         };
-        let sixteen: fn(&[f32], &[u16]) -> Wire = |_, w| Elems::U16(w.to_vec());
+        let sixteen: fn(&[f32], &[u16]) -> Wire = |_, w| Elems::U16(Half::Bf16, w.to_vec());
         let thirty_two: fn(&[f32], &[u16]) -> Wire = |v, _| Elems::F32(v.to_vec());
 
         let mut wide = GradAcc::HalfIntoF32 {
@@ -316,11 +320,11 @@ mod tests {
         };
         assert_eq!(acc[1..], sums[..]);
         assert_eq!(acc[0], 0.0, "outside the range nothing moves");
-        let Elems::U16(wire) = wide.wire::<(), ()>(1..4) else {
+        let Elems::U16(Half::Bf16, wire) = wide.wire::<(), ()>(1..4) else {
             panic!("16-bit training sends 16-bit words")
         };
         assert_eq!(wire, h.round_all(&sums));
-        wide.apply(1, Wire::U16(wb.clone()), true, 0).unwrap();
+        wide.apply(1, Wire::U16(h, wb.clone()), true, 0).unwrap();
         let GradAcc::HalfIntoF32 {
             acc: Slab::Host(acc),
             ..
@@ -370,7 +374,7 @@ mod tests {
         assert_eq!(acc[1..], means[..]);
 
         let err = f32s
-            .apply(0, Elems::<(), ()>::U16(wa.clone()), false, 0)
+            .apply(0, Elems::<(), ()>::U16(h, wa.clone()), false, 0)
             .unwrap_err()
             .to_string();
         assert!(

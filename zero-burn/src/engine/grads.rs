@@ -11,6 +11,7 @@ use zero_comm::Communicator;
 use zero_core::UnitKind;
 
 use super::micro::Stash;
+use super::slab::Place;
 use super::{Core, Pending, ZeroEngine, check_lr, words};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
@@ -81,12 +82,14 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
     pub(super) fn packs_words_on_device(&self, u: usize) -> bool {
         let plan = &self.plan;
         let c = plan.config();
-        self.half
-            .is_some_and(|h| words::words_device(h, Some(self.device.clone().inner())).is_some())
-            && self
-                .device_tensors
-                .as_ref()
-                .is_some_and(|d| d.moves_words())
+        self.half().is_some_and(|h| {
+            words::words_place(h, Place::Device(self.device.clone().inner()))
+                .device()
+                .is_some()
+        }) && self
+            .device_tensors
+            .as_ref()
+            .is_some_and(|d| d.moves_words())
             && !(plan.stage() <= 1 && c.accumulate_before_reduce)
             && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
     }
@@ -96,7 +99,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let plan = &self.plan;
         let c = plan.config();
         self.device_tensors.is_some()
-            && self.half.is_none()
+            && self.half().is_none()
             && !(plan.stage() <= 1 && c.accumulate_before_reduce)
             && (device_quant
                 || !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather))

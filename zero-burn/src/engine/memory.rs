@@ -146,7 +146,8 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let resident = model_elems - gathered;
         // The working weights' bytes per element: 4 in fp32, 2 in bf16/fp16 (where burn's f32
         // copies hold 2 more, reported as `f32_compute_copies`).
-        let w = if self.half.is_some() { 2 } else { 4 };
+        let half = self.half().is_some();
+        let w = if half { 2 } else { 4 };
         if let Some(usage) = self.device.memory_pool_usage() {
             let peak = self.meter.device_peak.get_or_insert(0);
             *peak = (*peak).max(usage.bytes_in_use);
@@ -159,7 +160,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         p.gradients = p.gradients.max(self.acc.bytes());
         p.optimizer_states = p.optimizer_states.max(self.opt.bytes(false));
         p.master_weights = p.master_weights.max(self.opt.bytes(true));
-        if self.half.is_some() {
+        if half {
             p.f32_compute_copies = p.f32_compute_copies.max(model_elems * 2);
         }
         p.hpz_secondary = p.hpz_secondary.max(secondary);

@@ -56,8 +56,9 @@
 //! - `weights.rs`: reading, writing, installing and releasing units of the model.
 //! - `train_mode.rs`: the seeded forwards and the model's buffers (snapshot, restore, sync).
 //! - `opt_state.rs`, `opt_unit.rs`: the optimizer's state of the rank, and of one unit.
-//! - `slab.rs`: `Slab`, a flat fp32 buffer in host memory or a device tensor (optimizer state,
-//!   stage 3's fp32 `Shard` and hpZ slices, the fp32 accumulator).
+//! - `slab.rs`: `Place` (host memory or a device: where a buffer lives), and `Slab`, a flat fp32
+//!   buffer at a place (optimizer state, stage 3's fp32 `Shard` and hpZ slices, the fp32
+//!   accumulator).
 //! - `words.rs`: `Words`, a flat 16-bit buffer (stage 3's shard and hpZ slices, accumulator).
 //! - `sharded.rs`, `shard_disk.rs`: `Stage3Weights`, the one owner of stage 3's weights between
 //!   uses, and their NVMe store.
@@ -202,8 +203,6 @@ pub(crate) struct Core<C: Communicator, M: Segmented> {
     params: Vec<ParamInfo>,
     /// Where the rank's state lives (immutable after build).
     layout: RankLayout,
-    /// bf16/fp16: the 16-bit working type.
-    half: Option<Half>,
     /// Stage 3: the rank's shard of every unit and the hpZ secondary slices, in the working
     /// precision.
     sharded: Stage3Weights,
@@ -447,6 +446,13 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             }
         }
         r
+    }
+}
+
+impl<C: Communicator, M: Segmented> Core<C, M> {
+    /// bf16/fp16: the 16-bit working type, as the plan's precision says.
+    fn half(&self) -> Option<Half> {
+        Half::of(self.plan.config().precision)
     }
 }
 

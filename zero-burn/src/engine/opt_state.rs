@@ -23,7 +23,7 @@ use burn::tensor::{Device, Tensor};
 
 pub(super) use super::opt_unit::Part;
 use super::opt_unit::{UnitState, host_moments, step_on_device};
-use super::slab::{Slab, download, upload};
+use super::slab::{Place, Slab, download, upload};
 use crate::offload::{Disk, IoReport, Ring};
 use crate::optim::{self, Optimizer};
 use crate::precision::{LossScaler, StepInfo};
@@ -82,8 +82,8 @@ impl Paged {
 #[derive(Debug)]
 pub(super) struct OptState {
     optimizer: Optimizer,
-    /// The device holding the state; `None`: host memory.
-    device: Option<Device>,
+    /// Where the state lives.
+    place: Place,
     /// Indexed like the plan's units; `None` for frozen units.
     units: Vec<Option<UnitState>>,
     /// NVMe placement: the store, and which unit is paged in.
@@ -99,16 +99,16 @@ pub(super) struct OptState {
 }
 
 impl OptState {
-    /// Zeroed moments for every trainable unit `u` of `lens[u]` elements, on `device` (`None`:
-    /// host memory); no master yet (see [`Self::set_master`]).
+    /// Zeroed moments for every trainable unit `u` of `lens[u]` elements at `place`; no master
+    /// yet (see [`Self::set_master`]).
     pub(super) fn new(
         optimizer: Optimizer,
-        device: Option<Device>,
+        place: Place,
         lens: &[Option<usize>],
         scaler: Option<LossScaler>,
     ) -> Self {
         let k = optimizer.state_buffers();
-        let zeros = |len: usize| Slab::new(vec![0.0; len], device.as_ref());
+        let zeros = |len: usize| Slab::new(vec![0.0; len], &place);
         let units = lens
             .iter()
             .map(|len| {
@@ -122,7 +122,7 @@ impl OptState {
             .collect();
         OptState {
             optimizer,
-            device,
+            place,
             units,
             paged: None,
             scaler,
@@ -150,7 +150,7 @@ impl OptState {
         kept.extend([Part::M, Part::V].iter().take(optimizer.state_buffers()));
         let per_unit: Vec<_> = lens.iter().map(|l| l.map(|l| l * kept.len())).collect();
         let ring = Ring::new(Disk::create(root, rank, "unit", &per_unit)?, buffers);
-        let mut s = Self::new(optimizer, None, &vec![None; lens.len()], scaler);
+        let mut s = Self::new(optimizer, Place::Host, &vec![None; lens.len()], scaler);
         s.units = lens
             .iter()
             .map(|len| {
@@ -219,7 +219,12 @@ impl OptState {
 
     /// The device holding the state; `None`: host memory.
     pub(super) fn device(&self) -> Option<&Device> {
-        self.device.as_ref()
+        self.place.device()
+    }
+
+    /// Where the state lives.
+    pub(super) fn place(&self) -> &Place {
+        &self.place
     }
 
     /// Sets trainable unit `u`'s fp32 master weights (bf16/fp16); with NVMe placement, writes
@@ -230,7 +235,7 @@ impl OptState {
             flat.resize(values.len() * p.kept.len(), 0.0);
             return p.ring.disk().write(u, &flat);
         }
-        let slab = Slab::new(values.to_vec(), self.device.as_ref());
+        let slab = Slab::new(values.to_vec(), &self.place);
         if let Some(s) = self.units[u].as_mut() {
             debug_assert_eq!(s.len, values.len());
             s.master = Some(slab);
@@ -311,7 +316,7 @@ impl OptState {
         grads: Grads,
         weights: &mut Slab,
     ) -> Result<()> {
-        let Some(device) = self.device.clone() else {
+        let Some(device) = self.place.device().cloned() else {
             let grads = grads.host();
             return match weights {
                 Slab::Host(w) => self.step_host_part(u, lr, 0, &grads, w),
@@ -369,7 +374,7 @@ impl OptState {
         then: impl FnOnce(&Slab) -> R,
     ) -> Result<R> {
         let (opt, n) = (self.optimizer, self.steps);
-        let device = self.device.clone();
+        let device = self.place.device().cloned();
         let s = self.unit(u)?;
         let mut master = s.master.take().ok_or_else(|| {
             Error::Internal(format!(

@@ -9,11 +9,11 @@
 
 use std::path::Path;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 
 use super::shard_disk::OnDisk;
-use super::slab::{Shard, Slab};
-use super::words::{Words, words_device};
+use super::slab::{Place, Shard, Slab};
+use super::words::{Words, words_place};
 use crate::error::{Error, Result};
 use crate::offload::IoReport;
 use crate::precision::Half;
@@ -36,8 +36,8 @@ pub(super) enum Stage3Weights {
         half: Half,
         shard: Vec<Words>,
         secondary: Vec<Option<Words>>,
-        /// Where they live (`None`: host memory).
-        device: Option<Device>,
+        /// Where they live.
+        place: Place,
         /// On NVMe: the store, and `shard` holds only the unit paged in.
         disk: Option<OnDisk<u16>>,
     },
@@ -62,29 +62,26 @@ impl Stage3Weights {
                 half,
                 shard: Vec::new(),
                 secondary: (0..units).map(|_| None).collect(),
-                device: None,
+                place: Place::Host,
                 disk: None,
             },
         }
     }
 
-    /// The shards of `chunks` (the rank's fp32 chunk of every unit, in order) on `device`
-    /// (`None`: host memory), rounded to the working precision in bf16/fp16 (in host memory where
-    /// the device lacks the 16-bit type).
-    pub(super) fn fill(&mut self, chunks: Vec<Vec<f32>>, device: Option<Device>) {
+    /// The shards of `chunks` (the rank's fp32 chunk of every unit, in order) at `place`,
+    /// rounded to the working precision in bf16/fp16 (in host memory where the device lacks the
+    /// 16-bit type).
+    pub(super) fn fill(&mut self, chunks: Vec<Vec<f32>>, place: Place) {
         match self {
-            Stage3Weights::F32 { shard, .. } => *shard = Shard::new(chunks, device),
+            Stage3Weights::F32 { shard, .. } => *shard = Shard::new(chunks, place),
             Stage3Weights::Half {
                 half,
                 shard,
-                device: at,
+                place: at,
                 ..
             } => {
-                *at = words_device(*half, device);
-                *shard = chunks
-                    .iter()
-                    .map(|c| Words::round(*half, c, at.as_ref()))
-                    .collect();
+                *at = words_place(*half, place);
+                *shard = chunks.iter().map(|c| Words::round(*half, c, at)).collect();
             }
         }
     }
@@ -243,12 +240,9 @@ impl Stage3Weights {
         self.claim(u)?;
         match self {
             Stage3Weights::Half {
-                half,
-                shard,
-                device,
-                ..
+                half, shard, place, ..
             } => {
-                shard[u] = Words::round_slab(*half, master, device.as_ref());
+                shard[u] = Words::round_slab(*half, master, place);
                 Ok(())
             }
             Stage3Weights::F32 { .. } => Err(mismatch("a 16-bit shard", "fp32")),
@@ -307,10 +301,10 @@ impl Stage3Weights {
             Stage3Weights::Half {
                 half,
                 secondary,
-                device,
+                place,
                 ..
             } => {
-                secondary[u] = Some(Words::from_bits(*half, values, device.as_ref()));
+                secondary[u] = Some(Words::from_bits(*half, values, place));
                 Ok(())
             }
             Stage3Weights::F32 { .. } => Err(mismatch("16-bit weights", "fp32")),

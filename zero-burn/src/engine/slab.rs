@@ -10,6 +10,36 @@ use zero_core::Placement;
 
 use crate::reduction::TreeBuffer;
 
+/// Where one of the engine's buffers lives: host memory, or a tensor on a device. (State on NVMe
+/// is paged through host memory by [`crate::offload`].)
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) enum Place {
+    #[default]
+    Host,
+    Device(Device),
+}
+
+impl Place {
+    /// Where the engine's state of `placement` lives for a model on `model`: host memory for
+    /// `host` and `nvme` placement and on a CPU backend (whose device is host memory), else the
+    /// model's device without autodiff.
+    pub(super) fn of(placement: Placement, model: &Device) -> Place {
+        let inner = model.clone().inner();
+        match placement {
+            Placement::Device if inner != Device::flex() => Place::Device(inner),
+            _ => Place::Host,
+        }
+    }
+
+    /// The device, unless the place is host memory.
+    pub(super) fn device(&self) -> Option<&Device> {
+        match self {
+            Place::Host => None,
+            Place::Device(d) => Some(d),
+        }
+    }
+}
+
 /// A flat fp32 buffer: in host memory, or a tensor on a device.
 #[derive(Debug)]
 pub(super) enum Slab {
@@ -19,19 +49,19 @@ pub(super) enum Slab {
 }
 
 impl Slab {
-    /// `values`, in host memory (`device` is `None`) or uploaded to `device`.
-    pub(super) fn new(values: Vec<f32>, device: Option<&Device>) -> Self {
-        match device {
-            None => Slab::Host(values),
-            Some(d) => Slab::Device(Box::new(upload(&values, d))),
+    /// `values` at `place` (uploaded to a device).
+    pub(super) fn new(values: Vec<f32>, place: &Place) -> Self {
+        match place {
+            Place::Host => Slab::Host(values),
+            Place::Device(d) => Slab::Device(Box::new(upload(&values, d))),
         }
     }
 
-    /// `len` zeros, in host memory (`device` is `None`) or on `device`.
-    pub(super) fn zeros(len: usize, device: Option<&Device>) -> Self {
-        match device {
-            None => Slab::Host(vec![0.0; len]),
-            Some(d) => Slab::Device(Box::new(Tensor::zeros([len], d))),
+    /// `len` zeros at `place`.
+    pub(super) fn zeros(len: usize, place: &Place) -> Self {
+        match place {
+            Place::Host => Slab::Host(vec![0.0; len]),
+            Place::Device(d) => Slab::Device(Box::new(Tensor::zeros([len], d))),
         }
     }
 
@@ -226,25 +256,22 @@ impl TreeBuffer for Slab {
 #[derive(Debug, Default)]
 pub(super) struct Shard {
     units: Vec<Slab>,
-    /// Where it lives (`None`: host memory).
-    device: Option<Device>,
+    /// Where it lives.
+    place: Place,
 }
 
 impl Shard {
-    /// The shard of `chunks` (one per unit, in order) on `device` (`None`: host memory).
-    pub(super) fn new(chunks: Vec<Vec<f32>>, device: Option<Device>) -> Self {
+    /// The shard of `chunks` (one per unit, in order) at `place`.
+    pub(super) fn new(chunks: Vec<Vec<f32>>, place: Place) -> Self {
         Shard {
-            units: chunks
-                .into_iter()
-                .map(|c| Slab::new(c, device.as_ref()))
-                .collect(),
-            device,
+            units: chunks.into_iter().map(|c| Slab::new(c, &place)).collect(),
+            place,
         }
     }
 
     /// A slab of `values` where the shard lives (the hpZ secondary shard's place).
     pub(super) fn slab(&self, values: Vec<f32>) -> Slab {
-        Slab::new(values, self.device.as_ref())
+        Slab::new(values, &self.place)
     }
 
     /// Unit `u`'s slab.
@@ -277,16 +304,6 @@ impl Shard {
 pub(super) fn write_once(dst: &mut [f32], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = s + 0.0;
-    }
-}
-
-/// Where the engine's state of `placement` lives for a model on `model`: `None` for host memory
-/// (a CPU backend's device is host memory too), else the model's device without autodiff.
-pub(super) fn state_device(placement: Placement, model: &Device) -> Option<Device> {
-    let inner = model.clone().inner();
-    match placement {
-        Placement::Device if inner != Device::flex() => Some(inner),
-        _ => None,
     }
 }
 

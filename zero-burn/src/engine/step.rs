@@ -26,7 +26,7 @@ use super::grad_acc::GradView;
 use super::sharded::Source;
 use super::slab::Slab;
 use super::weights::{cut_range, fill_parts};
-use super::words::{Words, words_device};
+use super::words::{Words, words_place};
 use crate::comms::{Comms, Elems, Out};
 use crate::error::{Error, Result};
 use crate::params;
@@ -57,7 +57,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let plan = self.plan.clone();
         let c = plan.config();
         let stage = plan.stage();
-        let half = self.half;
+        let half = self.half();
         let fp16 = self.opt.scaler.is_some();
         self.clock.step += 1;
         let loss_scale = self.opt.scaler.as_ref().map_or(1.0, LossScaler::scale);
@@ -207,10 +207,10 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                 }
                 (Some(h), _) => {
                     // Rounded where the master lives, if its device has the 16-bit type.
-                    let on = words_device(h, self.opt.device().cloned());
+                    let on = words_place(h, self.opt.place().clone());
                     let w16 = self
                         .opt
-                        .step_master(u, lr, g, |m| Words::round_slab(h, m, on.as_ref()))?;
+                        .step_master(u, lr, g, |m| Words::round_slab(h, m, &on))?;
                     match (stage, w16) {
                         (0, w16) => match w16.widened(0..len) {
                             Some(t) => Publish::WriteTensor(Box::new(t)),
@@ -335,7 +335,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                 Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
                 Publish::Gathered(Elems::DeviceWords(buf)) => self.install_words(u, &buf, None)?,
                 Publish::InPlace => {}
-                Publish::Gathered(Elems::U16(_)) | Publish::Gather(_) | Publish::Gather16(..) => {
+                Publish::Gathered(Elems::U16(..)) | Publish::Gather(_) | Publish::Gather16(..) => {
                     return Err(Error::Internal(
                         "a post-step gather returned 16-bit or ungathered elements".into(),
                     ));

@@ -32,7 +32,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let len = self.plan.units()[u].len as usize;
         // The canonical tree sums across ranks and divides once, after the last micro-step;
         // bf16/fp16 always take the mean.
-        let op = match (self.options.reduction, self.half) {
+        let op = match (self.options.reduction, self.half()) {
             (Reduction::CanonicalTree, None) => ReduceOp::Sum,
             _ => ReduceOp::Mean,
         };
@@ -46,7 +46,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             // bf16/fp16 gathered in an f32 tensor on the device: rounded there, handed to the
             // hook and reduced in the communicator's memory (plain, every micro-step).
             Pending::Tensor(t) => {
-                let h = self.half.ok_or_else(|| {
+                let h = self.half().ok_or_else(|| {
                     Error::Internal(format!("unit {u}: a 16-bit gradient in an fp32 trainer"))
                 })?;
                 let data = self.hook()?.words_of(&t.cast(words::dtype(h)))?;
@@ -109,14 +109,14 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             }
             self.acc.wire(off..off + len)
         } else {
-            match self.half {
+            match self.half() {
                 None => Elems::F32(g),
-                Some(h) => Elems::U16(h.round_all(&g)),
+                Some(h) => Elems::U16(h, h.round_all(&g)),
             }
         };
         let bytes = match &data {
             Elems::F32(v) => v.capacity() as u64 * 4,
-            Elems::U16(v) => v.capacity() as u64 * 2,
+            Elems::U16(_, v) => v.capacity() as u64 * 2,
             Elems::Device(_) => len as u64 * 4,
             Elems::DeviceWords(_) => len as u64 * 2,
         };
@@ -207,7 +207,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                         qwz: false,
                     },
                     None => Job::Gather {
-                        piece: Elems::U16(words.bits(h).into_owned()),
+                        piece: Elems::U16(h, words.bits(h).into_owned()),
                         hpz,
                     },
                 }
@@ -216,7 +216,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         exec.submit(job, Ticket::Gather { u, backward })?;
         self.status[u] = UnitStatus::Fetching;
         // In flight: the buffer each collective will return (the unit's length).
-        let w = if self.half.is_some() { 2 } else { 4 };
+        let w = if self.half().is_some() { 2 } else { 4 };
         let fetching: u64 = exec
             .in_flight()
             .map(|t| match t {

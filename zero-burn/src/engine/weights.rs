@@ -237,7 +237,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         // The buffer the unit arrived in, as allocated (the device path's is sized by the hook).
         let bytes = match &full {
             Elems::F32(v) => v.capacity() as u64 * 4,
-            Elems::U16(v) => v.capacity() as u64 * 2,
+            Elems::U16(_, v) => v.capacity() as u64 * 2,
             Elems::Device(_) => len as u64 * 4,
             Elems::DeviceWords(_) => len as u64 * 2,
         };
@@ -250,10 +250,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                 }
                 self.write_unit(u, &full);
             }
-            Elems::U16(full) => {
-                let h = self.half.ok_or_else(|| {
-                    Error::Internal(format!("unit {u}: 16-bit weights gathered in fp32"))
-                })?;
+            Elems::U16(h, full) => {
                 if let Some(r) = slice {
                     self.sharded.keep_half(u, full[r].to_vec())?;
                 }
@@ -380,7 +377,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                 qwz: false,
             }),
             Elems::F32(piece) => Ok(Elems::F32(comms.world.all_gather_vec(piece)?)),
-            Elems::U16(_) | Elems::Device(_) | Elems::DeviceWords(_) => Err(Error::Internal(
+            Elems::U16(..) | Elems::Device(_) | Elems::DeviceWords(_) => Err(Error::Internal(
                 "a post-step gather of a 16-bit or device piece without a device hook".into(),
             )),
         }

@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use burn::tensor::{DType, Device, Tensor, TensorData, bf16, f16};
 
-use super::slab::{Slab, upload};
+use super::slab::{Place, Slab, upload};
 use crate::precision::Half;
 
 /// A flat buffer of 16-bit words of type `half`.
@@ -27,10 +27,13 @@ pub(super) enum Words {
     Device(Box<Tensor<1>>),
 }
 
-/// The device where `half`'s words live beside a model whose state sits on `device` (`None`:
-/// host memory): `device` if it supports the type, else host memory.
-pub(super) fn words_device(half: Half, device: Option<Device>) -> Option<Device> {
-    device.filter(|d| d.supports_dtype(dtype(half)))
+/// Where `half`'s words live beside state at `place`: there if its device supports the type,
+/// else host memory.
+pub(super) fn words_place(half: Half, place: Place) -> Place {
+    match place {
+        Place::Device(d) if d.supports_dtype(dtype(half)) => Place::Device(d),
+        _ => Place::Host,
+    }
 }
 
 /// The burn type of `half`'s words.
@@ -42,36 +45,36 @@ pub(super) fn dtype(half: Half) -> DType {
 }
 
 impl Words {
-    /// `values` rounded to `half`, on `device` (`None`: host memory).
-    pub(super) fn round(half: Half, values: &[f32], device: Option<&Device>) -> Words {
-        match device {
-            None => Words::Host(half.round_all(values)),
-            Some(d) => Words::Device(Box::new(upload(values, d).cast(dtype(half)))),
+    /// `values` rounded to `half`, at `place`.
+    pub(super) fn round(half: Half, values: &[f32], place: &Place) -> Words {
+        match place {
+            Place::Host => Words::Host(half.round_all(values)),
+            Place::Device(d) => Words::Device(Box::new(upload(values, d).cast(dtype(half)))),
         }
     }
 
-    /// The fp32 master `master` (wherever it lives) rounded to `half`, on `device` (`None`: host
-    /// memory): on the device itself when both live there.
-    pub(super) fn round_slab(half: Half, master: &Slab, device: Option<&Device>) -> Words {
-        match (master.device_slice(0..master.len()), device) {
-            (Some(t), Some(_)) => Words::Device(Box::new(t.cast(dtype(half)))),
-            _ => Words::round(half, &master.host(), device),
+    /// The fp32 master `master` (wherever it lives) rounded to `half`, at `place`: on the device
+    /// itself when both live there.
+    pub(super) fn round_slab(half: Half, master: &Slab, place: &Place) -> Words {
+        match (master.device_slice(0..master.len()), place) {
+            (Some(t), Place::Device(_)) => Words::Device(Box::new(t.cast(dtype(half)))),
+            _ => Words::round(half, &master.host(), place),
         }
     }
 
-    /// The bit patterns `words` of `half`, on `device` (`None`: host memory).
-    pub(super) fn from_bits(half: Half, words: Vec<u16>, device: Option<&Device>) -> Words {
-        match device {
-            None => Words::Host(words),
-            Some(d) => Words::Device(Box::new(bits_tensor(half, &words, d))),
+    /// The bit patterns `words` of `half`, at `place`.
+    pub(super) fn from_bits(half: Half, words: Vec<u16>, place: &Place) -> Words {
+        match place {
+            Place::Host => Words::Host(words),
+            Place::Device(d) => Words::Device(Box::new(bits_tensor(half, &words, d))),
         }
     }
 
-    /// `len` zeros of `half` on `device` (`None`: host memory).
-    pub(super) fn zeros(half: Half, len: usize, device: Option<&Device>) -> Words {
-        match device {
-            None => Words::Host(vec![0; len]),
-            Some(d) => Words::Device(Box::new(Tensor::zeros([len], (d, dtype(half))))),
+    /// `len` zeros of `half` at `place`.
+    pub(super) fn zeros(half: Half, len: usize, place: &Place) -> Words {
+        match place {
+            Place::Host => Words::Host(vec![0; len]),
+            Place::Device(d) => Words::Device(Box::new(Tensor::zeros([len], (d, dtype(half))))),
         }
     }
 
