@@ -101,10 +101,11 @@ pub struct Loaded {
 }
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
-    /// Saves a checkpoint of this rank's shard into `store` and, on rank 0, commits it; every
-    /// rank must call it at the same step. `client_state` (data position, epoch, ...) comes back
-    /// from [`Self::load`]. An error on any rank fails the save on every rank and leaves the
-    /// previous `LATEST` in place. Its collectives are booked as [`RankReport::other_traffic`](crate::RankReport::other_traffic).
+    /// Saves a checkpoint of this rank's shard into `store` and, on rank 0, commits it; every rank
+    /// must call it at the same step. `client_state` (data position, epoch, ...) comes back from
+    /// [`Self::load`]. An error on any rank fails the save on every rank and leaves the previous
+    /// `LATEST` in place. Its collectives are booked as
+    /// [`RankReport::other_traffic`](crate::RankReport::other_traffic).
     pub fn save(&mut self, store: &dyn Storage, client_state: ClientState) -> Result<SaveReport> {
         self.core.check_restored()?;
         self.untracked(|e| save::save(e, store, client_state))

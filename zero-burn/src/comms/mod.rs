@@ -8,8 +8,9 @@
 //! job runs when it is submitted and its result waits in a queue, which makes the inline mode
 //! the synchronous trainer exactly.
 //!
-//! The communication thread borrows the rank's communicators for the micro-step. It stops at the first failed job (the rank's compute side returns that
-//! error when it reaches it); a panic in a communicator is re-raised on the rank's thread.
+//! The communication thread borrows the rank's communicators for the micro-step. It stops at the
+//! first failed job (the rank's compute side returns that error when it reaches it); a panic in a
+//! communicator is re-raised on the rank's thread.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -15,7 +15,7 @@ use super::slab::Place;
 use super::{Core, Pending, ZeroEngine, check_lr, words};
 use crate::error::{Error, Result};
 use crate::params::{self, GradSource};
-use crate::precision::StepInfo;
+use crate::precision::{Half, StepInfo};
 use crate::segmented::Segmented;
 
 impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
@@ -76,25 +76,28 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
 }
 
 impl<C: Communicator, M: Segmented> Core<C, M> {
-    /// Whether unit `u`'s bf16/fp16 gradients are rounded and reduced on the device: with a
-    /// [`DeviceTensors`] hook that moves 16-bit words, on a device with the type, reduced every
-    /// micro-step, not through qgZ (which quantizes them widened in host memory).
-    pub(super) fn packs_words_on_device(&self, u: usize) -> bool {
+    /// The 16-bit type unit `u`'s bf16/fp16 gradients are rounded to and reduced in on the device,
+    /// if they are: with a [`DeviceTensors`](crate::device::DeviceTensors) hook that moves 16-bit
+    /// words, on a device with the type, reduced every micro-step, not through qgZ (which quantizes
+    /// them widened in host memory).
+    pub(super) fn words_on_device(&self, u: usize) -> Option<Half> {
         let plan = &self.plan;
         let c = plan.config();
-        self.half().is_some_and(|h| {
-            words::words_place(h, Place::Device(self.device.clone().inner()))
-                .device()
-                .is_some()
-        }) && self
+        let h = self.half()?;
+        let on_device = words::words_place(h, Place::Device(self.device.clone().inner()))
+            .device()
+            .is_some();
+        let moves = self
             .device_tensors
             .as_ref()
-            .is_some_and(|d| d.moves_words())
-            && !(plan.stage() <= 1 && c.accumulate_before_reduce)
-            && !(c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather)
+            .is_some_and(|d| d.moves_words());
+        let every_micro_step = !(plan.stage() <= 1 && c.accumulate_before_reduce);
+        let qgz = c.quantized_gradients && plan.units()[u].kind == UnitKind::Gather;
+        (on_device && moves && every_micro_step && !qgz).then_some(h)
     }
 
-    /// Whether unit `u`'s gradients are packed on the device (see [`Self::with_device_tensors`]).
+    /// Whether unit `u`'s gradients are packed on the device by the
+    /// [`DeviceTensors`](crate::device::DeviceTensors) hook.
     pub(super) fn packs_grads_on_device(&self, u: usize, device_quant: bool) -> bool {
         let plan = &self.plan;
         let c = plan.config();
@@ -174,8 +177,8 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let device: Vec<bool> = (0..plan.units().len())
             .map(|u| self.packs_grads_on_device(u, device_quant))
             .collect();
-        let words: Vec<bool> = (0..plan.units().len())
-            .map(|u| self.packs_words_on_device(u))
+        let words: Vec<Option<Half>> = (0..plan.units().len())
+            .map(|u| self.words_on_device(u))
             .collect();
         let hook = self.device_tensors.as_deref();
         let params = &self.params;
@@ -195,9 +198,9 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                     params[i].numel()
                 )))
             } else {
-                match (hook, device[u]) {
+                match (hook, device[u], words[u]) {
                     // Each parameter is collected once, by its owner: a copy.
-                    (Some(hook), true) => (|| {
+                    (Some(hook), true, _) => (|| {
                         if pending[u].is_none() {
                             pending[u] = Some(Pending::Device(hook.zeros(len)?));
                         }
@@ -208,11 +211,11 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                         }
                     })(),
                     // Placed in the unit's f32 tensor on the device as `0 + g` (as in host memory).
-                    _ if words[u] => {
+                    (_, _, Some(h)) => {
                         let p = pending[u].get_or_insert_with(|| {
-                            Pending::Tensor(Box::new(Tensor::zeros([len], &g.device())))
+                            Pending::Tensor(h, Box::new(Tensor::zeros([len], &g.device())))
                         });
-                        if let Pending::Tensor(t) = p {
+                        if let Pending::Tensor(_, t) = p {
                             // Taken out so the tensor is the only handle: burn writes in place.
                             let unit = std::mem::replace(&mut **t, Tensor::empty([0], &g.device()));
                             **t = unit.slice_assign(off..off + n, g.add_scalar(0.0));

@@ -83,8 +83,8 @@ pub(crate) struct Meter {
     pub(super) gathered_bytes: u64,
     /// Stage 3: per unit, the bytes of the buffer it was installed from (0 when released).
     pub(super) unit_gathered_bytes: Vec<u64>,
-    /// The peak bytes in use that the model's device's memory pools counted at the samples
-    /// (`None` on flex; see [`RankReport::device_peak_bytes`](super::RankReport::device_peak_bytes)).
+    /// The peak bytes in use that the model's device's memory pools counted at the samples (`None`
+    /// on flex; see [`RankReport::device_peak_bytes`](super::RankReport::device_peak_bytes)).
     pub(super) device_peak: Option<u64>,
 }
 
@@ -119,7 +119,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         m
     }
 
-    /// The peak bytes in use on the model's device ([`RankReport::device_peak_bytes`](super::RankReport::device_peak_bytes)).
+    /// The peak bytes in use on the model's device
+    /// ([`RankReport::device_peak_bytes`](super::RankReport::device_peak_bytes)).
     pub(crate) fn device_memory_peak(&self) -> Option<u64> {
         self.core.meter.device_peak
     }

@@ -146,7 +146,7 @@ pub struct StepOutput {
 enum Pending<B> {
     Host(Vec<f32>),
     Device(B),
-    Tensor(Box<burn::tensor::Tensor<1>>),
+    Tensor(Half, Box<burn::tensor::Tensor<1>>),
 }
 
 /// Where a stage-3 unit's full weights are.
@@ -282,7 +282,8 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         self.core.device_tensors.is_some()
     }
 
-    /// Runs `f` and books its traffic as [`RankReport::other_traffic`] rather than training traffic.
+    /// Runs `f` and books its traffic as [`RankReport::other_traffic`] rather than training
+    /// traffic.
     pub(crate) fn untracked<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         let before = self.traffic();
         let r = f(self);
@@ -302,9 +303,10 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
             .collect()
     }
 
-    /// The mean loss of `batch` with the current weights: a forward pass only, no gradients and
-    /// no optimizer state touched (stage 3 gathers each segment's units and releases them). Its
-    /// traffic is booked as [`RankReport::other_traffic`]. Collective at stage 3: every rank must call it.
+    /// The mean loss of `batch` with the current weights: a forward pass only, no gradients and no
+    /// optimizer state touched (stage 3 gathers each segment's units and releases them). Its
+    /// traffic is booked as [`RankReport::other_traffic`]. Collective at stage 3: every rank must
+    /// call it.
     pub fn eval(&mut self, batch: &M::Batch) -> Result<f32> {
         self.eval_output(batch).map(|(loss, _)| loss)
     }

@@ -45,10 +45,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             },
             // bf16/fp16 gathered in an f32 tensor on the device: rounded there, handed to the
             // hook and reduced in the communicator's memory (plain, every micro-step).
-            Pending::Tensor(t) => {
-                let h = self.half().ok_or_else(|| {
-                    Error::Internal(format!("unit {u}: a 16-bit gradient in an fp32 trainer"))
-                })?;
+            Pending::Tensor(h, t) => {
                 let data = self.hook()?.words_of(&t.cast(words::dtype(h)))?;
                 let job = match reduce {
                     ReduceBy::AllReduce => Job::AllReduceWords { data, op },

@@ -8,13 +8,13 @@
 //!   them once, like frozen parameters at stages 0–2.
 //! - Only the real forward updates them: the backward's recompute (activation checkpointing) runs
 //!   the segment in training mode again, so the engine puts back the values the forward left.
-//! - After every micro-step's forward they are made equal across ranks by [`BufferSync`]: rank
-//!   0's values (DDP's default, `broadcast_buffers=True`), or the mean over ranks. Every forward
-//!   therefore starts from the same buffers on every rank, and checkpoints,
-//!   `consolidated_model()`, `eval` and exports see one consistent set. The collective is booked
-//!   as other traffic ([`RankReport::other_traffic`](super::RankReport::other_traffic)): it is not in the plan's step traffic.
-//!   Batch statistics computed across ranks (SyncBatchNorm) are not offered yet: each rank
-//!   normalises with its own micro-batch's statistics, as DDP does without SyncBatchNorm.
+//! - After every micro-step's forward they are made equal across ranks by [`BufferSync`]: rank 0's
+//!   values (DDP's default, `broadcast_buffers=True`), or the mean over ranks. Every forward
+//!   therefore starts from the same buffers on every rank, and checkpoints, `consolidated_model()`,
+//!   `eval` and exports see one consistent set. The collective is booked as other traffic
+//!   ([`RankReport::other_traffic`](super::RankReport::other_traffic)): it is not in the plan's
+//!   step traffic. Batch statistics computed across ranks (SyncBatchNorm) are not offered yet: each
+//!   rank normalises with its own micro-batch's statistics, as DDP does without SyncBatchNorm.
 
 use std::collections::HashMap;
 
