@@ -39,14 +39,9 @@ enum Publish<O> {
     Write(Vec<f32>),
     /// [`Publish::Write`] of the unit as a tensor on the optimizer state's device.
     WriteTensor(Box<Tensor<1>>),
-    /// The rank's updated fp32 chunk, all-gathered (stages 1–2, stage-3 persistent units): in
-    /// host memory, or already copied into the communicator's.
+    /// The rank's updated chunk, all-gathered (stages 1–2, stage-3 persistent units): fp32 or
+    /// 16-bit words, in host memory or already copied into the communicator's.
     Gather(O),
-    /// The rank's updated 16-bit chunk, all-gathered in host memory (stages 1–2 in bf16/fp16,
-    /// stage-3 persistent units, without a device hook that moves 16-bit words).
-    Gather16(Half, Vec<u16>),
-    /// Already gathered into the communicator's memory.
-    Gathered(O),
     /// Updated in place: in the stage-3 shard, or (stages 0–2 with the state in host memory) in
     /// the model's own tensors.
     InPlace,
@@ -319,27 +314,16 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let mut values = params::NewValues::new();
         let mut tensors = params::NewTensors::new();
         for (u, publish) in updates {
-            let publish = match publish {
-                Publish::Gather(piece) => Publish::Gathered(self.post_step_gather(comms, piece)?),
-                Publish::Gather16(h, piece) => {
-                    let full = h.all_gather(&mut comms.world, &piece)?;
-                    Publish::Write(h.widen_all(&full))
-                }
-                p => p,
-            };
             match publish {
-                Publish::Write(full) | Publish::Gathered(Elems::F32(full)) => {
-                    self.unit_values(u, &full, &mut values);
-                }
+                Publish::Write(full) => self.unit_values(u, &full, &mut values),
                 Publish::WriteTensor(full) => self.unit_tensors(u, &full, &mut tensors),
-                Publish::Gathered(Elems::Device(buf)) => self.install_tensors(u, &buf)?,
-                Publish::Gathered(Elems::DeviceWords(buf)) => self.install_words(u, &buf, None)?,
+                Publish::Gather(piece) => match self.post_step_gather(comms, piece)? {
+                    Elems::F32(full) => self.unit_values(u, &full, &mut values),
+                    Elems::U16(h, full) => self.unit_values(u, &h.widen_all(&full), &mut values),
+                    Elems::Device(buf) => self.install_tensors(u, &buf)?,
+                    Elems::DeviceWords(buf) => self.install_words(u, &buf, None)?,
+                },
                 Publish::InPlace => {}
-                Publish::Gathered(Elems::U16(..)) | Publish::Gather(_) | Publish::Gather16(..) => {
-                    return Err(Error::Internal(
-                        "a post-step gather returned 16-bit or ungathered elements".into(),
-                    ));
-                }
             }
         }
         if !values.is_empty() {
@@ -359,7 +343,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
     fn publish_words(&self, h: Half, words: &Words) -> Result<Publish<Out<C>>> {
         Ok(match self.words_piece(words)? {
             Some(piece) => Publish::Gather(piece),
-            None => Publish::Gather16(h, words.bits(h).into_owned()),
+            None => Publish::Gather(Elems::U16(h, words.bits(h).into_owned())),
         })
     }
 

@@ -364,22 +364,22 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         }
     }
 
-    /// The all-gather of an updated fp32 chunk after the optimizer step (stages 1–2, stage-3
-    /// persistent units), from host values or a [`device_piece`](Self::device_piece): into the
-    /// communicator's memory when a [`DeviceTensors`] hook installs weights from there, else into
-    /// host memory.
+    /// The all-gather of an updated chunk after the optimizer step (stages 1–2, stage-3
+    /// persistent units): 16-bit words in host memory are gathered there; fp32 values (host
+    /// values or a [`device_piece`](Self::device_piece)) into the communicator's memory when a
+    /// [`DeviceTensors`] hook installs weights from there, else into host memory; a piece already
+    /// in the communicator's memory stays there.
     pub(super) fn post_step_gather(&self, comms: &mut Comms<C>, piece: Out<C>) -> Result<Out<C>> {
-        let device = self.device_tensors.is_some();
         match piece {
-            piece if device => comms.run(Job::GatherDevice {
+            Elems::U16(h, words) => Ok(Elems::U16(h, h.all_gather(&mut comms.world, &words)?)),
+            Elems::F32(values) if self.device_tensors.is_none() => {
+                Ok(Elems::F32(comms.world.all_gather_vec(values)?))
+            }
+            piece => comms.run(Job::GatherDevice {
                 piece,
                 hpz: false,
                 qwz: false,
             }),
-            Elems::F32(piece) => Ok(Elems::F32(comms.world.all_gather_vec(piece)?)),
-            Elems::U16(..) | Elems::Device(_) | Elems::DeviceWords(_) => Err(Error::Internal(
-                "a post-step gather of a 16-bit or device piece without a device hook".into(),
-            )),
         }
     }
 
