@@ -324,32 +324,30 @@ fn mixed() -> Error {
 /// caller's that says what to do with its result: the executor owns what is in flight, and
 /// borrows the rank's communicators for as long as it lives.
 pub(crate) struct Exec<'a, C: Communicator, T> {
-    mode: Mode<'a, C>,
+    mode: Mode<'a, C, T>,
     /// Whether the communicators have [`DeviceQuant`] codecs (so qwZ/qgZ stay on the device).
     device_quant: bool,
-    /// The tickets of the collectives submitted and not yet returned, oldest first.
-    tickets: VecDeque<T>,
 }
 
-enum Mode<'a, C: Communicator> {
+/// Where the collectives run, and what is in flight, oldest first.
+enum Mode<'a, C: Communicator, T> {
+    /// On the rank's thread, each when submitted: its result waits with its ticket.
     Inline {
         comms: &'a mut Comms<C>,
-        done: VecDeque<Result<Out<C>>>,
+        done: VecDeque<(T, Result<Out<C>>)>,
     },
+    /// On the communication thread: the tickets wait for the results it sends back in order.
     Thread {
         rank: usize,
         jobs: Sender<Job<C>>,
         results: Receiver<Result<Out<C>>>,
+        tickets: VecDeque<T>,
     },
 }
 
 impl<'a, C: Communicator, T> Exec<'a, C, T> {
-    fn new(mode: Mode<'a, C>, device_quant: bool) -> Self {
-        Exec {
-            mode,
-            device_quant,
-            tickets: VecDeque::new(),
-        }
+    fn new(mode: Mode<'a, C, T>, device_quant: bool) -> Self {
+        Exec { mode, device_quant }
     }
 
     /// Whether the communicators have [`DeviceQuant`] codecs, so qwZ and qgZ can run on
@@ -362,32 +360,52 @@ impl<'a, C: Communicator, T> Exec<'a, C, T> {
     /// submitted before them.
     pub(crate) fn submit(&mut self, job: Job<C>, ticket: T) -> Result<()> {
         match &mut self.mode {
-            Mode::Inline { comms, done } => done.push_back(comms.run(job)),
-            Mode::Thread { rank, jobs, .. } => jobs.send(job).map_err(|_| stopped(*rank))?,
+            Mode::Inline { comms, done } => done.push_back((ticket, comms.run(job))),
+            Mode::Thread {
+                rank,
+                jobs,
+                tickets,
+                ..
+            } => {
+                jobs.send(job).map_err(|_| stopped(*rank))?;
+                tickets.push_back(ticket);
+            }
         }
-        self.tickets.push_back(ticket);
         Ok(())
     }
 
     /// The oldest collective in flight, waited for, with its ticket; `None` when none is.
     pub(crate) fn next(&mut self) -> Result<Option<(T, Out<C>)>> {
-        let Some(ticket) = self.tickets.pop_front() else {
-            return Ok(None);
-        };
-        let out = match &mut self.mode {
-            Mode::Inline { done, .. } => done.pop_front().unwrap_or_else(|| {
-                Err(Error::Internal(
-                    "waited for a collective that was never submitted".into(),
-                ))
-            })?,
-            Mode::Thread { rank, results, .. } => results.recv().map_err(|_| stopped(*rank))??,
-        };
-        Ok(Some((ticket, out)))
+        match &mut self.mode {
+            Mode::Inline { done, .. } => match done.pop_front() {
+                Some((ticket, out)) => Ok(Some((ticket, out?))),
+                None => Ok(None),
+            },
+            Mode::Thread {
+                rank,
+                results,
+                tickets,
+                ..
+            } => match tickets.pop_front() {
+                Some(ticket) => {
+                    let out = results.recv().map_err(|_| stopped(*rank))??;
+                    Ok(Some((ticket, out)))
+                }
+                None => Ok(None),
+            },
+        }
     }
 
     /// The tickets in flight, oldest first.
     pub(crate) fn in_flight(&self) -> impl Iterator<Item = &T> {
-        self.tickets.iter()
+        let (inline, thread) = match &self.mode {
+            Mode::Inline { done, .. } => (Some(done.iter().map(|(t, _)| t)), None),
+            Mode::Thread { tickets, .. } => (None, Some(tickets.iter())),
+        };
+        inline
+            .into_iter()
+            .flatten()
+            .chain(thread.into_iter().flatten())
     }
 }
 
@@ -444,6 +462,7 @@ pub(crate) fn with_exec<C: Communicator, T, R>(
                 rank,
                 jobs: job_tx,
                 results: res_rx,
+                tickets: VecDeque::new(),
             },
             device_quant,
         );
