@@ -50,6 +50,15 @@ pub enum Error {
     /// with [`Error::other`].
     #[error(transparent)]
     Other(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The ranks' run summaries (the demo trainer's) do not come together: one is unreadable
+    /// (ranks of different builds), or it disagrees with rank 0's on what every rank shares.
+    #[error("the run summary of rank {rank}: {detail}")]
+    RunSummary {
+        /// The rank whose summary it is.
+        rank: usize,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// A broken internal invariant: a bug in zero-burn, please report it.
     #[error("internal error (a bug in zero-burn): {0}")]
     Internal(String),

@@ -177,6 +177,14 @@ pub fn read_values<M: Module>(model: &M, want: &HashMap<ParamId, usize>) -> Resu
         .collect()
 }
 
+/// A parameter of the plan at `place` that the engine's model does not hold as `f32` values:
+/// the model and its plan disagree (a bug in zero-burn).
+pub(crate) fn missing(place: &str) -> Error {
+    Error::Internal(format!(
+        "{place}: a parameter is not in the module, or not f32 values"
+    ))
+}
+
 /// [`read_values`] as burn's flat `f32` data, without the copy into a `Vec`.
 pub(crate) fn read_data<M: Module>(
     model: &M,
@@ -190,9 +198,7 @@ pub(crate) fn read_data<M: Module>(
     r.out
         .into_iter()
         .enumerate()
-        .map(|(i, v)| {
-            v.ok_or_else(|| Error::Internal(format!("parameter slot {i} not found in the module")))
-        })
+        .map(|(i, v)| v.ok_or_else(|| missing(&format!("parameter slot {i}"))))
         .collect()
 }
 

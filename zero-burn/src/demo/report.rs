@@ -109,10 +109,10 @@ pub(crate) fn report(
         .collect();
     for r in &results[1..] {
         if r.step_info != first.step_info {
-            return Err(Error::Internal(format!(
-                "rank {} skipped different steps or used different loss scales than rank 0",
-                r.rank
-            )));
+            return Err(Error::RunSummary {
+                rank: r.rank,
+                detail: "it skipped other steps or used other loss scales than rank 0".into(),
+            });
         }
     }
     let skipped_steps = (0..steps)

@@ -283,15 +283,16 @@ pub(crate) fn train_built<C: Communicator, M: Segmented<Batch = TokenBatch>>(
             ..mine
         },
     };
-    let json = serde_json::to_vec(&wire)
-        .map_err(|e| crate::Error::Internal(format!("the run summary: {e}")))?;
+    let unreadable = |rank, e: serde_json::Error| crate::Error::RunSummary {
+        rank,
+        detail: format!("not carried as JSON: {e}"),
+    };
+    let json = serde_json::to_vec(&wire).map_err(|e| unreadable(wire.summary.rank, e))?;
     let all = crate::checkpoint::all_gather_bytes(t.ckpt_world(), &json)?
         .iter()
         .enumerate()
         .map(|(r, b)| {
-            let w: Wire = serde_json::from_slice(b).map_err(|e| {
-                crate::Error::Internal(format!("the run summary from rank {r} is unreadable: {e}"))
-            })?;
+            let w: Wire = serde_json::from_slice(b).map_err(|e| unreadable(r, e))?;
             Ok(RankSummary {
                 losses: w.loss_bits.into_iter().map(f32::from_bits).collect(),
                 ..w.summary

@@ -13,7 +13,7 @@ use zero_core::Plan;
 use super::opt_state::Grads;
 use super::slab::{Place, Slab};
 use super::words::{Words, words_place};
-use crate::comms::Elems;
+use crate::comms::{Elems, Wire};
 use crate::error::{Error, Result};
 use crate::precision::Half;
 use crate::reduction::{Reduction, TreeAccumulator};
@@ -94,14 +94,12 @@ impl GradAcc {
     }
 
     /// Elements `off..off + len` as the wire carries them: f32, or rounded to 16 bits.
-    pub(super) fn wire<B, Y>(&self, range: Range<usize>) -> Elems<B, Y> {
+    pub(super) fn wire(&self, range: Range<usize>) -> Wire {
         match self {
-            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Elems::F32(s.read(range)),
-            GradAcc::Half { half, acc } => {
-                Elems::U16(*half, acc.bits_of(*half, range).into_owned())
-            }
+            GradAcc::F32(s) | GradAcc::Tree { acc: s, .. } => Wire::F32(s.read(range)),
+            GradAcc::Half { half, acc } => Wire::U16(*half, acc.bits_of(*half, range).into_owned()),
             GradAcc::HalfIntoF32 { half, acc } => {
-                Elems::U16(*half, half.round_all(&acc.read(range)))
+                Wire::U16(*half, half.round_all(&acc.read(range)))
             }
         }
     }
@@ -287,7 +285,7 @@ mod tests {
     use super::*;
     use zero_core::Precision;
 
-    type Wire = Elems<(), ()>;
+    type Reduced = Elems<(), ()>;
 
     /// Two micro-steps' reduced values, `a` then `b`, from element 1 of a 4-element accumulator,
     /// each as the accumulator's own arithmetic says: exact f32 sums of the widened 16-bit words
@@ -298,12 +296,12 @@ mod tests {
         let h = Half::of(Precision::Bf16).expect("bf16 is 16-bit");
         let (a, b) = ([1.0f32, 0.5, -3.0], [0.25f32, 1e-3, 7.0]);
         let (wa, wb) = (h.round_all(&a), h.round_all(&b));
-        let add = |acc: &mut GradAcc, words: fn(&[f32], &[u16]) -> Wire| {
+        let add = |acc: &mut GradAcc, words: fn(&[f32], &[u16]) -> Reduced| {
             acc.apply(1, words(&a, &wa), false, 0).unwrap();
             acc.apply(1, words(&b, &wb), false, 1).unwrap();
         };
-        let sixteen: fn(&[f32], &[u16]) -> Wire = |_, w| Elems::U16(Half::Bf16, w.to_vec());
-        let thirty_two: fn(&[f32], &[u16]) -> Wire = |v, _| Elems::F32(v.to_vec());
+        let sixteen: fn(&[f32], &[u16]) -> Reduced = |_, w| Elems::U16(Half::Bf16, w.to_vec());
+        let thirty_two: fn(&[f32], &[u16]) -> Reduced = |v, _| Elems::F32(v.to_vec());
 
         let mut wide = GradAcc::HalfIntoF32 {
             half: h,
@@ -320,11 +318,11 @@ mod tests {
         };
         assert_eq!(acc[1..], sums[..]);
         assert_eq!(acc[0], 0.0, "outside the range nothing moves");
-        let Elems::U16(Half::Bf16, wire) = wide.wire::<(), ()>(1..4) else {
+        let Wire::U16(Half::Bf16, wire) = wide.wire(1..4) else {
             panic!("16-bit training sends 16-bit words")
         };
         assert_eq!(wire, h.round_all(&sums));
-        wide.apply(1, Wire::U16(h, wb.clone()), true, 0).unwrap();
+        wide.apply(1, Reduced::U16(h, wb.clone()), true, 0).unwrap();
         let GradAcc::HalfIntoF32 {
             acc: Slab::Host(acc),
             ..
@@ -351,7 +349,7 @@ mod tests {
 
         let mut f32s = GradAcc::F32(Slab::Host(vec![0.0; 4]));
         add(&mut f32s, thirty_two);
-        let Elems::F32(got) = f32s.wire::<(), ()>(0..4) else {
+        let Wire::F32(got) = f32s.wire(0..4) else {
             panic!("fp32 training sends f32")
         };
         assert_eq!(got, [0.0, a[0] + b[0], a[1] + b[1], a[2] + b[2]]);
@@ -396,7 +394,7 @@ mod tests {
             for (o, v) in oracle[1..].iter_mut().zip(r) {
                 *o += v;
             }
-            let Elems::F32(got) = acc.wire::<(), ()>(0..4) else {
+            let Wire::F32(got) = acc.wire(0..4) else {
                 panic!("fp32 training sends f32")
             };
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

@@ -4,8 +4,8 @@
 //! 16-bit shard beside fp32 secondaries, or the reverse, is not a state it can be in. Empty below
 //! stage 3.
 //!
-//! On NVMe a unit is paged in by [`Stage3Weights::page`] before [`Stage3Weights::source`] reads
-//! it, and by the calls that change it; [`Stage3Weights::settle`] writes it back.
+//! On NVMe a unit is paged in by [`Stage3Weights::source`] before it reads it, and by the calls
+//! that change it; [`Stage3Weights::settle`] writes it back.
 
 use std::path::Path;
 
@@ -105,9 +105,9 @@ impl Stage3Weights {
         Ok(())
     }
 
-    /// On NVMe, makes unit `u` the one in host memory for [`Self::source`] to read (reading
-    /// `next` ahead); `changes`: the caller changes it, so it is written back. Nothing otherwise.
-    pub(super) fn page(&mut self, u: usize, next: Option<usize>, changes: bool) -> Result<()> {
+    /// On NVMe, makes unit `u` the one in host memory (reading `next` ahead); `changes`: the
+    /// caller changes it, so it is written back. Nothing otherwise.
+    fn page(&mut self, u: usize, next: Option<usize>, changes: bool) -> Result<()> {
         match self {
             Stage3Weights::F32 {
                 shard,
@@ -170,38 +170,39 @@ impl Stage3Weights {
         }
     }
 
-    /// Whether unit `u`'s shard can be read: on NVMe only the unit paged in.
-    fn readable(&self, u: usize) -> bool {
-        match self {
-            Stage3Weights::F32 { disk: Some(d), .. } => d.holds(u),
-            Stage3Weights::Half { disk: Some(d), .. } => d.holds(u),
-            _ => true,
+    /// Unit `u`'s piece for a gather: its shard chunk (on NVMe paged in first, `next` read
+    /// ahead), or with `hpz` its secondary slice (an error when the forward left none).
+    pub(super) fn source(
+        &mut self,
+        u: usize,
+        hpz: bool,
+        next: Option<usize>,
+    ) -> Result<Source<'_>> {
+        if !hpz {
+            self.page(u, next, false)?;
+            return Ok(self.chunk(u));
         }
-    }
-
-    /// Unit `u`'s piece for a gather: its shard chunk, or with `hpz` its secondary slice (an
-    /// error when the forward left none).
-    pub(super) fn source(&self, u: usize, hpz: bool) -> Result<Source<'_>> {
         let none = || {
             Error::Internal(format!(
                 "unit {u}: the plan gathers it from hpZ, but it has no secondary shard"
             ))
         };
-        if !hpz && !self.readable(u) {
-            return Err(Error::Internal(format!(
-                "unit {u}: its shard is on NVMe and was not paged in"
-            )));
-        }
         Ok(match self {
-            Stage3Weights::F32 { secondary, .. } if hpz => {
+            Stage3Weights::F32 { secondary, .. } => {
                 Source::F32(secondary[u].as_ref().ok_or_else(none)?)
             }
-            Stage3Weights::F32 { shard, .. } => Source::F32(shard.unit(u)),
             Stage3Weights::Half {
                 half, secondary, ..
-            } if hpz => Source::Half(*half, secondary[u].as_ref().ok_or_else(none)?),
-            Stage3Weights::Half { half, shard, .. } => Source::Half(*half, &shard[u]),
+            } => Source::Half(*half, secondary[u].as_ref().ok_or_else(none)?),
         })
+    }
+
+    /// Unit `u`'s shard chunk as it is in memory: on NVMe, the caller has paged it in.
+    fn chunk(&self, u: usize) -> Source<'_> {
+        match self {
+            Stage3Weights::F32 { shard, .. } => Source::F32(shard.unit(u)),
+            Stage3Weights::Half { half, shard, .. } => Source::Half(*half, &shard[u]),
+        }
     }
 
     /// The first `len` elements of unit `u`'s shard widened to f32: on NVMe read from the store
@@ -218,7 +219,7 @@ impl Stage3Weights {
                 disk: Some(d),
                 ..
             } if !d.holds(u) => Ok(half.widen_all(&d.read(u)?[..len])),
-            _ => Ok(match self.source(u, false)? {
+            _ => Ok(match self.chunk(u) {
                 Source::F32(slab) => slab.read(0..len),
                 Source::Half(h, chunk) => h.widen_all(&chunk.bits_of(h, 0..len)),
             }),

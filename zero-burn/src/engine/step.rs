@@ -25,12 +25,12 @@ use super::Core;
 use super::grad_acc::GradView;
 use super::sharded::Source;
 use super::slab::Slab;
-use super::weights::{cut_range, fill_parts};
+use super::weights::{self, cut_range, fill_parts};
 use super::words::{Words, words_place};
 use crate::comms::{Comms, Elems, Out};
 use crate::error::{Error, Result};
 use crate::params;
-use crate::precision::{Half, LossScaler, StepInfo};
+use crate::precision::{LossScaler, StepInfo};
 use crate::segmented::Segmented;
 
 /// What an updated unit needs before the model sees it.
@@ -120,9 +120,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                         Some(found) => offsets.into_iter().zip(found).try_for_each(|(at, w)| {
                             self.opt.step_host_part(u, lr, at, &g[at..at + w.len()], w)
                         }),
-                        None => Err(Error::Internal(format!(
-                            "unit {u}: a parameter is not in the module, or not f32 values"
-                        ))),
+                        None => Err(params::missing(&format!("unit {u}"))),
                     };
                     let tensors = self.part_tensors(u, parts);
                     self.model = params::write_tensors(self.model.clone(), tensors);
@@ -146,9 +144,7 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                                 world.all_gather_vec(w).map_err(Error::from)
                             })
                         }
-                        None => Err(Error::Internal(format!(
-                            "unit {u}: a parameter is not in the module, or not f32 values"
-                        ))),
+                        None => Err(params::missing(&format!("unit {u}"))),
                     };
                     if let Ok(full) = &gathered {
                         fill_parts(&offsets, &mut parts, full);
@@ -179,10 +175,10 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                         (0, Slab::Host(w)) => Publish::Write(w),
                         (0, Slab::Device(w)) => Publish::WriteTensor(w),
                         (_, Slab::Host(w)) => Publish::Gather(Elems::F32(w)),
-                        (_, slab) if self.device_tensors.is_some() => {
-                            Publish::Gather(self.device_piece(&slab)?)
+                        (_, slab) => {
+                            let hook = self.device_tensors.as_deref();
+                            Publish::Gather(weights::piece(hook, Source::F32(&slab), false)?)
                         }
-                        (_, slab) => Publish::Gather(Elems::F32(slab.read(0..slab.len()))),
                     }
                 }
                 (None, _) => {
@@ -211,7 +207,10 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                             Some(t) => Publish::WriteTensor(Box::new(t)),
                             None => Publish::Write(h.widen_all(&w16.bits(h))),
                         },
-                        (_, w16) => self.publish_words(h, &w16)?,
+                        (_, w16) => {
+                            let hook = self.device_tensors.as_deref();
+                            Publish::Gather(weights::piece(hook, Source::Half(h, &w16), false)?)
+                        }
                     }
                 }
             };
@@ -294,15 +293,9 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             // Persistent units stay gathered: all-gather them after the step.
             for (u, unit) in plan.units().iter().enumerate() {
                 if unit.kind == UnitKind::Persistent && unit.trainable {
-                    self.sharded.page(u, None, false)?;
-                    let publish = match self.sharded.source(u, false)? {
-                        Source::F32(slab) if self.device_tensors.is_some() => {
-                            Publish::Gather(self.device_piece(slab)?)
-                        }
-                        Source::F32(slab) => Publish::Gather(Elems::F32(slab.read(0..slab.len()))),
-                        Source::Half(h, words) => self.publish_words(h, words)?,
-                    };
-                    updates.push((u, publish));
+                    let hook = self.device_tensors.as_deref();
+                    let piece = weights::piece(hook, self.sharded.source(u, false, None)?, false)?;
+                    updates.push((u, Publish::Gather(piece)));
                 }
             }
             // hpZ secondary shards never outlive a weight update; on NVMe the store holds the
@@ -335,16 +328,6 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         }
         self.end_step();
         Ok(())
-    }
-
-    /// How a rank's updated 16-bit chunk `words` is published: gathered as bytes in the
-    /// communicator's memory when they live on the device and the hook moves them, else in host
-    /// memory.
-    fn publish_words(&self, h: Half, words: &Words) -> Result<Publish<Out<C>>> {
-        Ok(match self.words_piece(words)? {
-            Some(piece) => Publish::Gather(piece),
-            None => Publish::Gather(Elems::U16(h, words.bits(h).into_owned())),
-        })
     }
 
     /// Closes an optimizer step (taken or skipped): samples memory, clears the accumulators.

@@ -6,10 +6,9 @@ use zero_comm::{Communicator, ReduceOp};
 use zero_core::{GroupKind, UnitKind};
 
 use super::layout::ReduceBy;
-use super::sharded::Source;
-use super::{Core, Pending, Ticket, UnitStatus, words};
-use crate::comms::{Elems, Exec, Job};
-use crate::error::{Error, Result};
+use super::{Core, Pending, Ticket, UnitStatus, weights, words};
+use crate::comms::{Exec, Job, Wire};
+use crate::error::Result;
 use crate::reduction::Reduction;
 use crate::segmented::Segmented;
 
@@ -44,17 +43,16 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
                 None => return Ok(()),
             },
             // bf16/fp16 gathered in an f32 tensor on the device: rounded there, handed to the
-            // hook and reduced in the communicator's memory (plain, every micro-step).
+            // hook and reduced in the communicator's memory (every micro-step).
             Pending::Tensor(h, t) => {
                 let data = self.hook()?.words_of(&t.cast(words::dtype(h)))?;
                 let job = match reduce {
                     ReduceBy::AllReduce => Job::AllReduceWords { data, op },
-                    ReduceBy::ReduceScatter => Job::ReduceScatterWords { data, op },
-                    ReduceBy::Qgz => {
-                        return Err(Error::Internal(format!(
-                            "unit {u}: qgZ on 16-bit words in the communicator's memory"
-                        )));
-                    }
+                    ReduceBy::ReduceScatter | ReduceBy::Qgz => Job::ReduceScatterWords {
+                        data,
+                        op,
+                        qgz: reduce == ReduceBy::Qgz,
+                    },
                 };
                 (job, len as u64 * 2, false)
             }
@@ -107,15 +105,13 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             self.acc.wire(off..off + len)
         } else {
             match self.half() {
-                None => Elems::F32(g),
-                Some(h) => Elems::U16(h, h.round_all(&g)),
+                None => Wire::F32(g),
+                Some(h) => Wire::U16(h, h.round_all(&g)),
             }
         };
         let bytes = match &data {
-            Elems::F32(v) => v.capacity() as u64 * 4,
-            Elems::U16(_, v) => v.capacity() as u64 * 2,
-            Elems::Device(_) => len as u64 * 4,
-            Elems::DeviceWords(_) => len as u64 * 2,
+            Wire::F32(v) => v.capacity() as u64 * 4,
+            Wire::U16(_, v) => v.capacity() as u64 * 2,
         };
         let job = match reduce {
             ReduceBy::AllReduce => Job::AllReduce { data, op },
@@ -168,47 +164,20 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         let hpz = backward && self.layout.backward_gather[u] == Some(GroupKind::Hpz);
         // fp32 (qwZ only with device codecs): gathered into the communicator's memory, installed
         // from there.
-        let device = self.device_tensors.is_some()
-            && (exec.device_quant() || !plan.config().quantized_weights);
-        if !hpz {
-            // On NVMe: the shard paged in, the next gather unit in this direction read ahead.
-            let units = plan.units();
-            let gathered = |k: &usize| units[*k].kind == UnitKind::Gather;
-            let next = match backward {
-                false => (u + 1..units.len()).find(gathered),
-                true => (0..u).rev().find(gathered),
-            };
-            self.sharded.page(u, next, false)?;
-        }
-        let job = match self.sharded.source(u, hpz)? {
-            Source::F32(slab) if device => Job::GatherDevice {
-                piece: self.device_piece(slab)?,
-                hpz,
-                qwz: true,
-            },
-            Source::F32(slab) => Job::Gather {
-                piece: Elems::F32(slab.read(0..slab.len())),
-                hpz,
-            },
-            // 16-bit words gathered on the device where they live and the hook moves them (not
-            // through qwZ, which quantizes them widened in host memory).
-            Source::Half(h, words) => {
-                let piece = match plan.config().quantized_weights {
-                    true => None,
-                    false => self.words_piece(words)?,
-                };
-                match piece {
-                    Some(piece) => Job::GatherDevice {
-                        piece,
-                        hpz,
-                        qwz: false,
-                    },
-                    None => Job::Gather {
-                        piece: Elems::U16(h, words.bits(h).into_owned()),
-                        hpz,
-                    },
-                }
-            }
+        let qwz = plan.config().quantized_weights;
+        let hook = (self.device_tensors.as_deref()).filter(|_| exec.device_quant() || !qwz);
+        // On NVMe: the shard paged in, the next gather unit in this direction read ahead.
+        let units = plan.units();
+        let gathered = |k: &usize| units[*k].kind == UnitKind::Gather;
+        let next = match backward {
+            false => (u + 1..units.len()).find(gathered),
+            true => (0..u).rev().find(gathered),
+        };
+        let job = Job::Gather {
+            piece: weights::piece(hook, self.sharded.source(u, hpz, next)?, qwz)?,
+            hpz,
+            qwz: true,
+            device: hook.is_some(),
         };
         exec.submit(job, Ticket::Gather { u, backward })?;
         self.status[u] = UnitStatus::Fetching;

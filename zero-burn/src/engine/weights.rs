@@ -9,7 +9,6 @@ use zero_comm::Communicator;
 use zero_core::GatherOrder;
 
 use super::sharded::Source;
-use super::slab::Slab;
 use super::words::Words;
 use super::{Core, UnitStatus, ZeroEngine};
 use crate::comms::{Comms, Elems, Job, Out};
@@ -28,11 +27,9 @@ impl<C: Communicator, M: Segmented> ZeroEngine<C, M> {
         let mut out = vec![Vec::new(); self.core.params.len()];
         if plan.stage() == 3 {
             for u in 0..plan.units().len() {
-                self.core
-                    .sharded
-                    .page(u, (u + 1 < plan.units().len()).then_some(u + 1), false)?;
+                let next = (u + 1 < plan.units().len()).then_some(u + 1);
                 let world = &mut self.comms.world;
-                let full = match self.core.sharded.source(u, false)? {
+                let full = match self.core.sharded.source(u, false, next)? {
                     Source::F32(slab) => world.all_gather_host(&slab.read(0..slab.len()))?,
                     Source::Half(h, piece) => h.widen_all(&h.all_gather(world, &piece.bits(h))?),
                 };
@@ -157,9 +154,9 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             if o > at {
                 parts.push(Tensor::<1>::zeros([o - at], device));
             }
-            let (t, _, _) = tensors.remove(&self.params[e.param].id).ok_or_else(|| {
-                Error::Internal(format!("unit {u}: a parameter is not in the module"))
-            })?;
+            let (t, _, _) = tensors
+                .remove(&self.params[e.param].id)
+                .ok_or_else(|| params::missing(&format!("unit {u}")))?;
             parts.push(t.inner().to_device(device));
             at = o + e.numel as usize;
         }
@@ -334,53 +331,18 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
         Ok(())
     }
 
-    /// The piece a device gather sends of the 16-bit `words` (a rank's chunk of a unit, or its
-    /// hpZ secondary slice): copied on the device into the communicator's memory,
-    /// when they live on a device and the [`DeviceTensors`] hook moves 16-bit words; else `None`
-    /// (they travel through host memory).
-    pub(super) fn words_piece(&self, words: &Words) -> Result<Option<Out<C>>> {
-        match (words.tensor(), self.device_tensors.as_deref()) {
-            (Some(t), Some(hook)) if hook.moves_words() => {
-                Ok(Some(Elems::DeviceWords(hook.words_of(t)?)))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// The piece a device gather sends from `slab` (this rank's fp32 chunk of a unit, or its hpZ
-    /// secondary slice): copied on the device into the communicator's memory through the
-    /// [`DeviceTensors`] hook when the slab lives there, so it never passes through host memory;
-    /// else its values, which the communicator uploads.
-    pub(super) fn device_piece(&self, slab: &Slab) -> Result<Out<C>> {
-        let len = slab.len();
-        match slab.device_slice(0..len) {
-            Some(t) => {
-                let hook = self.hook()?;
-                let mut buf = hook.zeros(len)?;
-                hook.copy_in(&mut buf, 0, &t)?;
-                Ok(Elems::Device(buf))
-            }
-            None => Ok(Elems::F32(slab.read(0..len))),
-        }
-    }
-
     /// The all-gather of an updated chunk after the optimizer step (stages 1–2, stage-3
     /// persistent units): 16-bit words in host memory are gathered there; fp32 values (host
-    /// values or a [`device_piece`](Self::device_piece)) into the communicator's memory when a
+    /// values or a [`piece`] on the device) into the communicator's memory when a
     /// [`DeviceTensors`] hook installs weights from there, else into host memory; a piece already
     /// in the communicator's memory stays there.
     pub(super) fn post_step_gather(&self, comms: &mut Comms<C>, piece: Out<C>) -> Result<Out<C>> {
-        match piece {
-            Elems::U16(h, words) => Ok(Elems::U16(h, h.all_gather(&mut comms.world, &words)?)),
-            Elems::F32(values) if self.device_tensors.is_none() => {
-                Ok(Elems::F32(comms.world.all_gather_vec(values)?))
-            }
-            piece => comms.run(Job::GatherDevice {
-                piece,
-                hpz: false,
-                qwz: false,
-            }),
-        }
+        comms.run(Job::Gather {
+            piece,
+            hpz: false,
+            qwz: false,
+            device: self.device_tensors.is_some(),
+        })
     }
 
     /// Releases the gathered units segment `seg` needs for which `done(order, u)` holds (see
@@ -396,6 +358,34 @@ impl<C: Communicator, M: Segmented> Core<C, M> {
             }
         }
     }
+}
+
+/// The piece a gather sends of a rank's chunk `source` (of a unit, or its hpZ secondary slice):
+/// where it lives on a device and a `hook` is given, copied on the device into the
+/// communicator's memory, so it never passes through host memory (16-bit words only when the
+/// hook moves them, and not under `qwz`, which quantizes them widened in host memory); else its
+/// values in host memory, which the communicator uploads where it gathers into its own memory.
+pub(super) fn piece<C: Communicator>(
+    hook: Option<&dyn DeviceTensors<C>>,
+    source: Source<'_>,
+    qwz: bool,
+) -> Result<Out<C>> {
+    Ok(match source {
+        Source::F32(slab) => match (slab.device_slice(0..slab.len()), hook) {
+            (Some(t), Some(hook)) => {
+                let mut buf = hook.zeros(slab.len())?;
+                hook.copy_in(&mut buf, 0, &t)?;
+                Elems::Device(buf)
+            }
+            _ => Elems::F32(slab.read(0..slab.len())),
+        },
+        Source::Half(h, words) => match (words.tensor(), hook) {
+            (Some(t), Some(hook)) if hook.moves_words() && !qwz => {
+                Elems::DeviceWords(hook.words_of(t)?)
+            }
+            _ => Elems::U16(h, words.bits(h).into_owned()),
+        },
+    })
 }
 
 /// Elements `range` of a unit's flat values from its parameters' data, each at its offset in the
