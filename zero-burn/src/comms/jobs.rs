@@ -26,7 +26,7 @@ pub(crate) enum Elems<B, Y> {
 }
 
 /// Elements in host memory: what the host collectives take, and what every reduction returns.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Wire {
     F32(Vec<f32>),
     U16(Half, Vec<u16>),
