@@ -23,10 +23,38 @@ pub(crate) struct BenchArgs {
     out: String,
 }
 
-struct Row {
-    name: &'static str,
-    args: Vec<&'static str>,
-}
+/// Plain ZeRO-3: no qwZ, qgZ or hpZ.
+const Z3: &str = "--stage 3 --qwz false --qgz false --hpz 1";
+
+/// The speed and loss table's configurations: a name and `cargo xtask train`'s arguments (the
+/// steps and, but for the `overlap` rows, `--overlap-comm false` are added).
+const ROWS: [(&str, &str); 12] = [
+    ("stage0", "--stage 0"),
+    ("stage1", "--stage 1"),
+    ("stage2", "--stage 2"),
+    ("stage3", Z3),
+    ("stage3+qwz", "--stage 3 --qwz true --qgz false --hpz 1"),
+    ("stage3+hpz", "--stage 3 --qwz false --qgz false --hpz 2"),
+    ("stage3+qgz", "--stage 3 --qwz false --qgz true --hpz 1"),
+    ("stage3+qwz+hpz+qgz", "--stage 3"),
+    (
+        "stage3+keep-gathered",
+        "--stage 3 --qwz false --qgz false --hpz 1 --checkpoint-activations false",
+    ),
+    ("stage2+overlap", "--stage 2 --overlap-comm true"),
+    (
+        "stage3+overlap",
+        "--stage 3 --qwz false --qgz false --hpz 1 --overlap-comm true",
+    ),
+    ("stage3+zpp+overlap", "--stage 3 --overlap-comm true"),
+];
+
+/// The memory table's configurations, on the `wide` model for 3 steps of micro-batch 1.
+const MEMORY_ROWS: [(&str, &str); 3] = [
+    ("mem-stage0", "--stage 0"),
+    ("mem-stage3", Z3),
+    ("mem-stage3+zpp", "--stage 3"),
+];
 
 fn run_train(out: &Path, name: &str, args: &[&str]) -> anyhow::Result<serde_json::Value> {
     let dir = out.join(name);
@@ -59,86 +87,6 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
     let out = Path::new(&a.out);
     std::fs::create_dir_all(out)?;
     let s = a.steps.to_string();
-    let rows = [
-        Row {
-            name: "stage0",
-            args: vec!["--stage", "0"],
-        },
-        Row {
-            name: "stage1",
-            args: vec!["--stage", "1"],
-        },
-        Row {
-            name: "stage2",
-            args: vec!["--stage", "2"],
-        },
-        Row {
-            name: "stage3",
-            args: vec![
-                "--stage", "3", "--qwz", "false", "--qgz", "false", "--hpz", "1",
-            ],
-        },
-        Row {
-            name: "stage3+qwz",
-            args: vec![
-                "--stage", "3", "--qwz", "true", "--qgz", "false", "--hpz", "1",
-            ],
-        },
-        Row {
-            name: "stage3+hpz",
-            args: vec![
-                "--stage", "3", "--qwz", "false", "--qgz", "false", "--hpz", "2",
-            ],
-        },
-        Row {
-            name: "stage3+qgz",
-            args: vec![
-                "--stage", "3", "--qwz", "false", "--qgz", "true", "--hpz", "1",
-            ],
-        },
-        Row {
-            name: "stage3+qwz+hpz+qgz",
-            args: vec!["--stage", "3"],
-        },
-        Row {
-            name: "stage3+keep-gathered",
-            args: vec![
-                "--stage",
-                "3",
-                "--qwz",
-                "false",
-                "--qgz",
-                "false",
-                "--hpz",
-                "1",
-                "--checkpoint-activations",
-                "false",
-            ],
-        },
-        Row {
-            name: "stage2+overlap",
-            args: vec!["--stage", "2", "--overlap-comm", "true"],
-        },
-        Row {
-            name: "stage3+overlap",
-            args: vec![
-                "--stage",
-                "3",
-                "--qwz",
-                "false",
-                "--qgz",
-                "false",
-                "--hpz",
-                "1",
-                "--overlap-comm",
-                "true",
-            ],
-        },
-        Row {
-            name: "stage3+zpp+overlap",
-            args: vec!["--stage", "3", "--overlap-comm", "true"],
-        },
-    ];
     println!("speed and loss: default model, 4 ranks (2 nodes x 2), {s} steps each");
     println!(
         "{:<20} {:>10} {:>10} {:>10} {:>12} {:>10}",
@@ -146,28 +94,28 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
     );
     let mut base_ms = None;
     let mut z3_loss = None;
-    for r in &rows {
-        let mut args = r.args.clone();
+    for (name, row) in ROWS {
+        let mut args: Vec<&str> = row.split_whitespace().collect();
         args.extend(["--steps", s.as_str()]);
-        if !r.name.ends_with("overlap") {
+        if !name.ends_with("overlap") {
             args.extend(["--overlap-comm", "false"]);
         }
-        let v = run_train(out, r.name, &args)?;
+        let v = run_train(out, name, &args)?;
         let wall = v["wall_secs"].as_f64().unwrap_or(f64::NAN);
         let ms = wall * 1e3 / a.steps as f64;
         let tps = v["tokens_per_sec"].as_f64().unwrap_or(f64::NAN);
         let loss = tail_loss(&v);
         let base = *base_ms.get_or_insert(ms);
-        if r.name == "stage3" {
+        if name == "stage3" {
             z3_loss = Some(loss);
         }
         let gap = z3_loss
-            .filter(|_| r.name.starts_with("stage3"))
+            .filter(|_| name.starts_with("stage3"))
             .map(|z| format!("{:+.4}", loss - z))
             .unwrap_or_default();
         println!(
             "{:<20} {:>10.1} {:>9.2}x {:>10.0} {:>12.4} {:>10}",
-            r.name,
+            name,
             ms,
             ms / base,
             tps,
@@ -179,55 +127,9 @@ pub(crate) fn run(a: BenchArgs) -> anyhow::Result<()> {
         "\npeak resident memory: `wide` model (states dominate), 4 ranks, 3 steps, whole process"
     );
     let mut rss0 = None;
-    for (name, args) in [
-        (
-            "mem-stage0",
-            vec![
-                "--model",
-                "wide",
-                "--stage",
-                "0",
-                "--steps",
-                "3",
-                "--micro-batch",
-                "1",
-            ],
-        ),
-        (
-            "mem-stage3",
-            vec![
-                "--model",
-                "wide",
-                "--stage",
-                "3",
-                "--qwz",
-                "false",
-                "--qgz",
-                "false",
-                "--hpz",
-                "1",
-                "--steps",
-                "3",
-                "--micro-batch",
-                "1",
-            ],
-        ),
-        (
-            "mem-stage3+zpp",
-            vec![
-                "--model",
-                "wide",
-                "--stage",
-                "3",
-                "--steps",
-                "3",
-                "--micro-batch",
-                "1",
-            ],
-        ),
-    ] {
-        let mut args = args;
-        args.extend(["--overlap-comm", "false"]);
+    for (name, row) in MEMORY_ROWS {
+        let mut args: Vec<&str> = row.split_whitespace().collect();
+        args.extend("--model wide --steps 3 --micro-batch 1 --overlap-comm false".split(' '));
         let v = run_train(out, name, &args)?;
         let rss = v["peak_rss_bytes"]
             .as_u64()

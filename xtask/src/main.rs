@@ -125,3 +125,12 @@ fn main() -> std::process::ExitCode {
         }
     }
 }
+
+/// A temporary directory for a unit test, named `prefix…`, removed when it drops.
+#[cfg(test)]
+fn temp_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .expect("a temp dir")
+}

@@ -282,10 +282,7 @@ mod tests {
     /// bad flags name what was wrong.
     #[test]
     fn configs_and_bad_flags() {
-        let tmp = tempfile::Builder::new()
-            .prefix("zero-rs-plan-")
-            .tempdir()
-            .expect("a temp dir");
+        let tmp = crate::temp_dir("zero-rs-plan-");
         let dir = tmp.path().to_path_buf();
         let hf = dir.join("ds_hf.json");
         std::fs::write(

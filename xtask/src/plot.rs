@@ -296,10 +296,7 @@ pub(crate) mod tests {
 
     #[test]
     fn draws_two_panels_with_legends() {
-        let tmp = tempfile::Builder::new()
-            .prefix("zero-plot-")
-            .tempdir()
-            .expect("a temp dir");
+        let tmp = crate::temp_dir("zero-plot-");
         let dir = tmp.path().to_path_buf();
         let path = dir.join("p.svg");
         let s = |name: &str, k: f64| Series {
@@ -336,10 +333,7 @@ pub(crate) mod tests {
     /// and the text drawn: a longer caption darkens more of the caption's strip.
     #[test]
     fn draws_a_png_with_its_text() {
-        let tmp = tempfile::Builder::new()
-            .prefix("zero-plot-png-")
-            .tempdir()
-            .expect("a temp dir");
+        let tmp = crate::temp_dir("zero-plot-png-");
         let dir = tmp.path().to_path_buf();
         let panel = |t: &str| Panel {
             title: t.into(),

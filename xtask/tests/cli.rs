@@ -11,6 +11,10 @@ use std::time::{Duration, Instant};
 
 use zero_testkit::gate::Device;
 
+mod support {
+    pub(crate) mod report_json;
+}
+
 fn xtask() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
     // The test build trains as it is (no release rebuild).
@@ -39,16 +43,9 @@ fn ok(out: Output, what: &str) {
 /// `report.json`'s losses as bits, whether traffic and memory equal the plan, each rank
 /// process's peak RSS (empty for threads) and the plan's model-state bytes per rank.
 fn report(dir: &Path) -> (Vec<u32>, bool, bool, Vec<u64>, u64) {
-    let v: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
-    let loss = v["loss"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| (x.as_f64().unwrap() as f32).to_bits())
-        .collect();
+    let v = support::report_json::read(dir);
     (
-        loss,
+        support::report_json::loss_bits(&v),
         v["comm_matches_plan"].as_bool().unwrap(),
         v["memory_matches_plan"].as_bool().unwrap(),
         v["peak_rss_per_rank"]

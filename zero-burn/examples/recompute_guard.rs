@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use burn::tensor::Device;
-use zero_burn::demo::data::{Corpus, MarkovLanguage};
+use zero_burn::demo::data::{Corpus, Draw, MarkovLanguage};
 use zero_burn::demo::gpt::GptConfig;
 use zero_burn::{Launch, ZeroEngine};
 use zero_comm::Communicator;
@@ -53,7 +53,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .config(zero.clone())
                     .recompute_check(check)
                     .build()?;
-                let batches = |s: u64| corpus.rank_batches(s, rank, N, 1, B, cfg.context);
+                let batches = |step: u64| {
+                    corpus.rank_batches(Draw {
+                        step,
+                        rank,
+                        ranks: N,
+                        micro_steps: 1,
+                        micro_batch: B,
+                        seq: cfg.context,
+                    })
+                };
                 e.step(1e-3, &batches(0))?;
                 let t = Instant::now();
                 for s in 1..=steps as u64 {

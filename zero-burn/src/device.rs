@@ -48,6 +48,18 @@ pub trait DeviceTensors<C: Communicator>: Send + std::fmt::Debug {
     }
 }
 
+/// `len` elements from `offset` lie within a device buffer of `buf_len`, else the bridge named
+/// `bridge` says they overrun it.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn within(bridge: &str, offset: usize, len: usize, buf_len: usize) -> Result<()> {
+    if offset + len > buf_len {
+        return Err(Error::Backend(format!(
+            "{bridge}: {len} elements at {offset} overrun a buffer of {buf_len}"
+        )));
+    }
+    Ok(())
+}
+
 fn no_words(dtype: DType) -> Error {
     Error::Backend(format!(
         "this device hook moves f32 tensors only, not {dtype:?} words"

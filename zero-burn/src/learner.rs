@@ -55,7 +55,7 @@ use zero_comm::Communicator;
 use crate::engine::ZeroEngine;
 use crate::error::Result;
 use crate::precision::StepInfo;
-use crate::segmented::Whole;
+use crate::segmented::{Whole, delegate_module};
 
 /// The one learning rate of `lr` for every trainable parameter of `model`: its base rate, or
 /// [`Error::Invalid`](crate::Error::Invalid) naming the first parameter a group gives another
@@ -212,30 +212,13 @@ impl<M, E> Sharded<M, E> {
 
 /// Every call delegates to the user's model: the engine holds no parameter burn should see.
 impl<M: Module, E: Send + 'static> Module for Sharded<M, E> {
-    fn collect_devices(&self, devices: Devices) -> Devices {
-        self.model.collect_devices(devices)
-    }
-    fn fork(self, device: &Device) -> Self {
-        self.with(|m| m.fork(device))
-    }
-    fn to_device(self, device: &Device) -> Self {
-        self.with(|m| m.to_device(device))
-    }
-    fn train(self) -> Self {
-        self.with(Module::train)
-    }
+    delegate_module!(model);
     fn valid(&self) -> Self {
         Self {
             model: self.model.valid(),
             engine: self.engine.clone(),
             mapped: self.mapped,
         }
-    }
-    fn materialize(self) -> Self {
-        self.with(Module::materialize)
-    }
-    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
-        self.model.visit(visitor)
     }
     /// Marks the model as changed behind the engine's back: the next optimizer step refuses
     /// (see the module docs).

@@ -85,20 +85,8 @@ impl Half {
     /// All-gather of 16-bit elements.
     pub fn all_gather<C: Communicator>(self, comm: &mut C, piece: &[u16]) -> Result<Vec<u16>> {
         Ok(match self {
-            Half::Bf16 => {
-                let v: Vec<bf16> = piece.iter().map(|&b| bf16::from_bits(b)).collect();
-                comm.all_gather_host(&v)?
-                    .into_iter()
-                    .map(bf16::to_bits)
-                    .collect()
-            }
-            Half::F16 => {
-                let v: Vec<f16> = piece.iter().map(|&b| f16::from_bits(b)).collect();
-                comm.all_gather_host(&v)?
-                    .into_iter()
-                    .map(f16::to_bits)
-                    .collect()
-            }
+            Half::Bf16 => bits(comm.all_gather_host(typed::<bf16>(piece))?),
+            Half::F16 => bits(comm.all_gather_host(typed::<f16>(piece))?),
         })
     }
 
@@ -110,20 +98,8 @@ impl Half {
         op: ReduceOp,
     ) -> Result<Vec<u16>> {
         Ok(match self {
-            Half::Bf16 => {
-                let v: Vec<bf16> = send.iter().map(|&b| bf16::from_bits(b)).collect();
-                comm.reduce_scatter_vec(v, op)?
-                    .into_iter()
-                    .map(bf16::to_bits)
-                    .collect()
-            }
-            Half::F16 => {
-                let v: Vec<f16> = send.iter().map(|&b| f16::from_bits(b)).collect();
-                comm.reduce_scatter_vec(v, op)?
-                    .into_iter()
-                    .map(f16::to_bits)
-                    .collect()
-            }
+            Half::Bf16 => bits(comm.reduce_scatter_vec(typed::<bf16>(send).to_vec(), op)?),
+            Half::F16 => bits(comm.reduce_scatter_vec(typed::<f16>(send).to_vec(), op)?),
         })
     }
 
@@ -134,20 +110,11 @@ impl Half {
         data: &mut [u16],
         op: ReduceOp,
     ) -> Result<()> {
-        match self {
-            Half::Bf16 => {
-                let v: Vec<bf16> = data.iter().map(|&b| bf16::from_bits(b)).collect();
-                for (d, x) in data.iter_mut().zip(comm.all_reduce_vec(v, op)?) {
-                    *d = x.to_bits();
-                }
-            }
-            Half::F16 => {
-                let v: Vec<f16> = data.iter().map(|&b| f16::from_bits(b)).collect();
-                for (d, x) in data.iter_mut().zip(comm.all_reduce_vec(v, op)?) {
-                    *d = x.to_bits();
-                }
-            }
-        }
+        let reduced = match self {
+            Half::Bf16 => bits(comm.all_reduce_vec(typed::<bf16>(data).to_vec(), op)?),
+            Half::F16 => bits(comm.all_reduce_vec(typed::<f16>(data).to_vec(), op)?),
+        };
+        data.copy_from_slice(&reduced);
         Ok(())
     }
 
@@ -164,6 +131,16 @@ impl Half {
             *a = self.round(self.widen(*a) + b);
         }
     }
+}
+
+/// 16-bit words as the elements of a 16-bit type (the same bytes).
+fn typed<T: zero_comm::Element>(words: &[u16]) -> &[T] {
+    bytemuck::cast_slice(words)
+}
+
+/// A 16-bit type's elements as their words.
+fn bits<T: zero_comm::Element>(v: Vec<T>) -> Vec<u16> {
+    bytemuck::cast_slice(&v).to_vec()
 }
 
 /// What happened at one optimizer step.

@@ -240,32 +240,43 @@ impl<M: fmt::Debug, B, F> fmt::Debug for Whole<M, B, F> {
     }
 }
 
+/// The [`Module`] methods of a wrapper that hands every call to the module in its field
+/// `$field`, rebuilding itself with its own `with(self, f: impl FnOnce(M) -> M) -> Self`. The
+/// wrapper writes `valid` and `map` itself.
+macro_rules! delegate_module {
+    ($field:ident) => {
+        fn collect_devices(&self, devices: Devices) -> Devices {
+            self.$field.collect_devices(devices)
+        }
+        fn fork(self, device: &Device) -> Self {
+            self.with(|m| m.fork(device))
+        }
+        fn to_device(self, device: &Device) -> Self {
+            self.with(|m| m.to_device(device))
+        }
+        fn train(self) -> Self {
+            self.with(Module::train)
+        }
+        fn materialize(self) -> Self {
+            self.with(Module::materialize)
+        }
+        fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+            self.$field.visit(visitor)
+        }
+    };
+}
+#[cfg_attr(not(feature = "burn-train"), allow(unused_imports))]
+pub(crate) use delegate_module;
+
 /// Every call delegates to the wrapped module: `Whole` holds no parameter of its own.
 impl<M: Module, B, F: Clone + Send> Module for Whole<M, B, F> {
-    fn collect_devices(&self, devices: Devices) -> Devices {
-        self.module.collect_devices(devices)
-    }
-    fn fork(self, device: &Device) -> Self {
-        self.with(|m| m.fork(device))
-    }
-    fn to_device(self, device: &Device) -> Self {
-        self.with(|m| m.to_device(device))
-    }
-    fn train(self) -> Self {
-        self.with(Module::train)
-    }
+    delegate_module!(module);
     fn valid(&self) -> Self {
         Whole {
             module: self.module.valid(),
             loss: self.loss.clone(),
             batch: PhantomData,
         }
-    }
-    fn materialize(self) -> Self {
-        self.with(Module::materialize)
-    }
-    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
-        self.module.visit(visitor)
     }
     fn map<Mm: ModuleMapper>(self, mapper: &mut Mm) -> Self {
         self.with(|m| m.map(mapper))

@@ -20,12 +20,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use zero_burn::demo::run::{HostRun, train_rank};
+use zero_burn::Segmented;
+use zero_burn::demo::data::{Corpus, TokenBatch};
+use zero_burn::demo::run::{HostRun, RankResult, RankSummary, train_rank};
 use zero_burn::plan_for;
 use zero_comm::Communicator;
-use zero_core::{Topology, ZeroConfig};
+use zero_core::{Plan, Topology, ZeroConfig};
 
-use common::{bits, options, planned_traffic, tiny, train_tiny};
+use common::{bits, options, planned_traffic, small_units, tiny, train_tiny};
 use harness::{is_rank, launch, rank_ok};
 
 #[path = "mpi/kill.rs"]
@@ -45,11 +47,7 @@ fn topo() -> Topology {
 
 /// The configurations every rank runs, in order.
 fn configs() -> Vec<(&'static str, ZeroConfig)> {
-    let base = ZeroConfig {
-        reduce_bucket_size: 3000,
-        param_persistence_threshold: 64,
-        ..Default::default()
-    };
+    let base = small_units(0);
     let mut v: Vec<(&'static str, ZeroConfig)> = ["stage0", "stage1", "stage2", "stage3"]
         .into_iter()
         .zip(0u8..)
@@ -97,6 +95,36 @@ fn out_file(dir: &str, name: &str, rank: usize) -> PathBuf {
     PathBuf::from(dir).join(format!("{name}-rank{rank}.json"))
 }
 
+/// [`STEPS`] steps within `timeout`, keeping the final parameters.
+fn host_run(timeout: Duration) -> HostRun {
+    HostRun {
+        steps: STEPS,
+        timeout,
+        keep_final_params: true,
+        checkpoint: None,
+    }
+}
+
+/// This rank process's part of `plan`, trained over MPI from `model` within `timeout`.
+fn train_this_rank<M: Segmented<Batch = TokenBatch>>(
+    plan: Arc<Plan>,
+    model: M,
+    corpus: &dyn Corpus,
+    timeout: Duration,
+) -> (RankResult<M>, Vec<RankSummary>) {
+    let run = host_run(timeout);
+    train_rank(
+        harness::world(),
+        plan,
+        model,
+        corpus,
+        options(),
+        run,
+        &|_| {},
+    )
+    .unwrap()
+}
+
 fn rank_side() {
     let dir = std::env::var(OUT).unwrap();
     // Keeps MPI initialised between the engines (each owns a world of its own).
@@ -105,22 +133,8 @@ fn rank_side() {
     for (name, cfg) in configs() {
         let (model, corpus) = tiny();
         let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
-        let run = HostRun {
-            steps: STEPS,
-            timeout: Duration::from_secs(60),
-            keep_final_params: true,
-            checkpoint: None,
-        };
-        let (res, summaries) = train_rank(
-            harness::world(),
-            plan.clone(),
-            model,
-            &corpus,
-            options(),
-            run,
-            &|_| {},
-        )
-        .unwrap();
+        let (res, summaries) =
+            train_this_rank(plan.clone(), model, &corpus, Duration::from_secs(60));
         let out = RankOut {
             losses: res.losses.iter().map(|l| l.to_bits()).collect(),
             params: bits(&res.final_params),

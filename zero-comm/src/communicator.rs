@@ -436,3 +436,30 @@ impl<'g, C: Communicator + 'g> Drop for Group<'g, C> {
         }
     }
 }
+
+/// The group accessors of a communicator that keeps its group rank in `self.rank` and its members'
+/// global ranks in `self.members`, with the world's topology at the field path given.
+macro_rules! group_methods {
+    ($($topology:ident).+) => {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn world_size(&self) -> usize {
+            self.members.len()
+        }
+
+        fn global_rank(&self) -> usize {
+            self.members[self.rank]
+        }
+
+        fn members(&self) -> &[usize] {
+            &self.members
+        }
+
+        fn topology(&self) -> &Topology {
+            &self.$($topology).+
+        }
+    };
+}
+pub(crate) use group_methods;

@@ -41,6 +41,32 @@ impl Desc {
             key: 0,
         }
     }
+
+    /// A collective on `dtype` elements, `send_len` and `recv_len` as the fields say.
+    pub(crate) fn of(op: impl Into<Op>, dtype: DType, send_len: usize, recv_len: usize) -> Desc {
+        Desc {
+            dtype: Some(dtype),
+            send_len,
+            recv_len,
+            ..Desc::new(op)
+        }
+    }
+
+    /// This descriptor, reducing with `op`.
+    pub(crate) fn reduce(self, op: ReduceOp) -> Desc {
+        Desc {
+            reduce: Some(op),
+            ..self
+        }
+    }
+
+    /// This descriptor, from root `root`.
+    pub(crate) fn root(self, root: usize) -> Desc {
+        Desc {
+            root: Some(root),
+            ..self
+        }
+    }
 }
 
 /// Rounds `len` up to a multiple of `n`.
@@ -248,18 +274,8 @@ pub(crate) fn tally(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// A descriptor of `op` over `dtype` with the given lengths.
-    pub(crate) fn desc(op: impl Into<Op>, dtype: DType, send: usize, recv: usize) -> Desc {
-        Desc {
-            dtype: Some(dtype),
-            send_len: send,
-            recv_len: recv,
-            ..Desc::new(op)
-        }
-    }
 
     #[test]
     fn all_reduce_chunks_tile_the_buffer() {
@@ -279,7 +295,7 @@ pub(crate) mod tests {
     #[test]
     fn local_checks_catch_bad_lengths_roots_and_dtypes() {
         let n = 4;
-        let ag = desc(Collective::AllGather, DType::F32, 3, 11);
+        let ag = Desc::of(Collective::AllGather, DType::F32, 3, 11);
         match validate(&[ag], &[5], n).unwrap_err() {
             Error::LengthMismatch {
                 rank: 5,
@@ -289,10 +305,7 @@ pub(crate) mod tests {
             } => {}
             e => panic!("{e}"),
         }
-        let rs = Desc {
-            reduce: Some(ReduceOp::Sum),
-            ..desc(Collective::ReduceScatter, DType::U8, 8, 2)
-        };
+        let rs = Desc::of(Collective::ReduceScatter, DType::U8, 8, 2).reduce(ReduceOp::Sum);
         assert!(matches!(
             validate(&[rs], &[0], n),
             Err(Error::UnsupportedReduce {
@@ -300,10 +313,7 @@ pub(crate) mod tests {
                 ..
             })
         ));
-        let bc = Desc {
-            root: Some(4),
-            ..desc(Collective::Broadcast, DType::F32, 1, 1)
-        };
+        let bc = Desc::of(Collective::Broadcast, DType::F32, 1, 1).root(4);
         assert!(matches!(
             validate(&[bc], &[0], n),
             Err(Error::InvalidRoot {
@@ -312,14 +322,14 @@ pub(crate) mod tests {
                 ..
             })
         ));
-        let a2a = desc(Collective::AllToAll, DType::F16, 6, 6);
+        let a2a = Desc::of(Collective::AllToAll, DType::F16, 6, 6);
         assert!(matches!(
             validate(&[a2a], &[0], n),
             Err(Error::LengthMismatch { expected: 8, .. })
         ));
         let ip = Desc {
             in_place: true,
-            ..desc(Collective::AllGather, DType::F32, 2, 8)
+            ..Desc::of(Collective::AllGather, DType::F32, 2, 8)
         };
         validate(&[ip], &[0], n).unwrap();
     }
@@ -327,10 +337,7 @@ pub(crate) mod tests {
     #[test]
     fn peer_checks_report_the_first_disagreement_by_global_rank() {
         let ranks = [4, 5, 6];
-        let a = Desc {
-            reduce: Some(ReduceOp::Sum),
-            ..desc(Collective::AllReduce, DType::F32, 10, 10)
-        };
+        let a = Desc::of(Collective::AllReduce, DType::F32, 10, 10).reduce(ReduceOp::Sum);
         let b = Desc { send_len: 9, ..a };
         match validate(&[a, a, b], &ranks, 3).unwrap_err() {
             Error::PeerMismatch {
@@ -353,7 +360,7 @@ pub(crate) mod tests {
             }
             e => panic!("{e}"),
         }
-        let other = desc(Collective::AllGather, DType::F32, 10, 30);
+        let other = Desc::of(Collective::AllGather, DType::F32, 10, 30);
         match validate(&[a, a, other], &ranks, 3).unwrap_err() {
             Error::PeerMismatch { detail, .. } => {
                 assert_eq!(detail, "rank 6 called all_gather, rank 4 called all_reduce")

@@ -151,24 +151,17 @@ impl Desc {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::tests::desc;
 
     #[test]
     fn descriptors_round_trip() {
         let all = [
             Desc::new(Collective::Barrier),
-            Desc {
-                reduce: Some(ReduceOp::Mean),
-                ..desc(Collective::ReduceScatter, DType::BF16, 12, 3)
-            },
+            Desc::of(Collective::ReduceScatter, DType::BF16, 12, 3).reduce(ReduceOp::Mean),
             Desc {
                 in_place: true,
-                ..desc(Collective::AllGather, DType::U8, 2, 8)
+                ..Desc::of(Collective::AllGather, DType::U8, 2, 8)
             },
-            Desc {
-                root: Some(0),
-                ..desc(Collective::Broadcast, DType::F16, 5, 5)
-            },
+            Desc::of(Collective::Broadcast, DType::F16, 5, 5).root(0),
             Desc {
                 color: 3,
                 key: usize::MAX >> 1,

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use zero_comm::host::{HostComm, HostLoopback};
 use zero_comm::quantized::{
-    ErrorFeedback, QuantGroups, QuantScratch, qgz_reduce_scatter, qgz_reduce_scatter_ef,
-    qwz_all_gather,
+    ErrorFeedback, QuantElement, QuantGroups, QuantScratch, qgz_reduce_scatter,
+    qgz_reduce_scatter_ef, qwz_all_gather,
 };
 use zero_comm::{Communicator, Error, ReduceOp};
 use zero_core::quant_wire::{int4_wire_len, int8_wire_len};
@@ -72,6 +72,11 @@ fn gaussian(seed: u64, len: usize) -> Vec<f32> {
     (0..len)
         .map(|i| r.gauss() * 10f32.powi((i / 37 % 5) as i32 - 2))
         .collect()
+}
+
+/// The same f32 values, bit for bit.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 fn topo(n: usize, l: usize) -> Topology {
@@ -251,11 +256,7 @@ fn qwz_identity_equals_all_gather_bitwise() {
                 let exact = comm.all_gather_host(&chunk).unwrap();
                 let mut out = vec![0f32; n * c];
                 qwz_all_gather(&mut comm, &Identity, &chunk, &mut out, &mut scratch).unwrap();
-                assert!(
-                    out.iter()
-                        .zip(&exact)
-                        .all(|(a, b)| a.to_bits() == b.to_bits())
-                );
+                assert!(same_bits(&out, &exact));
             }
         });
     }
@@ -263,58 +264,46 @@ fn qwz_identity_equals_all_gather_bitwise() {
 
 #[test]
 fn qwz_keeps_bf16_and_f16() {
-    let block = 32;
-    let codec = Int8Block::new(block).unwrap();
     launch(topo(4, 2), |mut comm| {
-        let me = comm.rank();
-        let mut scratch = QuantScratch::new();
-        let c = 101;
-        let src = gaussian(me as u64 + 99, c);
-        // bf16
-        let chunk: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
-        let exact = comm.all_gather_host(&chunk).unwrap();
-        let mut out = vec![bf16::ZERO; 4 * c];
-        qwz_all_gather(&mut comm, &codec, &chunk, &mut out, &mut scratch).unwrap();
-        check_half(
-            &exact,
-            &out,
-            c,
-            block,
-            |v| v.to_f32(),
+        let src = gaussian(comm.rank() as u64 + 99, 101);
+        // u: the type's unit roundoff; tiny: its smallest subnormal.
+        qwz_half(
+            &mut comm,
+            &src,
+            bf16::from_f32,
             2f32.powi(-8),
             2f32.powi(-133),
         );
-        // f16
-        let chunk: Vec<f16> = src.iter().map(|&v| f16::from_f32(v)).collect();
-        let exact = comm.all_gather_host(&chunk).unwrap();
-        let mut out = vec![f16::ZERO; 4 * c];
-        qwz_all_gather(&mut comm, &codec, &chunk, &mut out, &mut scratch).unwrap();
-        check_half(
-            &exact,
-            &out,
-            c,
-            block,
-            |v| v.to_f32(),
+        qwz_half(
+            &mut comm,
+            &src,
+            f16::from_f32,
             2f32.powi(-11),
             2f32.powi(-24),
         );
     });
 }
 
-fn check_half<T: Copy>(
-    exact: &[T],
-    out: &[T],
-    c: usize,
-    block: usize,
-    f: impl Fn(T) -> f32,
+/// qwZ (int8, blocks of 32) of `src` rounded to `T` over `comm` stays within the int8 bound plus
+/// `T`'s rounding of every exactly gathered element.
+fn qwz_half<T: QuantElement + Default>(
+    comm: &mut HostComm,
+    src: &[f32],
+    round: impl Fn(f32) -> T,
     u: f32,
     tiny: f32,
 ) {
+    let (block, c) = (32, src.len());
+    let codec = Int8Block::new(block).unwrap();
+    let chunk: Vec<T> = src.iter().map(|&v| round(v)).collect();
+    let exact = comm.all_gather_host(&chunk).unwrap();
+    let mut out = vec![T::default(); comm.world_size() * c];
+    qwz_all_gather(comm, &codec, &chunk, &mut out, &mut QuantScratch::new()).unwrap();
     for (x, y) in exact.chunks(c).zip(out.chunks(c)) {
-        let x: Vec<f32> = x.iter().map(|&v| f(v)).collect();
+        let x: Vec<f32> = x.iter().map(|&v| zero_quant::Element::to_f32(v)).collect();
         let a = block_absmax(&x, block);
         for i in 0..c {
-            let y = f(y[i]);
+            let y = zero_quant::Element::to_f32(y[i]);
             let bound = beta(a[i], 127.0) + u * y.abs() + tiny;
             assert!((y - x[i]).abs() <= bound, "{y} vs {} (bound {bound})", x[i]);
         }
@@ -343,9 +332,7 @@ fn qgz_identity_equals_reduce_scatter_mean_bitwise() {
                 let mut out = vec![f32::NAN; c];
                 qgz_reduce_scatter(&mut groups, &Identity, &input, &mut out, &mut scratch).unwrap();
                 assert!(
-                    out.iter()
-                        .zip(&exact)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&out, &exact),
                     "N={n} L={l} c={c} rank {me}: {:?} vs {:?}",
                     &out[..c.min(4)],
                     &exact[..c.min(4)]
@@ -362,11 +349,7 @@ fn qgz_identity_equals_reduce_scatter_mean_bitwise() {
                 let exact = world.reduce_scatter_host(&input, ReduceOp::Mean).unwrap();
                 let mut out = vec![0f32; 77];
                 qgz_reduce_scatter(&mut groups, &Identity, &input, &mut out, &mut scratch).unwrap();
-                assert!(
-                    out.iter()
-                        .zip(&exact)
-                        .all(|(a, b)| a.to_bits() == b.to_bits())
-                );
+                assert!(same_bits(&out, &exact));
             }
         });
     }
@@ -428,6 +411,31 @@ fn reference_qgz(inputs: &[Vec<f32>], n: usize, l: usize, codec: &Int4Block, p: 
     total.iter().map(|s| s / n as f32).collect()
 }
 
+/// Each rank's output of qgZ's int4 reduce-scatter over `topo(n, l)`, rank `r` sending
+/// `inputs[r]` and receiving `c` elements.
+fn qgz_int4<E: QuantElement + Default>(
+    n: usize,
+    l: usize,
+    codec: &Int4Block,
+    inputs: &[Vec<E>],
+    c: usize,
+) -> Vec<Vec<E>> {
+    launch(topo(n, l), |mut world| {
+        let me = world.rank();
+        let mut groups = QuantGroups::new(&mut world).unwrap();
+        let mut out = vec![E::default(); c];
+        qgz_reduce_scatter(
+            &mut groups,
+            codec,
+            &inputs[me],
+            &mut out,
+            &mut QuantScratch::new(),
+        )
+        .unwrap();
+        out
+    })
+}
+
 #[test]
 fn qgz_int4_matches_the_reference_bitwise() {
     let codec = Int4Block::new(32).unwrap();
@@ -436,28 +444,10 @@ fn qgz_int4_matches_the_reference_bitwise() {
             let inputs: Vec<Vec<f32>> = (0..n)
                 .map(|r| gaussian(r as u64 * 13 + c as u64, n * c))
                 .collect();
-            let outs = launch(topo(n, l), |mut world| {
-                let me = world.rank();
-                let mut groups = QuantGroups::new(&mut world).unwrap();
-                let mut out = vec![0f32; c];
-                qgz_reduce_scatter(
-                    &mut groups,
-                    &codec,
-                    &inputs[me],
-                    &mut out,
-                    &mut QuantScratch::new(),
-                )
-                .unwrap();
-                out
-            });
+            let outs = qgz_int4(n, l, &codec, &inputs, c);
             for (p, out) in outs.iter().enumerate() {
                 let want = reference_qgz(&inputs, n, l, &codec, p);
-                assert!(
-                    out.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "N={n} L={l} c={c} rank {p}"
-                );
+                assert!(same_bits(out, &want), "N={n} L={l} c={c} rank {p}");
             }
         }
     }
@@ -471,20 +461,7 @@ fn qgz_int4_within_the_stated_bound_of_the_true_mean() {
         let m = n / l;
         let c = 250;
         let inputs: Vec<Vec<f32>> = (0..n).map(|r| gaussian(r as u64 + 1000, n * c)).collect();
-        let outs = launch(topo(n, l), |mut world| {
-            let me = world.rank();
-            let mut groups = QuantGroups::new(&mut world).unwrap();
-            let mut out = vec![0f32; c];
-            qgz_reduce_scatter(
-                &mut groups,
-                &codec,
-                &inputs[me],
-                &mut out,
-                &mut QuantScratch::new(),
-            )
-            .unwrap();
-            out
-        });
+        let outs = qgz_int4(n, l, &codec, &inputs, c);
         for (p, out) in outs.iter().enumerate() {
             // Per rank, the absmax of the stage-1 block holding each element of chunk p.
             let a: Vec<Vec<f32>> = inputs
@@ -527,13 +504,8 @@ fn qgz_is_the_mean_not_l_times_the_mean() {
         let c = 96;
         // Every rank inputs the same vector with values in [1, 2]: the mean is that vector.
         let v: Vec<f32> = (0..n * c).map(|i| 1.0 + (i % 17) as f32 / 16.0).collect();
-        let outs = launch(topo(n, l), |mut world| {
-            let mut groups = QuantGroups::new(&mut world).unwrap();
-            let mut out = vec![0f32; c];
-            qgz_reduce_scatter(&mut groups, &codec, &v, &mut out, &mut QuantScratch::new())
-                .unwrap();
-            out
-        });
+        let same: Vec<Vec<f32>> = vec![v.clone(); n];
+        let outs = qgz_int4(n, l, &codec, &same, c);
         for (p, out) in outs.iter().enumerate() {
             for i in 0..c {
                 let want = v[p * c + i];
@@ -560,20 +532,7 @@ fn qgz_bf16_output_stays_bf16_within_bound() {
                 .collect()
         })
         .collect();
-    let outs = launch(topo(n, l), |mut world| {
-        let me = world.rank();
-        let mut groups = QuantGroups::new(&mut world).unwrap();
-        let mut out = vec![bf16::ZERO; c];
-        qgz_reduce_scatter(
-            &mut groups,
-            &codec,
-            &inputs[me],
-            &mut out,
-            &mut QuantScratch::new(),
-        )
-        .unwrap();
-        out
-    });
+    let outs = qgz_int4(n, l, &codec, &inputs, c);
     for (p, out) in outs.iter().enumerate() {
         for i in 0..c {
             let xs: Vec<f32> = inputs.iter().map(|x| x[p * c + i].to_f32()).collect();

@@ -120,6 +120,15 @@ fn starts(model: &ModelDesc) -> Vec<u64> {
         .collect()
 }
 
+/// A model and the checkpoint layouts of two plans of it: the saving one and the loading one.
+fn arb_reshard() -> impl Strategy<Value = (ModelDesc, CkptLayout, CkptLayout)> {
+    (arb_model(), arb_plan_inputs(), arb_plan_inputs()).prop_map(|(model, (ta, ca), (tb, cb))| {
+        let layout = |t, c: &ZeroConfig| CkptLayout::of(&Plan::new(&model, t, c).unwrap());
+        let (a, b) = (layout(ta, &ca), layout(tb, &cb));
+        (model, a, b)
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
@@ -127,13 +136,7 @@ proptest! {
     /// once, with the element the destination plan puts there; sources are real (never padding)
     /// and in bounds; A = A is one copy per non-empty chunk, from the rank's own file.
     #[test]
-    fn every_element_is_copied_exactly_once_to_its_place(
-        model in arb_model(),
-        (ta, ca) in arb_plan_inputs(),
-        (tb, cb) in arb_plan_inputs(),
-    ) {
-        let a = CkptLayout::of(&Plan::new(&model, ta, &ca).unwrap());
-        let b = CkptLayout::of(&Plan::new(&model, tb, &cb).unwrap());
+    fn every_element_is_copied_exactly_once_to_its_place((model, a, b) in arb_reshard()) {
         let st = starts(&model);
         let src = shards(&a, &st);
         let want = shards(&b, &st);
@@ -211,13 +214,7 @@ proptest! {
 
     /// A → B → A is the identity: composing the two maps sends every element home.
     #[test]
-    fn resharding_there_and_back_is_the_identity(
-        model in arb_model(),
-        (ta, ca) in arb_plan_inputs(),
-        (tb, cb) in arb_plan_inputs(),
-    ) {
-        let a = CkptLayout::of(&Plan::new(&model, ta, &ca).unwrap());
-        let b = CkptLayout::of(&Plan::new(&model, tb, &cb).unwrap());
+    fn resharding_there_and_back_is_the_identity((model, a, b) in arb_reshard()) {
         let st = starts(&model);
         let apply = |from: &CkptLayout, to: &CkptLayout, src: &[HashMap<Saved, Vec<u64>>]| -> Result<Vec<HashMap<Saved, Vec<u64>>>, TestCaseError> {
             let mut out = shards(to, &st);

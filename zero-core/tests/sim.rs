@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use zero_core::sim::cluster::Protocol;
-use zero_core::sim::sweep::sweep;
+use zero_core::sim::sweep::{VARIANTS, sweep};
 use zero_core::sim::{
     Cluster, ModelShape, Overlap, SimOptions, SweepAxis, Variant, compute, simulate,
 };
@@ -31,16 +31,8 @@ fn the_bytes_simulated_are_the_plans() {
     let (gpt, shape) = compute::gpt(4, 256, 128).unwrap();
     for preset in ["dgx2-v100", "dgx-a100"] {
         let cluster = Cluster::preset(preset).unwrap();
-        for name in [
-            "zero-0",
-            "zero-1",
-            "zero-2",
-            "zero-3",
-            "zero-3+qwz",
-            "zero-3+hpz",
-            "zero-3+qgz",
-            "zero++",
-        ] {
+        // Every named variant but "config" (the base itself).
+        for name in &VARIANTS[1..] {
             for (nodes, accum, clip) in [(1, 1, 0.0), (3, 2, 1.0), (4, 3, 0.0)] {
                 let mut c = config(name, Precision::Fp16, cluster.gpus_per_node);
                 c.gradient_accumulation_steps = accum;

@@ -229,6 +229,38 @@ fn read_scale<F: QFormat>(s: &[u8], block: usize) -> Result<f32> {
     }
 }
 
+/// A block's elements, its codes and its scale's 4 bytes.
+type Block<'a, T> = (&'a mut [T], &'a [u8], &'a [u8]);
+
+/// Block `b` of `dst` (the last may be partial) with its codes and its scale's 4 bytes.
+#[inline(always)]
+fn blocks<'a, F: QFormat, T>(
+    bs: usize,
+    dst: &'a mut [T],
+    codes: &'a [u8],
+    scales: &'a [u8],
+) -> impl Iterator<Item = (usize, Block<'a, T>)> {
+    dst.chunks_mut(bs)
+        .zip(codes.chunks(F::codes_len(bs)))
+        .zip(scales.chunks_exact(4))
+        .map(|((y, c), s)| (y, c, s))
+        .enumerate()
+}
+
+/// Block `b`'s scale, once it and the block's `len` codes are valid.
+#[inline(always)]
+fn checked_scale<F: QFormat>(bs: usize, b: usize, c: &[u8], s: &[u8], len: usize) -> Result<f32> {
+    let scale = read_scale::<F>(s, b)?;
+    if let Some((i, code)) = F::find_invalid(c, len) {
+        return Err(Error::InvalidCode {
+            codec: F::NAME,
+            index: b * bs + i,
+            code,
+        });
+    }
+    Ok(scale)
+}
+
 /// Decodes whole blocks into `dst` (the last may be partial), validating
 /// each block's scale, then its codes. Errors carry indices relative to `dst`.
 #[inline(always)]
@@ -239,19 +271,8 @@ fn decode_blocks<F: QFormat, E: Element>(
     dst: &mut [E],
 ) -> Result<()> {
     let mut buf = [0f32; CHUNK];
-    let blocks = dst
-        .chunks_mut(bs)
-        .zip(codes.chunks(F::codes_len(bs)))
-        .zip(scales.chunks_exact(4));
-    for (b, ((y, c), s)) in blocks.enumerate() {
-        let scale = read_scale::<F>(s, b)?;
-        if let Some((i, code)) = F::find_invalid(c, y.len()) {
-            return Err(Error::InvalidCode {
-                codec: F::NAME,
-                index: b * bs + i,
-                code,
-            });
-        }
+    for (b, (y, c, s)) in blocks::<F, E>(bs, dst, codes, scales) {
+        let scale = checked_scale::<F>(bs, b, c, s, y.len())?;
         dequant_block::<F, E>(c, scale, y, &mut buf);
         if E::absmax_bits(y) >= NON_FINITE_BITS {
             // Only bf16/f16 can get here: f32 values are finite (scale_ok).
@@ -283,19 +304,8 @@ fn accumulate_blocks<F: QFormat>(
     scales: &[u8],
     acc: &mut [f32],
 ) -> Result<()> {
-    let blocks = acc
-        .chunks_mut(bs)
-        .zip(codes.chunks(F::codes_len(bs)))
-        .zip(scales.chunks_exact(4));
-    for (b, ((y, c), s)) in blocks.enumerate() {
-        let scale = read_scale::<F>(s, b)?;
-        if let Some((i, code)) = F::find_invalid(c, y.len()) {
-            return Err(Error::InvalidCode {
-                codec: F::NAME,
-                index: b * bs + i,
-                code,
-            });
-        }
+    for (b, (y, c, s)) in blocks::<F, f32>(bs, acc, codes, scales) {
+        let scale = checked_scale::<F>(bs, b, c, s, y.len())?;
         F::dequant_add(c, scale, y);
     }
     Ok(())

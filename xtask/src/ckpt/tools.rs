@@ -365,10 +365,7 @@ mod tests {
     /// refused one leaves nothing behind; `gc --keep 0` is refused naming LATEST's tag.
     #[test]
     fn an_export_into_the_checkpoint_or_onto_a_non_file_is_refused_and_leaves_nothing() {
-        let tmp = tempfile::Builder::new()
-            .prefix("zero-rs-ckpt-cli-")
-            .tempdir()
-            .expect("a temp dir");
+        let tmp = crate::temp_dir("zero-rs-ckpt-cli-");
         let root = tmp.path().to_path_buf();
         let ck = saved_every_step(&root, 1);
         let ck_s = ck.to_str().unwrap();
@@ -431,10 +428,7 @@ mod tests {
     /// `step-*` directory that was never committed.
     #[test]
     fn verify_checks_every_tag_and_gc_clears_staging() {
-        let tmp = tempfile::Builder::new()
-            .prefix("zero-rs-ckpt-verify-")
-            .tempdir()
-            .expect("a temp dir");
+        let tmp = crate::temp_dir("zero-rs-ckpt-verify-");
         let root = tmp.path().to_path_buf();
         let ck = saved_every_step(&root, 2);
         let ck_s = ck.to_str().unwrap();

@@ -198,10 +198,7 @@ mod tests {
     /// the quant lines of step 4; without them it fails, saying why.
     #[test]
     fn the_calibration_step_writes_a_cluster_file() {
-        let tmp = tempfile::Builder::new()
-            .prefix("zero-gpu-cal-")
-            .tempdir()
-            .expect("a temp dir");
+        let tmp = crate::temp_dir("zero-gpu-cal-");
         let work = tmp.path().to_path_buf();
         let gpus = vec!["0, NVIDIA A100-SXM4-80GB, 580.65, 81920 MiB".to_string()];
         let quant = [

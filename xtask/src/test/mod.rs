@@ -41,17 +41,23 @@ pub(crate) struct TestArgs {
 /// than 20 minutes to build in release, so `cargo xtask train` never enables it.
 const TEST_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-quant/wgpu,zero-burn/mpi,zero-burn/wgpu,xtask/mpi";
 
-/// The burn-train adapter's tests, in a build of their own: burn-train asks for burn-flex's
-/// default features, rayon among them, for everything in the build, so the other tests (and
-/// their snapshots) keep the build `cargo xtask train` uses.
-const BURN_TRAIN_TESTS: [&str; 7] = [
+/// The burn-train adapter's tests and burn's CUDA backend, in one build of their own.
+/// - burn-train asks for burn-flex's default features, rayon among them, for everything in the
+///   build, so the other tests (and their snapshots) keep the build `cargo xtask train` uses.
+/// - burn's CUDA backend links LLVM statically, so no other test binary carries it. Its driver
+///   guard runs here; its GPU tests only with `ZERO_GPU_TESTS=1` on a GPU (`cargo xtask gpu-check`).
+///
+/// One build for both: burn and its dependencies compile once for the two programs, not twice.
+const OWN_BUILD_TESTS: [&str; 9] = [
     "test",
     "-p",
     "zero-burn",
     "--features",
-    "burn-train",
+    "burn-train,cuda",
     "--test",
     "burn_train",
+    "--test",
+    "cuda_path",
 ];
 
 /// Clippy's features: the test features, NCCL and CUDA (burn's CUDA backend included), and the
@@ -60,19 +66,6 @@ const BURN_TRAIN_TESTS: [&str; 7] = [
 const LINT_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-comm/gpu-tests,zero-quant/wgpu,\
                              zero-quant/cuda,zero-quant/gpu-tests,zero-burn/mpi,zero-burn/wgpu,zero-burn/nccl,zero-burn/burn-train,\
                              zero-burn/cuda,zero-burn/gpu-tests,xtask/mpi,xtask/nccl,xtask/cuda";
-
-/// burn's CUDA backend, built and linked with LLVM in one test program of its own (LLVM is
-/// linked statically: no other test binary carries it): the driver guard runs here, the GPU test
-/// only with `ZERO_GPU_TESTS=1` on a GPU.
-const CUDA_TESTS: [&str; 7] = [
-    "test",
-    "-p",
-    "zero-burn",
-    "--features",
-    "cuda",
-    "--test",
-    "cuda_path",
-];
 
 fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
@@ -210,20 +203,12 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
         eprintln!("\n==> {}\n", not_run_summary(&skips));
     }
     tests?;
-    let mut learner = cargo();
-    learner.args(BURN_TRAIN_TESTS);
-    insta_strictness(&mut learner, a.accept_snapshots);
+    let mut own = cargo();
+    own.args(OWN_BUILD_TESTS).env(SKIP_LOG, &skip_log);
+    insta_strictness(&mut own, a.accept_snapshots);
     run_tests(
-        "tests (burn-train, a build of its own)",
-        learner,
-        &root,
-        &mut runs,
-    )?;
-    let mut cuda = cargo();
-    cuda.args(CUDA_TESTS).env(SKIP_LOG, &skip_log);
-    run_tests(
-        "tests (burn's CUDA backend, a build of its own)",
-        cuda,
+        "tests (burn-train and burn's CUDA backend, a build of their own)",
+        own,
         &root,
         &mut runs,
     )?;

@@ -15,10 +15,7 @@ pub(crate) fn args(out: &Path, extra: &[&str]) -> TrainArgs {
 /// directory behind.
 #[test]
 fn invalid_flags_fail_before_a_run_directory_exists() {
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-rs-train-flags-")
-        .tempdir()
-        .expect("a temp dir");
+    let tmp = crate::temp_dir("zero-rs-train-flags-");
     let root = tmp.path().to_path_buf();
     // One row per documented bound and refusal (STATUS.md, "Input bounds"): the flags, and what
     // the error must name.
@@ -74,16 +71,16 @@ fn invalid_flags_fail_before_a_run_directory_exists() {
     }
 }
 
+#[path = "../../tests/support/report_json.rs"]
+mod report_json;
+
+/// The run's first step and its losses as bits.
 fn losses(dir: &Path) -> (u64, Vec<u32>) {
-    let v: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
-    let loss = v["loss"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| (x.as_f64().unwrap() as f32).to_bits())
-        .collect();
-    (v["first_step"].as_u64().unwrap(), loss)
+    let v = report_json::read(dir);
+    (
+        v["first_step"].as_u64().unwrap(),
+        report_json::loss_bits(&v),
+    )
 }
 
 /// `--save-every` saves every N steps and after the last; `--resume` continues bit-identically
@@ -92,10 +89,7 @@ fn losses(dir: &Path) -> (u64, Vec<u32>) {
 /// newest and removes the staging.
 #[test]
 fn save_resume_reshard_and_gc_from_the_command_line() {
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-rs-train-ckpt-")
-        .tempdir()
-        .expect("a temp dir");
+    let tmp = crate::temp_dir("zero-rs-train-ckpt-");
     let root = tmp.path().to_path_buf();
     let tiny = ["--model", "tiny", "--micro-batch", "2"];
     fn with<'a>(tiny: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
@@ -271,10 +265,7 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
 /// step.
 #[test]
 fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-rs-train-svg-")
-        .tempdir()
-        .expect("a temp dir");
+    let tmp = crate::temp_dir("zero-rs-train-svg-");
     let out = tmp.path().to_path_buf();
     run(args(
         &out,
@@ -336,10 +327,7 @@ fn the_report_figure_is_svg_with_the_loss_and_memory_bars() {
 /// store read and wrote, and no file stays behind.
 #[test]
 fn offloading_the_optimizer_changes_where_not_what() {
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-rs-train-offload-")
-        .tempdir()
-        .expect("a temp dir");
+    let tmp = crate::temp_dir("zero-rs-train-offload-");
     let root = tmp.path().to_path_buf();
     let nvme = root.join("store");
     let nvme_flag = nvme.display().to_string();
@@ -404,10 +392,7 @@ fn offloading_the_optimizer_changes_where_not_what() {
 /// bit.
 #[test]
 fn offloading_the_parameters_changes_where_not_what() {
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-rs-train-offload-param-")
-        .tempdir()
-        .expect("a temp dir");
+    let tmp = crate::temp_dir("zero-rs-train-offload-param-");
     let root = tmp.path().to_path_buf();
     let nvme_flag = root.join("store").display().to_string();
     let mut results = Vec::new();

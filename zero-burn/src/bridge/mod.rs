@@ -277,12 +277,7 @@ pub(super) fn fill<E: Element>(
     offset: usize,
     len: usize,
 ) -> Result<Tensor<1>> {
-    if offset + len > src.len() {
-        return Err(err(format!(
-            "{len} elements at {offset} overrun a buffer of {}",
-            src.len()
-        )));
-    }
+    crate::device::within("bridge", offset, len, src.len())?;
     let out = Tensor::<1>::empty([len], (device, dtype));
     if len > 0 {
         let at = src.offset() + (offset * size_of::<E>()) as u64;
@@ -402,12 +397,7 @@ impl DeviceTensors<WgpuComm> for BridgeTensors {
     }
 
     fn tensor_at(&self, src: &WgpuBuffer<f32>, offset: usize, len: usize) -> Result<Tensor<1>> {
-        if offset + len > src.len() {
-            return Err(err(format!(
-                "{len} elements at {offset} overrun a buffer of {}",
-                src.len()
-            )));
-        }
+        crate::device::within("bridge", offset, len, src.len())?;
         let at = src.offset() + (offset * size_of::<f32>()) as u64;
         let view = WgpuBuffer::from_wgpu(src.wgpu_buffer().clone(), at, len)?;
         tensor_from_buffer(&view, [len], &self.model, &self.comm)

@@ -115,12 +115,7 @@ impl CudaTensors {
         offset: usize,
         len: usize,
     ) -> Result<Tensor<1>> {
-        if offset + len > src.len() {
-            return Err(err(format!(
-                "{len} elements at {offset} overrun a buffer of {}",
-                src.len()
-            )));
-        }
+        crate::device::within("cuda bridge", offset, len, src.len())?;
         let out = Tensor::<1>::empty([len], (&self.model, dtype));
         if len > 0 {
             let view = src.view();

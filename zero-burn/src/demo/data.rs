@@ -88,24 +88,36 @@ pub trait Corpus: Send + Sync {
         }
     }
 
-    /// `rank`'s `a` micro-batches of `b` sequences at optimizer step `step` with `n` ranks
-    /// (numbered by [`global_index`]).
-    fn rank_batches(
-        &self,
-        step: u64,
-        rank: usize,
-        n: usize,
-        a: u32,
-        b: usize,
-        seq: usize,
-    ) -> Vec<TokenBatch> {
-        (0..u64::from(a))
+    /// The micro-batches a rank draws at an optimizer step (numbered by [`global_index`]).
+    fn rank_batches(&self, d: Draw) -> Vec<TokenBatch> {
+        let (n, a, b) = (d.ranks as u64, u64::from(d.micro_steps), d.micro_batch);
+        (0..a)
             .map(|m| {
-                let first = global_index(step, m, rank as u64, n as u64, a.into(), b as u64);
-                self.batch(first, b, seq)
+                self.batch(
+                    global_index(d.step, m, d.rank as u64, n, a, b as u64),
+                    b,
+                    d.seq,
+                )
             })
             .collect()
     }
+}
+
+/// Which micro-batches a rank draws at an optimizer step ([`Corpus::rank_batches`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Draw {
+    /// The optimizer step.
+    pub step: u64,
+    /// The rank that draws.
+    pub rank: usize,
+    /// Ranks in the world.
+    pub ranks: usize,
+    /// Micro-batches per optimizer step (the gradient accumulation steps).
+    pub micro_steps: u32,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
 }
 
 /// A first-order Markov language: each token has `K` possible successors with fixed probabilities.

@@ -8,8 +8,8 @@ use zero_comm::Communicator;
 use zero_core::{Plan, Topology, ZeroConfig};
 
 pub use super::config::{Backend, DataSource, JobConfig};
-use super::report::report;
 pub use super::report::{Compared, RunReport};
+use super::report::{Described, report};
 pub use super::run::Tick;
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::Gpt;
@@ -74,12 +74,9 @@ impl Compute {
 
 /// Everything a job needs before its ranks start, checked.
 struct Prepared {
-    corpus: Box<dyn Corpus>,
-    model_cfg: GptConfig,
+    described: Described,
     compute: Compute,
     model: crate::demo::gpt::Gpt,
-    zero: ZeroConfig,
-    plan: Arc<Plan>,
     options: TrainOptions,
 }
 
@@ -178,12 +175,14 @@ fn prepare(job: &JobConfig) -> Result<Prepared> {
         reduction: Reduction::RankOrdered,
     };
     Ok(Prepared {
-        corpus,
-        model_cfg,
+        described: Described {
+            corpus,
+            model_cfg,
+            zero,
+            plan,
+        },
         compute,
         model,
-        zero,
-        plan,
         options,
     })
 }
@@ -197,12 +196,9 @@ pub fn check(job: &JobConfig) -> Result<()> {
 /// Builds everything and trains. `on_step` reports progress from rank 0.
 pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(Tick) + Sync)) -> Result<RunReport> {
     let Prepared {
-        corpus,
-        model_cfg,
+        described,
         compute,
         model,
-        zero,
-        plan,
         options,
     } = prepare(job)?;
     let start = Instant::now();
@@ -218,24 +214,16 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(Tick) + Sync)) -> Result<RunRe
     };
     let results = train(
         on,
-        plan.clone(),
+        described.plan.clone(),
         model,
-        corpus.as_ref(),
+        described.corpus.as_ref(),
         options,
         run,
         on_step,
     )?;
     let wall = start.elapsed().as_secs_f64();
     let summaries: Vec<RankSummary> = results.iter().map(RankSummary::of).collect();
-    report(
-        job,
-        &plan,
-        corpus.as_ref(),
-        model_cfg,
-        zero,
-        &summaries,
-        wall,
-    )
+    report(job, &described, &summaries, wall)
 }
 
 /// One rank of `job` in this process, on `comm`, for jobs whose ranks are processes (MPI, NCCL):
@@ -285,15 +273,12 @@ fn run_job_rank_with<C: Communicator>(
     attach: impl FnOnce(EngineBuilder<C, Gpt>) -> Result<EngineBuilder<C, Gpt>>,
 ) -> Result<RunReport> {
     let Prepared {
-        corpus,
-        model_cfg,
+        described,
         model,
-        zero,
-        plan,
         options,
         ..
     } = prepare(job)?;
-    if comm.topology() != plan.topology() {
+    if comm.topology() != described.plan.topology() {
         let t = comm.topology();
         return Err(invalid(
             "world_size",
@@ -310,18 +295,10 @@ fn run_job_rank_with<C: Communicator>(
     }
     let start = Instant::now();
     let run = host_run(job);
-    let builder = attach(engine_builder(&plan, comm, model, options))?;
-    let (_, summaries) = train_built(builder, corpus.as_ref(), options, run, on_step)?;
+    let builder = attach(engine_builder(&described.plan, comm, model, options))?;
+    let (_, summaries) = train_built(builder, described.corpus.as_ref(), options, run, on_step)?;
     let wall = start.elapsed().as_secs_f64();
-    report(
-        job,
-        &plan,
-        corpus.as_ref(),
-        model_cfg,
-        zero,
-        &summaries,
-        wall,
-    )
+    report(job, &described, &summaries, wall)
 }
 
 /// How long `job` runs, with its checkpointing.

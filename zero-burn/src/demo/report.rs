@@ -1,6 +1,8 @@
 //! The run report of a job: loss, throughput, and bytes measured against planned, merged from
 //! every rank's summary.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 use zero_core::{MemoryModel, Plan, TrafficTable, ZeroConfig};
 
@@ -77,16 +79,28 @@ pub struct RunReport {
     pub shared: Vec<zero_core::SharedParam>,
 }
 
+/// What a job's report describes besides its ranks' numbers: its data, its model's shape, its
+/// ZeRO configuration and its plan.
+pub(crate) struct Described {
+    pub(crate) corpus: Box<dyn Corpus>,
+    pub(crate) model_cfg: GptConfig,
+    pub(crate) zero: ZeroConfig,
+    pub(crate) plan: Arc<Plan>,
+}
+
 /// The run report of `job` from every rank's summary.
 pub(crate) fn report(
     job: &JobConfig,
-    plan: &Plan,
-    corpus: &dyn Corpus,
-    model_cfg: GptConfig,
-    zero: ZeroConfig,
+    described: &Described,
     results: &[RankSummary],
     wall: f64,
 ) -> Result<RunReport> {
+    let Described {
+        corpus,
+        model_cfg,
+        zero,
+        plan,
+    } = described;
     // A resumed run reports the steps it ran.
     let first = &results[0];
     let steps = first.losses.len();
@@ -172,8 +186,8 @@ pub(crate) fn report(
             .unwrap_or_default(),
         shared: plan.shared_params(),
         job: JobConfig {
-            model: model_cfg,
-            zero,
+            model: *model_cfg,
+            zero: zero.clone(),
             ..job.clone()
         },
     })

@@ -11,7 +11,7 @@ use zero_comm::Communicator;
 use zero_core::{Plan, TrafficTable};
 
 use crate::checkpoint::{LoadOptions, Storage};
-use crate::demo::data::{Corpus, TokenBatch};
+use crate::demo::data::{Corpus, Draw, TokenBatch};
 use crate::engine::EngineBuilder;
 use crate::engine::{MeasuredMemory, ZeroEngine};
 use crate::error::Result;
@@ -165,14 +165,14 @@ pub fn corpus_step<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     options: &TrainOptions,
 ) -> Result<crate::StepOutput> {
     let plan = engine.plan().clone();
-    let batches = corpus.rank_batches(
-        engine.steps(),
-        engine.rank(),
-        plan.world_size(),
-        plan.config().gradient_accumulation_steps,
-        options.micro_batch,
-        options.seq,
-    );
+    let batches = corpus.rank_batches(Draw {
+        step: engine.steps(),
+        rank: engine.rank(),
+        ranks: plan.world_size(),
+        micro_steps: plan.config().gradient_accumulation_steps,
+        micro_batch: options.micro_batch,
+        seq: options.seq,
+    });
     engine.step(options.lr, &batches)
 }
 

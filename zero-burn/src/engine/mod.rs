@@ -56,10 +56,11 @@
 //! - `weights.rs`: reading, writing, installing and releasing units of the model.
 //! - `train_mode.rs`: the seeded forwards and the model's buffers (snapshot, restore, sync).
 //! - `opt_state.rs`, `opt_unit.rs`: the optimizer's state of the rank, and of one unit.
-//! - `slab.rs`: `Place` (host memory or a device: where a buffer lives), and `Slab`, a flat fp32
-//!   buffer at a place (optimizer state, stage 3's fp32 `Shard` and hpZ slices, the fp32
+//! - `slab.rs`: `Place` (host memory or a device: where a buffer lives), `Buf<T>`, the one flat
+//!   buffer at a place, and `Slab = Buf<f32>` (optimizer state, stage 3's fp32 `Shard` and hpZ
+//!   slices, the fp32 accumulator).
+//! - `words.rs`: `Words = Buf<u16>`, a 16-bit type's words (stage 3's shard and hpZ slices,
 //!   accumulator).
-//! - `words.rs`: `Words`, a flat 16-bit buffer (stage 3's shard and hpZ slices, accumulator).
 //! - `sharded.rs`, `shard_disk.rs`: `Stage3Weights`, the one owner of stage 3's weights between
 //!   uses, and their NVMe store.
 //! - `memory.rs`: `Meter`, the one owner of every counter, and `MeasuredMemory`.

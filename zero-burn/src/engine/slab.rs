@@ -40,12 +40,49 @@ impl Place {
     }
 }
 
-/// A flat fp32 buffer: in host memory, or a tensor on a device.
+/// A flat buffer of `T`s: in host memory, or a tensor on a device. Its elements are fp32 values
+/// ([`Slab`]) or a 16-bit type's words ([`super::words::Words`], a tensor of that type on a
+/// device).
 #[derive(Debug)]
-pub(super) enum Slab {
-    Host(Vec<f32>),
+pub(super) enum Buf<T> {
+    Host(Vec<T>),
     /// Boxed: a burn tensor handle is 640 bytes.
     Device(Box<Tensor<1>>),
+}
+
+/// A flat fp32 buffer.
+pub(super) type Slab = Buf<f32>;
+
+impl<T> Buf<T> {
+    /// Elements.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Buf::Host(v) => v.len(),
+            Buf::Device(t) => t.dims()[0],
+        }
+    }
+
+    /// Bytes held: a host buffer as allocated, a tensor by its elements.
+    pub(super) fn bytes(&self) -> u64 {
+        let held = match self {
+            Buf::Host(v) => v.capacity(),
+            Buf::Device(t) => t.dims()[0],
+        };
+        (held * size_of::<T>()) as u64
+    }
+
+    /// The tensor of a device buffer; `None` in host memory.
+    pub(super) fn tensor(&self) -> Option<&Tensor<1>> {
+        match self {
+            Buf::Device(t) => Some(t),
+            Buf::Host(_) => None,
+        }
+    }
+
+    /// Whether the buffer lives on a device.
+    pub(super) fn on_device(&self) -> bool {
+        matches!(self, Buf::Device(_))
+    }
 }
 
 impl Slab {
@@ -62,22 +99,6 @@ impl Slab {
         match place {
             Place::Host => Slab::Host(vec![0.0; len]),
             Place::Device(d) => Slab::Device(Box::new(Tensor::zeros([len], d))),
-        }
-    }
-
-    /// Elements.
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Slab::Host(v) => v.len(),
-            Slab::Device(t) => t.dims()[0],
-        }
-    }
-
-    /// Bytes held: a host buffer as allocated, a tensor by its elements.
-    pub(super) fn bytes(&self) -> u64 {
-        match self {
-            Slab::Host(v) => v.capacity() as u64 * 4,
-            Slab::Device(t) => t.dims()[0] as u64 * 4,
         }
     }
 

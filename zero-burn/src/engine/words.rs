@@ -16,16 +16,12 @@ use std::ops::Range;
 
 use burn::tensor::{DType, Device, Tensor, TensorData, bf16, f16};
 
-use super::slab::{Place, Slab, upload};
+use super::slab::{Buf, Place, Slab, upload};
 use crate::precision::Half;
 
-/// A flat buffer of 16-bit words of type `half`.
-#[derive(Debug)]
-pub(super) enum Words {
-    Host(Vec<u16>),
-    /// A tensor of the 16-bit type. Boxed: a burn tensor handle is 640 bytes.
-    Device(Box<Tensor<1>>),
-}
+/// A flat buffer of a 16-bit type's words: their bit patterns in host memory, or a tensor of the
+/// type on a device.
+pub(super) type Words = Buf<u16>;
 
 /// Where `half`'s words live beside state at `place`: there if its device supports the type,
 /// else host memory.
@@ -78,41 +74,12 @@ impl Words {
         }
     }
 
-    /// Elements.
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Words::Host(v) => v.len(),
-            Words::Device(t) => t.dims()[0],
-        }
-    }
-
-    /// Bytes held: a host buffer as allocated, a tensor by its elements.
-    pub(super) fn bytes(&self) -> u64 {
-        match self {
-            Words::Host(v) => v.capacity() as u64 * 2,
-            Words::Device(t) => t.dims()[0] as u64 * 2,
-        }
-    }
-
     /// The bit patterns, in host memory (read from a device).
     pub(super) fn bits(&self, half: Half) -> Cow<'_, [u16]> {
         match self {
             Words::Host(v) => Cow::Borrowed(v),
             Words::Device(t) => Cow::Owned(tensor_bits(half, t)),
         }
-    }
-
-    /// The tensor of a device buffer; `None` in host memory.
-    pub(super) fn tensor(&self) -> Option<&Tensor<1>> {
-        match self {
-            Words::Device(t) => Some(t),
-            Words::Host(_) => None,
-        }
-    }
-
-    /// Whether the words live on a device.
-    pub(super) fn on_device(&self) -> bool {
-        matches!(self, Words::Device(_))
     }
 
     /// Elements `range` widened to f32, as a tensor on the device; `None` in host memory.

@@ -15,8 +15,69 @@ use zero_burn::demo::gpt::{Gpt, GptConfig};
 use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions};
 use zero_burn::demo::train::{On, train};
 use zero_burn::optim::Optimizer;
-use zero_burn::{MeasuredMemory, Reduction, plan_for};
-use zero_core::{Plan, Topology, TrafficTable, ZeroConfig};
+use zero_burn::{MeasuredMemory, Reduction, Segmented, ZeroEngine, plan_for};
+use zero_comm::Communicator;
+use zero_comm::host::HostComm;
+use zero_core::{Placement, Plan, Precision, Topology, TrafficTable, ZeroConfig};
+
+/// The tiny model's configuration at `stage`: buckets of 3000 elements and a persistence
+/// threshold of 64, so that it has several buckets and both kinds of stage-3 unit.
+pub(crate) fn small_units(stage: u8) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        reduce_bucket_size: 3000,
+        param_persistence_threshold: 64,
+        ..Default::default()
+    }
+}
+
+/// `comm`'s rank, and its engine of `model` with `cfg` and `optimizer` (else the builder's).
+pub(crate) fn rank_engine<M: Segmented>(
+    comm: HostComm,
+    model: M,
+    cfg: &ZeroConfig,
+    optimizer: Option<Optimizer>,
+) -> zero_burn::Result<(usize, ZeroEngine<HostComm, M>)> {
+    let rank = comm.rank();
+    let mut builder = ZeroEngine::builder(comm, model).config(cfg.clone());
+    if let Some(o) = optimizer {
+        builder = builder.optimizer(o);
+    }
+    Ok((rank, builder.build()?))
+}
+
+/// `cfg` at `stage`.
+pub(crate) fn at_stage(cfg: &ZeroConfig, stage: u8) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        ..cfg.clone()
+    }
+}
+
+/// The placement tests' configuration: the optimizer's state at `placement`, 2 micro-steps, and
+/// a persistence threshold of 16.
+pub(crate) fn placed(stage: u8, precision: Precision, placement: Placement) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        precision,
+        gradient_accumulation_steps: 2,
+        param_persistence_threshold: 16,
+        optimizer_placement: placement,
+        ..ZeroConfig::default()
+    }
+}
+
+/// Every rank of run `a` has run `b`'s losses and final parameters, bit for bit.
+pub(crate) fn assert_same(a: &[RankResult<Gpt>], b: &[RankResult<Gpt>], what: &str) {
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.losses, y.losses, "losses, {what}");
+        assert!(
+            bits(&x.final_params) == bits(&y.final_params),
+            "params, {what}: rank {}",
+            x.rank
+        );
+    }
+}
 
 /// A 2-block GPT with d_model 16 on flex, and a 16-token Markov language.
 pub(crate) fn tiny() -> (Gpt, MarkovLanguage) {

@@ -166,35 +166,26 @@ fn assert_resume_is_bit_exact(topo: Topology, cfg: &ZeroConfig, store: &dyn Stor
     }
 }
 
-fn cfg(stage: u8) -> ZeroConfig {
-    ZeroConfig {
-        stage,
-        reduce_bucket_size: 3000,
-        param_persistence_threshold: 64,
-        ..Default::default()
-    }
-}
-
 #[test]
 fn same_plan_resume_is_bit_exact_at_every_stage() {
     for stage in 0..=3u8 {
         assert_resume_is_bit_exact(
             Topology::new(2, 2).unwrap(),
-            &cfg(stage),
+            &small_units(stage),
             &MemStorage::new(),
         );
     }
     // Gradient accumulation, and ZeRO++ (qwZ + hpZ + qgZ) on 2 nodes of 2.
     let ga = ZeroConfig {
         gradient_accumulation_steps: 2,
-        ..cfg(2)
+        ..small_units(2)
     };
     assert_resume_is_bit_exact(Topology::new(2, 2).unwrap(), &ga, &MemStorage::new());
     let zpp = ZeroConfig {
         quantized_weights: true,
         hpz_partition_size: 2,
         quantized_gradients: true,
-        ..cfg(3)
+        ..small_units(3)
     };
     assert_resume_is_bit_exact(Topology::new(4, 2).unwrap(), &zpp, &MemStorage::new());
 }
@@ -204,7 +195,7 @@ fn same_plan_resume_is_bit_exact_in_bf16_and_fp16() {
     for stage in [0u8, 1, 3] {
         let bf16 = ZeroConfig {
             precision: Precision::Bf16,
-            ..cfg(stage)
+            ..small_units(stage)
         };
         assert_resume_is_bit_exact(Topology::new(2, 2).unwrap(), &bf16, &MemStorage::new());
         // fp16 with a skipped step (rank 1 overflows at step 1) and a short window, so the
@@ -216,7 +207,7 @@ fn same_plan_resume_is_bit_exact_in_bf16_and_fp16() {
                 hysteresis: 1,
                 ..Default::default()
             },
-            ..cfg(stage)
+            ..small_units(stage)
         };
         assert_resume_is_bit_exact(Topology::new(2, 2).unwrap(), &fp16, &MemStorage::new());
     }
@@ -230,7 +221,7 @@ fn resume_through_a_posix_directory_is_bit_exact() {
         .expect("a temp dir");
     let dir = tmp.path().to_path_buf();
     let store = DirStorage::new(&dir).unwrap();
-    assert_resume_is_bit_exact(Topology::new(2, 2).unwrap(), &cfg(3), &store);
+    assert_resume_is_bit_exact(Topology::new(2, 2).unwrap(), &small_units(3), &store);
     let names = store.list("").unwrap();
     assert_eq!(
         names,
@@ -254,7 +245,7 @@ fn resume_through_a_posix_directory_is_bit_exact() {
 /// saved, is refused naming the file, before any state changes.
 #[test]
 fn an_older_tag_resumes_bit_exactly_after_latest_moves_on() {
-    let plan = plan_of(Topology::new(2, 2).unwrap(), &cfg(3));
+    let plan = plan_of(Topology::new(2, 2).unwrap(), &small_units(3));
     let store = MemStorage::new();
     let full = world(&plan, Act::TrainSave { to: 4, save: None });
     for to in [2, 4] {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use burn::tensor::Device;
+use common::small_units;
 use common::store::Hooked;
 use common::*;
 use serde_json::json;
@@ -19,7 +20,7 @@ use zero_burn::demo::gpt::{Gpt, GptConfig};
 use zero_burn::demo::run::{corpus_step, engine_builder};
 use zero_burn::{Error, Launch, ZeroEngine, plan_for};
 use zero_comm::host::HostComm;
-use zero_core::{CheckpointError, Plan, Topology, ZeroConfig};
+use zero_core::{CheckpointError, Plan, Topology};
 
 /// Parameters, optimizer state and step count, as bits.
 fn snapshot(e: &mut ZeroEngine<HostComm, Gpt>) -> (Vec<Vec<u32>>, Vec<u32>, Vec<u32>, u64) {
@@ -29,21 +30,12 @@ fn snapshot(e: &mut ZeroEngine<HostComm, Gpt>) -> (Vec<Vec<u32>>, Vec<u32>, Vec<
     (p, b(&m), b(&v), e.steps())
 }
 
-fn cfg(stage: u8) -> ZeroConfig {
-    ZeroConfig {
-        stage,
-        reduce_bucket_size: 3000,
-        param_persistence_threshold: 64,
-        ..Default::default()
-    }
-}
-
 fn topo() -> Topology {
     Topology::new(2, 2).unwrap()
 }
 
 fn plan_for_model(model: &Gpt, stage: u8) -> Arc<Plan> {
-    Arc::new(plan_for(model, topo(), &cfg(stage)).unwrap())
+    Arc::new(plan_for(model, topo(), &small_units(stage)).unwrap())
 }
 
 /// Trains a fresh world up to `to`, saving into `store` at each step of `saves`; returns each

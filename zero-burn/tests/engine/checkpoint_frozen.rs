@@ -70,11 +70,8 @@ fn frozen_tiny(seed: u64) -> Gpt {
 
 fn cfg(stage: u8) -> ZeroConfig {
     ZeroConfig {
-        stage,
-        reduce_bucket_size: 3000,
-        param_persistence_threshold: 64,
         checkpoint_activations: Some(true),
-        ..Default::default()
+        ..small_units(stage)
     }
 }
 

@@ -46,23 +46,14 @@ struct Full {
     steps: (u64, u64),
 }
 
-/// A fresh world of `plan`: loads `from` (resharding) if given, trains up to `to`, saves into
-/// `save` if given.
-fn world(
-    plan: &Arc<Plan>,
-    opts: TrainOptions,
-    from: Option<&dyn Storage>,
-    to: u64,
-    save: Option<&dyn Storage>,
-) -> zero_burn::Result<Vec<Out>> {
-    Ok(world_full(plan, opts, from, to, save)?
-        .into_iter()
-        .map(|f| f.out)
-        .collect())
+/// The runs' losses and parameters alone.
+fn outs(full: Vec<Full>) -> Vec<Out> {
+    full.into_iter().map(|f| f.out).collect()
 }
 
-/// [`world`], with the master weights and the loss scaler too.
-fn world_full(
+/// A fresh world of `plan`: loads `from` (resharding) if given, trains up to `to`, saves into
+/// `save` if given. With the master weights and the loss scaler; [`outs`] drops them.
+fn world(
     plan: &Arc<Plan>,
     opts: TrainOptions,
     from: Option<&dyn Storage>,
@@ -104,7 +95,7 @@ fn reshard_round_trips_restore_every_state_bit() {
     let nvme = tempfile::tempdir().unwrap();
     let a = plan(Topology::new(4, 2).unwrap(), &cfg(2, 3000));
     let saved = MemStorage::new();
-    let orig = world(&a, options(), None, 2, Some(&saved)).unwrap();
+    let orig = outs(world(&a, options(), None, 2, Some(&saved)).unwrap());
     let targets = [
         (Topology::new(2, 2).unwrap(), cfg(3, 3000)),
         (Topology::new(3, 3).unwrap(), cfg(1, 3000)),
@@ -129,7 +120,7 @@ fn reshard_round_trips_restore_every_state_bit() {
     for (topo, c) in targets {
         let b = plan(topo, &c);
         let there = MemStorage::new();
-        let mid = world(&b, options(), Some(&saved), 2, Some(&there)).unwrap();
+        let mid = outs(world(&b, options(), Some(&saved), 2, Some(&there)).unwrap());
         for r in &mid {
             assert!(
                 r.0 == orig[0].0,
@@ -137,7 +128,7 @@ fn reshard_round_trips_restore_every_state_bit() {
                 c.stage
             );
         }
-        let back = world(&a, options(), Some(&there), 2, None).unwrap();
+        let back = outs(world(&a, options(), Some(&there), 2, None).unwrap());
         for (r, (x, y)) in back.iter().zip(&orig).enumerate() {
             assert!(
                 x.0 == y.0,
@@ -194,8 +185,8 @@ fn canonical_tree_continuation_on_another_world_size_is_bit_exact() {
     let two = plan(Topology::new(2, 2).unwrap(), &two_cfg);
     let saved = MemStorage::new();
     world(&four, opts, None, 2, Some(&saved)).unwrap();
-    let resumed = world(&two, opts, Some(&saved), 4, None).unwrap();
-    let straight = world(&two, opts, None, 4, None).unwrap();
+    let resumed = outs(world(&two, opts, Some(&saved), 4, None).unwrap());
+    let straight = outs(world(&two, opts, None, 4, None).unwrap());
     for (x, y) in resumed.iter().zip(&straight) {
         assert!(x.0 == y.0, "parameters differ from the 2-rank run");
         assert!(
@@ -230,9 +221,9 @@ fn half_precision_reshard_round_trips_restore_master_moments_and_scaler() {
         let a = half(2, Topology::new(4, 2).unwrap());
         let b = half(3, Topology::new(2, 2).unwrap());
         let what = format!("{precision:?}");
-        let whole = world_full(&a, options(), None, 6, None).unwrap();
+        let whole = world(&a, options(), None, 6, None).unwrap();
         let saved = MemStorage::new();
-        let orig = world_full(&a, options(), None, 3, Some(&saved)).unwrap();
+        let orig = world(&a, options(), None, 3, Some(&saved)).unwrap();
         if precision == Precision::Fp16 {
             assert!(
                 orig[0].steps.1 > 0,
@@ -240,8 +231,8 @@ fn half_precision_reshard_round_trips_restore_master_moments_and_scaler() {
             );
         }
         let there = MemStorage::new();
-        world_full(&b, options(), Some(&saved), 3, Some(&there)).unwrap();
-        let back = world_full(&a, options(), Some(&there), 3, None).unwrap();
+        world(&b, options(), Some(&saved), 3, Some(&there)).unwrap();
+        let back = world(&a, options(), Some(&there), 3, None).unwrap();
         for (r, (x, y)) in back.iter().zip(&orig).enumerate() {
             assert!(x.out.0 == y.out.0, "{what}: rank {r}'s parameters");
             assert!(x.master == y.master, "{what}: rank {r}'s master weights");
@@ -255,7 +246,7 @@ fn half_precision_reshard_round_trips_restore_master_moments_and_scaler() {
                 "{what}: rank {r}'s scaler"
             );
         }
-        let resumed = world_full(&a, options(), Some(&there), 6, None).unwrap();
+        let resumed = world(&a, options(), Some(&there), 6, None).unwrap();
         for (r, (x, y)) in resumed.iter().zip(&whole).enumerate() {
             assert_eq!(
                 x.out.3[..],

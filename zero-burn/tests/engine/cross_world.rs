@@ -27,13 +27,10 @@ const STEPS: u64 = 3;
 
 fn config(stage: u8, ga: u32) -> ZeroConfig {
     ZeroConfig {
-        stage,
         gradient_accumulation_steps: ga,
-        reduce_bucket_size: 3000,
-        param_persistence_threshold: 64,
         // Stage 3's default at every stage: compare like with like.
         checkpoint_activations: Some(true),
-        ..Default::default()
+        ..small_units(stage)
     }
 }
 

@@ -42,18 +42,10 @@ fn stages_are_bit_identical() {
             let topo = Topology::new(n, l).unwrap();
             let base = ZeroConfig {
                 gradient_accumulation_steps: ga,
-                reduce_bucket_size: 3000,
-                param_persistence_threshold: 64,
                 checkpoint_activations: Some(ckpt),
-                ..Default::default()
+                ..small_units(0)
             };
-            let reference = run(
-                topo,
-                ZeroConfig {
-                    stage: 0,
-                    ..base.clone()
-                },
-            );
+            let reference = run(topo, at_stage(&base, 0));
             for r in &reference[1..] {
                 assert_eq!(
                     bits(&r.final_params),
@@ -62,23 +54,9 @@ fn stages_are_bit_identical() {
                 );
             }
             for stage in 1..=3u8 {
-                let got = run(
-                    topo,
-                    ZeroConfig {
-                        stage,
-                        ..base.clone()
-                    },
-                );
-                for (a, b) in got.iter().zip(&reference) {
-                    assert_eq!(
-                        a.losses, b.losses,
-                        "losses n={n} ga={ga} stage {stage} checkpointing {ckpt}"
-                    );
-                    assert!(
-                        bits(&a.final_params) == bits(&b.final_params),
-                        "params n={n} ga={ga} stage {stage} checkpointing {ckpt}"
-                    );
-                }
+                let got = run(topo, at_stage(&base, stage));
+                let what = format!("n={n} ga={ga} stage {stage} checkpointing {ckpt}");
+                assert_same(&got, &reference, &what);
             }
             assert!(
                 reference[0].losses[STEPS as usize - 1] < reference[0].losses[0],
@@ -104,11 +82,8 @@ fn hpz_on_and_off_are_bit_identical() {
             ..base
         },
     );
-    for (a, b) in on.iter().zip(&off) {
-        assert_eq!(a.losses, b.losses);
-        assert!(bits(&a.final_params) == bits(&b.final_params));
-        assert!(a.memory.hpz_secondary > 0);
-    }
+    assert_same(&on, &off, "hpZ on and off");
+    assert!(on.iter().all(|a| a.memory.hpz_secondary > 0));
 }
 
 /// Clipping happened (the reported norm is above the threshold, and the weights differ from an
@@ -123,13 +98,7 @@ fn clipping_is_identical_across_stages() {
         checkpoint_activations: Some(true),
         ..Default::default()
     };
-    let reference = run(
-        topo,
-        ZeroConfig {
-            stage: 0,
-            ..base.clone()
-        },
-    );
+    let reference = run(topo, at_stage(&base, 0));
     for info in &reference[0].step_info {
         let norm = info.grad_norm.expect("clipping reports the norm");
         assert!(
@@ -151,21 +120,10 @@ fn clipping_is_identical_across_stages() {
         "clipping changed the update"
     );
     for stage in 1..=3u8 {
-        let got = run(
-            topo,
-            ZeroConfig {
-                stage,
-                ..base.clone()
-            },
-        );
+        let got = run(topo, at_stage(&base, stage));
+        assert_same(&got, &reference, &format!("stage {stage}"));
         for (a, b) in got.iter().zip(&reference) {
-            assert_eq!(a.losses, b.losses, "stage {stage}: losses");
             assert_eq!(a.step_info, b.step_info, "stage {stage}: norms");
-            assert!(
-                bits(&a.final_params) == bits(&b.final_params),
-                "stage {stage}: rank {}",
-                a.rank
-            );
         }
     }
 }

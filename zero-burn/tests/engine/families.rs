@@ -136,11 +136,7 @@ fn train<M: Segmented<Batch = PointBatch>>(
     Launch::new(topo)
         .timeout(Duration::from_secs(60))
         .run_with(model, |comm, model| {
-            let rank = zero_comm::Communicator::rank(&comm);
-            let mut engine = ZeroEngine::builder(comm, model)
-                .config(cfg.clone())
-                .optimizer(optimizer)
-                .build()?;
+            let (rank, mut engine) = common::rank_engine(comm, model, cfg, Some(optimizer))?;
             let mut losses = Vec::new();
             for batches in rank_batches(loader.as_ref(), rank, n, a) {
                 let out: StepOutput = engine.step(lr, &batches)?;
@@ -345,10 +341,7 @@ fn eval_is_the_forward_of_the_next_step() {
     };
     Launch::new(topo)
         .run_with(&model, |comm, model| {
-            let rank = zero_comm::Communicator::rank(&comm);
-            let mut engine = ZeroEngine::builder(comm, model)
-                .config(cfg.clone())
-                .build()?;
+            let (rank, mut engine) = common::rank_engine(comm, model, &cfg, None)?;
             for batches in rank_batches(loader.as_ref(), rank, n, 1) {
                 let before = values(&engine.consolidated_model()?);
                 let eval = engine.eval(&batches[0])?;
@@ -395,10 +388,7 @@ fn eval_output_returns_the_last_segment_s_output_at_every_stage() {
         };
         let out = Launch::new(topo)
             .run_with(&model, |comm, model| {
-                let rank = zero_comm::Communicator::rank(&comm);
-                let mut engine = ZeroEngine::builder(comm, model)
-                    .config(cfg.clone())
-                    .build()?;
+                let (rank, mut engine) = common::rank_engine(comm, model, &cfg, None)?;
                 let batches = rank_batches(loader.as_ref(), rank, n, 1);
                 engine.step(1e-2, &batches[0])?;
                 let b = &batches[1][0];
@@ -573,10 +563,7 @@ fn step_grads_equals_step_and_refuses_non_finite_gradients() {
             Launch::new(Topology::new(2, 2).unwrap())
                 .timeout(Duration::from_secs(60))
                 .run_with(&model, |comm, model| {
-                    let rank = zero_comm::Communicator::rank(&comm);
-                    let mut e = ZeroEngine::builder(comm, model)
-                        .config(cfg.clone())
-                        .build()?;
+                    let (rank, mut e) = common::rank_engine(comm, model, &cfg, None)?;
                     for b in data.iter().skip(rank).step_by(2) {
                         let b = b.expect("in-memory data");
                         if external {

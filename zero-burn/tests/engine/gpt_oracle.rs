@@ -15,9 +15,9 @@ use std::time::Duration;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::Tensor;
-use zero_burn::demo::data::{Corpus, MarkovLanguage};
+use zero_burn::demo::data::{Corpus, Draw, MarkovLanguage};
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::{Launch, Optimizer, SegmentOut, Segmented, ZeroEngine};
+use zero_burn::{Launch, Optimizer, SegmentOut, Segmented};
 use zero_core::{Topology, ZeroConfig};
 
 use common::points::{adamw_pair, assert_near_burn, values};
@@ -82,14 +82,17 @@ fn zero_rs(
     let ranks = Launch::new(Topology::new(N, 1).unwrap())
         .timeout(Duration::from_secs(60))
         .run_with(model, |comm, model| {
-            let rank = zero_comm::Communicator::rank(&comm);
-            let mut engine = ZeroEngine::builder(comm, model)
-                .config(cfg.clone())
-                .optimizer(optimizer)
-                .build()?;
+            let (rank, mut engine) = common::rank_engine(comm, model, &cfg, Some(optimizer))?;
             let mut losses = Vec::new();
             for s in 0..STEPS {
-                let batches = corpus.rank_batches(s as u64, rank, N, A as u32, B, SEQ);
+                let batches = corpus.rank_batches(Draw {
+                    step: s as u64,
+                    rank,
+                    ranks: N,
+                    micro_steps: A as u32,
+                    micro_batch: B,
+                    seq: SEQ,
+                });
                 losses.push(engine.step(LR, &batches)?.loss);
             }
             Ok((losses, values(&engine.consolidated_model()?)))

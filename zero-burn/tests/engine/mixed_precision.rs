@@ -25,6 +25,17 @@ fn run(topo: Topology, cfg: &ZeroConfig, steps: u64) -> Vec<RankResult<Gpt>> {
     res
 }
 
+/// The configuration both tests vary the stage of: small buckets and persistence threshold, and
+/// recompute at every stage (stage 3's default: compare like with like).
+fn base(precision: Precision, ga: u32) -> ZeroConfig {
+    ZeroConfig {
+        precision,
+        gradient_accumulation_steps: ga,
+        checkpoint_activations: Some(true),
+        ..small_units(0)
+    }
+}
+
 /// (b) Rounding, reduction and the optimizer are element-wise and in the same order at every
 /// stage, so stages 0–3 give the same bits in bf16 and fp16 too (with and without accumulation).
 #[test]
@@ -33,23 +44,8 @@ fn stages_are_bit_identical_in_bf16_and_fp16() {
     for precision in [Precision::Bf16, Precision::Fp16] {
         let half = Half::of(precision).unwrap();
         for ga in [1u32, 2] {
-            let base = ZeroConfig {
-                precision,
-                gradient_accumulation_steps: ga,
-                reduce_bucket_size: 3000,
-                param_persistence_threshold: 64,
-                // Stage 3's default at every stage: compare like with like.
-                checkpoint_activations: Some(true),
-                ..Default::default()
-            };
-            let reference = run(
-                topo,
-                &ZeroConfig {
-                    stage: 0,
-                    ..base.clone()
-                },
-                3,
-            );
+            let base = base(precision, ga);
+            let reference = run(topo, &at_stage(&base, 0), 3);
             assert!(
                 reference[0].step_info.iter().all(|i| !i.skipped),
                 "no overflow at the default scale"
@@ -61,20 +57,13 @@ fn stages_are_bit_identical_in_bf16_and_fp16() {
                 }
             }
             for stage in 1..=3u8 {
-                let got = run(
-                    topo,
-                    &ZeroConfig {
-                        stage,
-                        ..base.clone()
-                    },
-                    3,
+                let got = run(topo, &at_stage(&base, stage), 3);
+                assert_same(
+                    &got,
+                    &reference,
+                    &format!("{precision:?} ga={ga} stage {stage}"),
                 );
                 for (a, b) in got.iter().zip(&reference) {
-                    assert_eq!(a.losses, b.losses, "{precision:?} ga={ga} stage {stage}");
-                    assert!(
-                        bits(&a.final_params) == bits(&b.final_params),
-                        "{precision:?} ga={ga} stage {stage}: params differ"
-                    );
                     assert_eq!(a.step_info, b.step_info);
                 }
             }
@@ -94,15 +83,7 @@ fn fp32_gradient_accumulation_in_bf16_and_fp16() {
     let topo = Topology::new(4, 2).unwrap();
     for precision in [Precision::Bf16, Precision::Fp16] {
         for ga in [1u32, 4] {
-            let base = ZeroConfig {
-                precision,
-                gradient_accumulation_steps: ga,
-                reduce_bucket_size: 3000,
-                param_persistence_threshold: 64,
-                // Stage 3's default at every stage: compare like with like.
-                checkpoint_activations: Some(true),
-                ..Default::default()
-            };
+            let base = base(precision, ga);
             let acc32 = |stage: u8| ZeroConfig {
                 stage,
                 grad_accum_dtype: Some(Precision::Fp32),
@@ -112,13 +93,7 @@ fn fp32_gradient_accumulation_in_bf16_and_fp16() {
             let what = format!("{precision:?} ga={ga}");
             for stage in 1..=3u8 {
                 let got = run(topo, &acc32(stage), 3);
-                for (a, b) in got.iter().zip(&reference) {
-                    assert_eq!(a.losses, b.losses, "{what} stage {stage}");
-                    assert!(
-                        bits(&a.final_params) == bits(&b.final_params),
-                        "{what} stage {stage}: params differ"
-                    );
-                }
+                assert_same(&got, &reference, &format!("{what} stage {stage}"));
             }
             let acc16 = run(topo, &base, 3);
             let same = bits(&acc16[0].final_params) == bits(&reference[0].final_params);
@@ -136,12 +111,7 @@ fn fp32_gradient_accumulation_in_bf16_and_fp16() {
 fn bf16_traffic_and_memory_are_the_16_bit_plan() {
     let topo = Topology::new(2, 2).unwrap();
     for stage in 0..=3u8 {
-        let base = ZeroConfig {
-            stage,
-            reduce_bucket_size: 3000,
-            param_persistence_threshold: 64,
-            ..Default::default()
-        };
+        let base = small_units(stage);
         let fp32 = run(topo, &base, 2);
         let bf16 = run(
             topo,

@@ -19,14 +19,9 @@ use zero_core::{Placement, Precision, Topology, ZeroConfig};
 
 fn config(stage: u8, precision: Precision, placement: Placement, nvme: &Path) -> ZeroConfig {
     ZeroConfig {
-        stage,
-        precision,
-        gradient_accumulation_steps: 2,
-        param_persistence_threshold: 16,
-        optimizer_placement: placement,
         nvme_path: Some(nvme.display().to_string()),
         offload_buffer_count: 3,
-        ..ZeroConfig::default()
+        ..common::placed(stage, precision, placement)
     }
 }
 
@@ -96,17 +91,6 @@ fn assert_empty(nvme: &Path, what: &str) {
     assert_eq!(left, 0, "{what}: the store's files are removed");
 }
 
-fn same(a: &[RankResult<Gpt>], b: &[RankResult<Gpt>], what: &str) {
-    for (a, b) in a.iter().zip(b) {
-        assert_eq!(a.losses, b.losses, "{what}: rank {} losses", a.rank);
-        assert!(
-            common::bits(&a.final_params) == common::bits(&b.final_params),
-            "{what}: rank {} parameters",
-            a.rank
-        );
-    }
-}
-
 /// At every stage, in fp32 and bf16, with accumulation: the state on NVMe gives the bits of the
 /// state in memory, books the same state bytes, reads and writes each unit's state once per step
 /// through a ring of at most its buffers, and leaves no file behind. A checkpoint saved under
@@ -121,7 +105,7 @@ fn nvme_gives_the_bits_of_memory_and_shares_checkpoints() {
             let cfg = |p| config(stage, precision, p, nvme);
             let mem = train(&cfg(Placement::Device), 4, None).unwrap();
             let disk = train(&cfg(Placement::Nvme), 4, None).unwrap();
-            same(&mem, &disk, &what);
+            common::assert_same(&mem, &disk, &what);
             for (m, d) in mem.iter().zip(&disk) {
                 assert_eq!(m.memory, d.memory, "{what}: the same state, wherever it is");
                 assert_eq!(m.nvme_io, None, "{what}: no store in memory");
@@ -255,7 +239,7 @@ fn the_parameter_shard_off_the_device_gives_the_bits_of_the_device() {
                 ..base.clone()
             };
             let off = train(&cfg, 4, None).unwrap();
-            same(&mem, &off, &what);
+            common::assert_same(&mem, &off, &what);
             for r in &off {
                 let io = r.nvme_io;
                 let on_nvme = opt == Placement::Nvme || param == Placement::Nvme;

@@ -36,17 +36,6 @@ fn run(steps: u64, checkpoint: Option<Checkpointing>) -> HostRun {
     }
 }
 
-fn config(stage: u8, precision: Precision, placement: Placement) -> ZeroConfig {
-    ZeroConfig {
-        stage,
-        precision,
-        gradient_accumulation_steps: 2,
-        param_persistence_threshold: 16,
-        optimizer_placement: placement,
-        ..ZeroConfig::default()
-    }
-}
-
 fn train_flex(cfg: &ZeroConfig, steps: u64, ckpt: Option<Checkpointing>) -> Runs {
     let (model, corpus) = common::tiny();
     let plan = Arc::new(plan_for(&model, Topology::new(2, 2).unwrap(), cfg).unwrap());
@@ -74,8 +63,12 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
     for stage in 0..=3u8 {
         for precision in [Precision::Fp32, Precision::Bf16] {
             let what = format!("stage {stage} {precision:?}");
-            let dev = train_flex(&config(stage, precision, Placement::Device), 4, None);
-            let host = train_flex(&config(stage, precision, Placement::Host), 4, None);
+            let dev = train_flex(
+                &common::placed(stage, precision, Placement::Device),
+                4,
+                None,
+            );
+            let host = train_flex(&common::placed(stage, precision, Placement::Host), 4, None);
             for (d, h) in dev.iter().zip(&host) {
                 assert_eq!(d.optimizer_device, None, "{what}: flex is host memory");
                 assert_eq!(h.optimizer_device, None, "{what}");
@@ -89,9 +82,13 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
             }
             let (model, _) = common::tiny();
             let topo = Topology::new(2, 2).unwrap();
-            let booked = plan_for(&model, topo, &config(stage, precision, Placement::Host))
-                .unwrap()
-                .memory();
+            let booked = plan_for(
+                &model,
+                topo,
+                &common::placed(stage, precision, Placement::Host),
+            )
+            .unwrap()
+            .memory();
             assert_eq!(
                 booked.host_bytes,
                 booked.optimizer_states + booked.master_weights + booked.gradients
@@ -102,9 +99,13 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
                 booked.host_bytes,
                 "{what}: the state held equals the host bytes booked"
             );
-            let on_device = plan_for(&model, topo, &config(stage, precision, Placement::Device))
-                .unwrap()
-                .memory();
+            let on_device = plan_for(
+                &model,
+                topo,
+                &common::placed(stage, precision, Placement::Device),
+            )
+            .unwrap()
+            .memory();
             assert_eq!(
                 (on_device.host_bytes, on_device.device_bytes),
                 (0, on_device.total_bytes)
@@ -113,12 +114,12 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
             // Save after 2 steps under device placement, resume under host placement.
             let store: Arc<dyn Storage> = Arc::new(MemStorage::new());
             let first = train_flex(
-                &config(stage, precision, Placement::Device),
+                &common::placed(stage, precision, Placement::Device),
                 2,
                 Some(common::checkpointing(&store, true)),
             );
             let rest = train_flex(
-                &config(stage, precision, Placement::Host),
+                &common::placed(stage, precision, Placement::Host),
                 4,
                 Some(common::checkpointing(&store, false)),
             );
@@ -141,7 +142,7 @@ fn ranks_with_different_placements_are_refused() {
             } else {
                 Placement::Host
             };
-            let cfg = config(1, Precision::Fp32, placement);
+            let cfg = common::placed(1, Precision::Fp32, placement);
             ZeroEngine::builder(comm, model).config(cfg).build()?;
             Ok(())
         })
@@ -275,7 +276,7 @@ mod wgpu {
             let cfg = |placement| ZeroConfig {
                 accumulate_before_reduce: abr,
                 grad_accum_dtype: acc,
-                ..config(stage, precision, placement)
+                ..common::placed(stage, precision, placement)
             };
             let dev = train(&shared, &cfg(Placement::Device), 3, None);
             let host = train(&shared, &cfg(Placement::Host), 3, None);
@@ -317,7 +318,7 @@ mod wgpu {
                 (Placement::Host, Placement::Device),
             ] {
                 let what = format!("{precision:?} {from:?} -> {to:?}");
-                let cfg = |p| config(3, precision, p);
+                let cfg = |p| common::placed(3, precision, p);
                 let whole = train(&shared, &cfg(to), 4, None);
                 let store: Arc<dyn Storage> = Arc::new(MemStorage::new());
                 let first = train(
@@ -430,7 +431,7 @@ mod wgpu {
             let grads_there = acc.is_some() || (precision == Precision::Fp16 && f16);
             let cfg = |p| ZeroConfig {
                 grad_accum_dtype: acc,
-                ..config(1, precision, p)
+                ..common::placed(1, precision, p)
             };
             let (d, dm, _) =
                 settled_device_bytes(&shared, wider(), &cfg(Placement::Device), RANK_ORDERED);
@@ -490,7 +491,7 @@ mod wgpu {
                 grad_accum_dtype: acc,
                 param_placement: params,
                 nvme_path: Some(tmp.path().display().to_string()),
-                ..config(3, precision, placement)
+                ..common::placed(3, precision, placement)
             };
             let (in_use, _, plan) = settled_device_bytes(&shared, wider(), &cfg, RANK_ORDERED);
             let m = plan.memory();
@@ -528,7 +529,7 @@ mod wgpu {
             let model = gpt().init(&shared.autodiff_device(), 7);
             let cfg = ZeroConfig {
                 hpz_partition_size: hpz,
-                ..config(stage, Precision::Fp16, placement)
+                ..common::placed(stage, Precision::Fp16, placement)
             };
             let plan = Arc::new(plan_for(&model, Topology::new(4, 2).unwrap(), &cfg).unwrap());
             let corpus = MarkovLanguage::new(gpt().vocab, 3).unwrap();
@@ -574,7 +575,7 @@ mod wgpu {
         let tree = Reduction::CanonicalTree;
         let cfg = |stage, placement| ZeroConfig {
             gradient_accumulation_steps: 3,
-            ..config(stage, Precision::Fp32, placement)
+            ..common::placed(stage, Precision::Fp32, placement)
         };
         for stage in [0u8, 3] {
             let train = |placement| {
@@ -637,7 +638,7 @@ mod wgpu {
         };
         let dev = train(
             &shared,
-            &config(3, Precision::Fp32, Placement::Device),
+            &common::placed(3, Precision::Fp32, Placement::Device),
             1,
             None,
         );
@@ -645,7 +646,11 @@ mod wgpu {
             dev.iter()
                 .all(|r| r.device_peak_bytes.is_some_and(|b| b > 0))
         );
-        let flex = train_flex(&config(3, Precision::Fp32, Placement::Device), 1, None);
+        let flex = train_flex(
+            &common::placed(3, Precision::Fp32, Placement::Device),
+            1,
+            None,
+        );
         assert!(flex.iter().all(|r| r.device_peak_bytes.is_none()));
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zero_burn::checkpoint::{DirStorage, Storage, read_manifest, verify};
-use zero_burn::demo::data::{Corpus, TokenBatch};
+use zero_burn::demo::data::{self, Corpus, TokenBatch};
 use zero_burn::demo::run::{Checkpointing, HostRun, train_rank};
 use zero_burn::demo::train::{On, train};
 use zero_burn::plan_for;
@@ -96,23 +96,15 @@ impl<C: Corpus> Corpus for DiesAtStep<C> {
     fn entropy_floor(&self) -> Option<f64> {
         self.inner.entropy_floor()
     }
-    fn rank_batches(
-        &self,
-        step: u64,
-        rank: usize,
-        n: usize,
-        a: u32,
-        b: usize,
-        seq: usize,
-    ) -> Vec<TokenBatch> {
-        if (rank, step) == (self.rank, self.step) {
+    fn rank_batches(&self, d: data::Draw) -> Vec<TokenBatch> {
+        if (d.rank, d.step) == (self.rank, self.step) {
             let pid = std::process::id().to_string();
             let _ = std::process::Command::new("kill")
                 .args(["-9", &pid])
                 .status();
             std::thread::sleep(Duration::from_secs(30));
         }
-        self.inner.rank_batches(step, rank, n, a, b, seq)
+        self.inner.rank_batches(d)
     }
 }
 

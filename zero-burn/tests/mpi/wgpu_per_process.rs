@@ -3,14 +3,13 @@
 //! collectives over MPI staged through host memory. The same job on 2 in-process ranks over the
 //! host loopback, the models on this process's wgpu device, must give the same bits: the same
 //! kernels on the same values, and MPI's reductions are the host loopback's.
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{HostRun, train_rank};
+use zero_burn::demo::run::HostRun;
 use zero_burn::demo::train::{On, train};
 use zero_burn::{WgpuShared, plan_for};
 use zero_comm::Communicator;
@@ -21,7 +20,7 @@ use super::harness::{self, is_rank, launch, rank_ok};
 
 /// The test's path in this binary, which the harness runs under `mpirun` with `--exact`.
 const NAME: &str = "wgpu_per_process::wgpu_ranks_as_processes_match_in_process_ranks";
-const STEPS: u64 = 3;
+use super::out_file;
 const OUT: &str = "ZERO_MPI_WGPU_TEST_OUT";
 
 fn topo() -> Topology {
@@ -59,12 +58,7 @@ fn model(shared: &WgpuShared) -> (Gpt, MarkovLanguage) {
 }
 
 fn run() -> HostRun {
-    HostRun {
-        steps: STEPS,
-        timeout: Duration::from_secs(120),
-        keep_final_params: true,
-        checkpoint: None,
-    }
+    super::host_run(Duration::from_secs(120))
 }
 
 /// What one rank writes for one configuration.
@@ -75,10 +69,6 @@ struct RankOut {
     optimizer_device: Option<String>,
 }
 
-fn out_file(dir: &str, name: &str, rank: usize) -> PathBuf {
-    PathBuf::from(dir).join(format!("{name}-rank{rank}.json"))
-}
-
 fn rank_side() {
     let dir = std::env::var(OUT).unwrap();
     let anchor = harness::world();
@@ -87,16 +77,7 @@ fn rank_side() {
     for (name, cfg) in configs() {
         let (model, corpus) = model(&shared);
         let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
-        let (res, _) = train_rank(
-            harness::world(),
-            plan,
-            model,
-            &corpus,
-            options(),
-            run(),
-            &|_| {},
-        )
-        .unwrap();
+        let (res, _) = super::train_this_rank(plan, model, &corpus, Duration::from_secs(120));
         let out = RankOut {
             losses: res.losses.iter().map(|l| l.to_bits()).collect(),
             params: bits(&res.final_params),

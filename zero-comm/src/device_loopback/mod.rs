@@ -44,7 +44,7 @@ use zero_core::{Topology, TrafficTable};
 
 use crate::communicator::Communicator;
 use crate::error::{Error, FailureReason, Op, Result};
-use crate::host::loopback::{self, Loopback};
+use crate::host::loopback::{self, Loopback, loopback_fields};
 use crate::host::rendezvous::{Call, DrainGuard, ROOT_GROUP, RawPtr, World};
 
 pub use memory::Memory;
@@ -258,25 +258,7 @@ impl<M: Memory> LoopbackComm<M> {
 impl<M: Memory> Loopback for LoopbackComm<M> {
     const NAME: &'static str = M::NAME;
 
-    fn world(&self) -> &Arc<World> {
-        &self.shared.world
-    }
-
-    fn group(&self) -> usize {
-        self.group
-    }
-
-    fn wait(&self) -> Duration {
-        self.timeout
-    }
-
-    fn aborted(&self) -> Option<&String> {
-        self.aborted.as_ref()
-    }
-
-    fn traffic_mut(&mut self) -> &mut TrafficTable {
-        &mut self.traffic
-    }
+    loopback_fields!(shared.world);
 
     /// Turns a rendezvous error into this backend's: a rank that failed in the backend is
     /// recorded by the rendezvous as failed; name the real reason.

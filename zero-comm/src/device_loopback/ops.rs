@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use zero_core::{Collective, Topology, TrafficTable};
 
 use super::{Loc, LoopbackComm, Memory, Recorder, loc, peer, post};
-use crate::communicator::Communicator;
+use crate::communicator::{Communicator, group_methods};
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::host::loopback::Loopback;
@@ -58,11 +58,8 @@ impl<M: Memory> LoopbackComm<M> {
         let es = size_of::<E>();
         let call = Call::new(
             Desc {
-                dtype: Some(E::DTYPE),
-                send_len: chunk,
-                recv_len,
                 in_place,
-                ..Desc::new(Collective::AllGather)
+                ..Desc::of(Collective::AllGather, E::DTYPE, chunk, recv_len)
             },
             post(src),
         );
@@ -92,25 +89,7 @@ impl<M: Memory> LoopbackComm<M> {
 impl<M: Memory> Communicator for LoopbackComm<M> {
     type Buffer<E: Element> = M::Buffer<E>;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn global_rank(&self) -> usize {
-        self.members[self.rank]
-    }
-
-    fn members(&self) -> &[usize] {
-        &self.members
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.shared.world.topology
-    }
+    group_methods!(shared.world.topology);
 
     fn alloc<E: Element>(&self, len: usize) -> Result<M::Buffer<E>> {
         self.shared.device.alloc(len)
@@ -175,13 +154,7 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
         let c = M::len(recv);
         let out = M::view(recv);
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                reduce: Some(op),
-                send_len: M::len(send),
-                recv_len: c,
-                ..Desc::new(Collective::ReduceScatter)
-            },
+            Desc::of(Collective::ReduceScatter, E::DTYPE, M::len(send), c).reduce(op),
             post(M::view(send)),
         );
         self.run(call, es, 1, |_, calls, reads, batch| {
@@ -201,13 +174,7 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
         let len = M::len(buf);
         let view = M::view(buf);
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                reduce: Some(op),
-                send_len: len,
-                recv_len: len,
-                ..Desc::new(Collective::AllReduce)
-            },
+            Desc::of(Collective::AllReduce, E::DTYPE, len, len).reduce(op),
             post(view),
         );
         self.run(call, es, 2, |step, calls, reads, batch| {
@@ -246,13 +213,7 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
         let len = M::len(buf);
         let view = M::view(buf);
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                root: Some(root),
-                send_len: len,
-                recv_len: len,
-                ..Desc::new(Collective::Broadcast)
-            },
+            Desc::of(Collective::Broadcast, E::DTYPE, len, len).root(root),
             post(view),
         );
         self.run(call, es, 1, |_, calls, reads, batch| {
@@ -278,12 +239,7 @@ impl<M: Memory> Communicator for LoopbackComm<M> {
         let len = M::len(send);
         let out = M::view(recv);
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                send_len: len,
-                recv_len: M::len(recv),
-                ..Desc::new(Collective::AllToAll)
-            },
+            Desc::of(Collective::AllToAll, E::DTYPE, len, M::len(recv)),
             post(M::view(send)),
         );
         self.run(call, es, 1, |_, calls, reads, batch| {

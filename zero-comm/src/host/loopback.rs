@@ -43,6 +43,33 @@ where
     })
 }
 
+/// The [`Loopback`] accessors of a communicator with fields `group`, `timeout`, `aborted` and
+/// `traffic`, its world's rendezvous at the field path given.
+macro_rules! loopback_fields {
+    ($($world:ident).+) => {
+        fn world(&self) -> &Arc<World> {
+            &self.$($world).+
+        }
+
+        fn group(&self) -> usize {
+            self.group
+        }
+
+        fn wait(&self) -> Duration {
+            self.timeout
+        }
+
+        fn aborted(&self) -> Option<&String> {
+            self.aborted.as_ref()
+        }
+
+        fn traffic_mut(&mut self) -> &mut TrafficTable {
+            &mut self.traffic
+        }
+    };
+}
+pub(crate) use loopback_fields;
+
 /// One rank of a loopback group, as the shared plumbing sees it.
 pub(crate) trait Loopback: Communicator {
     /// The backend's name in error messages, e.g. `"host loopback"`.

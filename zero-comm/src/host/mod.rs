@@ -50,11 +50,11 @@ use std::time::Duration;
 
 use zero_core::{Collective, Topology, TrafficTable};
 
-use crate::communicator::{Communicator, ReduceOrder};
+use crate::communicator::{Communicator, ReduceOrder, group_methods};
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::validate::{Desc, ar_chunk};
-use loopback::Loopback;
+use loopback::{Loopback, loopback_fields};
 use rendezvous::{Call, DrainGuard, ROOT_GROUP, RawPtr, World};
 
 /// The timeout of [`HostWorld::new`] callers who have no better idea.
@@ -280,11 +280,8 @@ impl HostComm {
         let me = self.rank;
         let call = Call::new(
             Desc {
-                dtype: Some(E::DTYPE),
-                send_len: chunk,
-                recv_len,
                 in_place,
-                ..Desc::new(Collective::AllGather)
+                ..Desc::of(Collective::AllGather, E::DTYPE, chunk, recv_len)
             },
             RawPtr(src.cast()),
         );
@@ -314,25 +311,7 @@ impl HostComm {
 impl Loopback for HostComm {
     const NAME: &'static str = "host loopback";
 
-    fn world(&self) -> &Arc<World> {
-        &self.world
-    }
-
-    fn group(&self) -> usize {
-        self.group
-    }
-
-    fn wait(&self) -> Duration {
-        self.timeout
-    }
-
-    fn aborted(&self) -> Option<&String> {
-        self.aborted.as_ref()
-    }
-
-    fn traffic_mut(&mut self) -> &mut TrafficTable {
-        &mut self.traffic
-    }
+    loopback_fields!(world);
 }
 
 /// The buffer methods of a communicator whose buffers are [`HostBuffer`]s (the host loopback, MPI),
@@ -396,25 +375,7 @@ pub(crate) use host_buffer_methods;
 impl Communicator for HostComm {
     type Buffer<E: Element> = HostBuffer<E>;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn global_rank(&self) -> usize {
-        self.members[self.rank]
-    }
-
-    fn members(&self) -> &[usize] {
-        &self.members
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.world.topology
-    }
+    group_methods!(world.topology);
 
     host_buffer_methods!();
 
@@ -450,13 +411,7 @@ impl Communicator for HostComm {
         let c = recv.len();
         let out = recv.data.as_mut_ptr();
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                reduce: Some(op),
-                send_len: send.len(),
-                recv_len: c,
-                ..Desc::new(Collective::ReduceScatter)
-            },
+            Desc::of(Collective::ReduceScatter, E::DTYPE, send.len(), c).reduce(op),
             RawPtr(send.data.as_ptr().cast()),
         );
         self.run(call, size_of::<E>(), 1, |_, calls, reads| {
@@ -483,13 +438,7 @@ impl Communicator for HostComm {
         let len = buf.len();
         let p = buf.data.as_mut_ptr();
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                reduce: Some(op),
-                send_len: len,
-                recv_len: len,
-                ..Desc::new(Collective::AllReduce)
-            },
+            Desc::of(Collective::AllReduce, E::DTYPE, len, len).reduce(op),
             RawPtr(p.cast_const().cast()),
         );
         self.run(call, size_of::<E>(), 2, |step, calls, reads| {
@@ -534,13 +483,7 @@ impl Communicator for HostComm {
         let len = buf.len();
         let p = buf.data.as_mut_ptr();
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                root: Some(root),
-                send_len: len,
-                recv_len: len,
-                ..Desc::new(Collective::Broadcast)
-            },
+            Desc::of(Collective::Broadcast, E::DTYPE, len, len).root(root),
             RawPtr(p.cast_const().cast()),
         );
         self.run(call, size_of::<E>(), 1, |_, calls, reads| {
@@ -563,12 +506,7 @@ impl Communicator for HostComm {
         let len = send.len();
         let out = recv.data.as_mut_ptr();
         let call = Call::new(
-            Desc {
-                dtype: Some(E::DTYPE),
-                send_len: len,
-                recv_len: recv.len(),
-                ..Desc::new(Collective::AllToAll)
-            },
+            Desc::of(Collective::AllToAll, E::DTYPE, len, recv.len()),
             RawPtr(send.data.as_ptr().cast()),
         );
         self.run(call, size_of::<E>(), 1, |_, calls, reads| {

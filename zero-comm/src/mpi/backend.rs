@@ -15,7 +15,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use zero_core::{Collective, Topology, TrafficTable};
 
 use super::MpiOptions;
-use crate::communicator::{Communicator, ReduceOrder};
+use crate::communicator::{Communicator, ReduceOrder, group_methods};
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Op, Result};
 use crate::host::HostBuffer;
@@ -374,15 +374,6 @@ impl MpiComm {
         Tally::new(self.members.len(), self.rank)
     }
 
-    fn desc<E: Element>(op: Collective, send_len: usize, recv_len: usize) -> Desc {
-        Desc {
-            dtype: Some(E::DTYPE),
-            send_len,
-            recv_len,
-            ..Desc::new(op)
-        }
-    }
-
     /// `MPI_Iallgather` of `send` into `recv`, waited for. Nothing to move is no MPI call
     /// (OpenMPI rejects the equal dangling pointers of two empty buffers).
     fn gather_bytes(&self, op: Op, send: &[u8], recv: &mut [u8], tally: &mut Tally) {
@@ -441,25 +432,7 @@ impl MpiComm {
 impl Communicator for MpiComm {
     type Buffer<E: Element> = HostBuffer<E>;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn global_rank(&self) -> usize {
-        self.members[self.rank]
-    }
-
-    fn members(&self) -> &[usize] {
-        &self.members
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
+    group_methods!(topology);
 
     crate::host::host_buffer_methods!();
 
@@ -468,7 +441,7 @@ impl Communicator for MpiComm {
         send: &HostBuffer<E>,
         recv: &mut HostBuffer<E>,
     ) -> Result<()> {
-        let d = Self::desc::<E>(Collective::AllGather, send.len(), recv.len());
+        let d = Desc::of(Collective::AllGather, E::DTYPE, send.len(), recv.len());
         self.open(d, false)?;
         let s = bytes(d.op, send.as_slice())?;
         let r = bytes_mut(d.op, recv.as_mut_slice())?;
@@ -483,7 +456,7 @@ impl Communicator for MpiComm {
         let c = buf.len() / n;
         let d = Desc {
             in_place: true,
-            ..Self::desc::<E>(Collective::AllGather, c, buf.len())
+            ..Desc::of(Collective::AllGather, E::DTYPE, c, buf.len())
         };
         self.open(d, false)?;
         let own = buf.as_slice()[self.rank * c..(self.rank + 1) * c].to_vec();
@@ -500,10 +473,7 @@ impl Communicator for MpiComm {
         recv: &mut HostBuffer<E>,
         op: ReduceOp,
     ) -> Result<()> {
-        let d = Desc {
-            reduce: Some(op),
-            ..Self::desc::<E>(Collective::ReduceScatter, send.len(), recv.len())
-        };
+        let d = Desc::of(Collective::ReduceScatter, E::DTYPE, send.len(), recv.len()).reduce(op);
         self.open(d, false)?;
         let s = bytes(d.op, send.as_slice())?;
         let mut scratch = self.take_scratch::<E>(send.len());
@@ -518,10 +488,7 @@ impl Communicator for MpiComm {
 
     fn all_reduce<E: Element>(&mut self, buf: &mut HostBuffer<E>, op: ReduceOp) -> Result<()> {
         let (n, me, len) = (self.members.len(), self.rank, buf.len());
-        let d = Desc {
-            reduce: Some(op),
-            ..Self::desc::<E>(Collective::AllReduce, len, len)
-        };
+        let d = Desc::of(Collective::AllReduce, E::DTYPE, len, len).reduce(op);
         self.open(d, false)?;
         let mut tally = self.tally();
         if len == 0 {
@@ -582,10 +549,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast<E: Element>(&mut self, buf: &mut HostBuffer<E>, root: usize) -> Result<()> {
-        let d = Desc {
-            root: Some(root),
-            ..Self::desc::<E>(Collective::Broadcast, buf.len(), buf.len())
-        };
+        let d = Desc::of(Collective::Broadcast, E::DTYPE, buf.len(), buf.len()).root(root);
         self.open(d, false)?;
         let b = bytes_mut(d.op, buf.as_mut_slice())?;
         let mut tally = self.tally();
@@ -607,7 +571,7 @@ impl Communicator for MpiComm {
         send: &HostBuffer<E>,
         recv: &mut HostBuffer<E>,
     ) -> Result<()> {
-        let d = Self::desc::<E>(Collective::AllToAll, send.len(), recv.len());
+        let d = Desc::of(Collective::AllToAll, E::DTYPE, send.len(), recv.len());
         self.open(d, false)?;
         let s = bytes(d.op, send.as_slice())?;
         let r = bytes_mut(d.op, recv.as_mut_slice())?;

@@ -29,31 +29,7 @@ pub(crate) struct Core {
     pub(super) kernels: Kernels,
 }
 
-/// Runs `f` inside validation and out-of-memory error scopes of this thread, returning the first
-/// error either caught.
-pub(crate) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> Result<T, String> {
-    let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-    let out = f();
-    let oom = pollster::block_on(oom.pop());
-    let validation = pollster::block_on(validation.pop());
-    match oom.or(validation) {
-        Some(e) => Err(one_line(&e.to_string())),
-        None => Ok(out),
-    }
-}
-
-/// wgpu's multi-line error report ("Validation Error\n\nCaused by:\n  In …") as one line.
-fn one_line(report: &str) -> String {
-    report
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && *l != "Caused by:")
-        .collect::<Vec<_>>()
-        .join(": ")
-        .trim_end_matches('.')
-        .to_string()
-}
+pub(crate) use zero_quant::wgpu_kernels::error_scope as scoped;
 
 impl Core {
     pub(crate) fn new(device: wgpu::Device, queue: wgpu::Queue) -> Result<Core, String> {

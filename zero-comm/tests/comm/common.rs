@@ -16,6 +16,15 @@ pub(crate) type Factory<C> = fn(Topology) -> Vec<C>;
 /// Timeout for tests that must not time out.
 pub(crate) const SAFE_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Every `(world size, ranks per node)` with at most `max_world` ranks and `max_per_node` ranks
+/// per node, the node size dividing the world size; by world size, then node size.
+pub(crate) fn layouts(max_world: usize, max_per_node: usize) -> Vec<(usize, usize)> {
+    (1..=max_world)
+        .flat_map(|n| (1..=n.min(max_per_node)).map(move |l| (n, l)))
+        .filter(|(n, l)| n % l == 0)
+        .collect()
+}
+
 /// A one-shot event that orders ranks in failure tests instead of sleeps: one rank `set`s it when
 /// something has happened (its timeout fired, say), the others `wait` for it. A wait gives up
 /// after [`SAFE_TIMEOUT`] with a panic, so a broken test fails instead of hanging.

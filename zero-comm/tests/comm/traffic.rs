@@ -6,28 +6,8 @@ use crate::bodies::groups as shared;
 use crate::bodies::{host, stamp};
 use crate::common::*;
 
-/// `(world_size, ranks_per_node)`: single node, one rank per node, and mixed layouts.
-const TOPOLOGIES: &[(usize, usize)] = &[
-    (1, 1),
-    (2, 1),
-    (2, 2),
-    (3, 1),
-    (3, 3),
-    (4, 1),
-    (4, 2),
-    (4, 4),
-    (5, 5),
-    (6, 2),
-    (6, 3),
-    (7, 7),
-    (8, 1),
-    (8, 2),
-    (8, 4),
-    (8, 8),
-];
-
 stamp! { host, shared:
-    measured_traffic_equals_formula_in_every_topology(TOPOLOGIES);
+    measured_traffic_equals_formula_in_every_topology(&layouts(8, 8));
     measured_traffic_equals_formula_in_sub_groups(&[(8, 4), (8, 2), (6, 3), (4, 2)]);
     all_gather_bytes_by_link_class();
 }

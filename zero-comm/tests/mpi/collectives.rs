@@ -16,21 +16,6 @@ use crate::harness::{self, is_rank, launch, rank_ok};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// `(world size, ranks per node)`: 1 to 6 ranks, 1 to 3 per node.
-const LAYOUTS: [(usize, usize); 11] = [
-    (1, 1),
-    (2, 1),
-    (2, 2),
-    (3, 1),
-    (3, 3),
-    (4, 1),
-    (4, 2),
-    (5, 1),
-    (6, 1),
-    (6, 2),
-    (6, 3),
-];
-
 fn bodies<C: Communicator>(comm: &mut C) {
     all_gather_body::<_, f32>(comm, &[0, 1, 5, 33]);
     all_gather_body::<_, bf16>(comm, &[3, 17]);
@@ -128,7 +113,8 @@ fn collectives_match_the_host_loopback_in_every_layout() {
     if is_rank() {
         return rank_body();
     }
-    for (n, l) in LAYOUTS {
+    // 1 to 6 ranks, 1 to 3 per node.
+    for (n, l) in layouts(6, 3) {
         let name = "collectives::collectives_match_the_host_loopback_in_every_layout";
         let Some(job) = launch(name, n, l, Duration::from_secs(60), &[], LIMIT) else {
             return;

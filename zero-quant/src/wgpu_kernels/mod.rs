@@ -172,27 +172,41 @@ pub struct WgpuQuantizer {
 }
 
 fn dev_err(what: &str, e: impl std::fmt::Display) -> Error {
-    let msg: Vec<String> = e
-        .to_string()
+    Error::Device(format!("{what}: {}", one_line(&e.to_string())))
+}
+
+/// wgpu's multi-line error report ("Validation Error\n\nCaused by:\n  In …") as one line.
+fn one_line(report: &str) -> String {
+    report
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && *l != "Caused by:")
-        .map(str::to_string)
-        .collect();
-    Error::Device(format!("{what}: {}", msg.join(": ")))
+        .collect::<Vec<_>>()
+        .join(": ")
+        .trim_end_matches('.')
+        .to_string()
 }
 
-/// Runs `f` inside validation and out-of-memory error scopes.
-fn scoped<T>(device: &wgpu::Device, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+/// Runs `f` inside validation and out-of-memory error scopes of this thread, returning the first
+/// error either caught as one line. zero-comm's wgpu loopback runs its work in these scopes too.
+pub fn error_scope<T>(
+    device: &wgpu::Device,
+    f: impl FnOnce() -> T,
+) -> std::result::Result<T, String> {
     let validation = device.push_error_scope(wgpu::ErrorFilter::Validation);
     let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
     let out = f();
     let oom = pollster::block_on(oom.pop());
     let validation = pollster::block_on(validation.pop());
     match oom.or(validation) {
-        Some(e) => Err(dev_err(what, e)),
+        Some(e) => Err(one_line(&e.to_string())),
         None => Ok(out),
     }
+}
+
+/// [`error_scope`] with a failure as [`Error::Device`] saying `what` failed.
+fn scoped<T>(device: &wgpu::Device, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    error_scope(device, f).map_err(|e| Error::Device(format!("{what}: {e}")))
 }
 
 /// The largest `s` with `s * qmax` finite, as bits (computed with the host's
@@ -434,10 +448,17 @@ impl WgpuQuantizer {
         &self,
         what: &str,
         layout: &wgpu::BindGroupLayout,
-        entries: &[wgpu::BindGroupEntry<'_>],
+        resources: Vec<wgpu::BindingResource<'_>>,
         status: &wgpu::Buffer,
         passes: &[(&wgpu::ComputePipeline, (u32, u32))],
     ) -> Result<[u32; STATUS_WORDS as usize]> {
+        // Binding `i` of the layout is resource `i`.
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = resources
+            .into_iter()
+            .zip(0..)
+            .map(|(resource, binding)| wgpu::BindGroupEntry { binding, resource })
+            .collect();
+        let entries = &entries[..];
         let staging = scoped(&self.device, what, || {
             let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some(what),
@@ -525,32 +546,17 @@ impl WgpuQuantizer {
             mapped_at_creation: false,
         });
         let status = self.status_buffer();
-        let entries = [
-            wgpu::BindGroupEntry {
-                binding: 0,
-                resource: uniform.as_entire_binding(),
-            },
-            wgpu::BindGroupEntry {
-                binding: 1,
-                resource: Self::binding(input, 4 * n as u64),
-            },
-            wgpu::BindGroupEntry {
-                binding: 2,
-                resource: Self::binding(output, wire),
-            },
-            wgpu::BindGroupEntry {
-                binding: 3,
-                resource: scratch.as_entire_binding(),
-            },
-            wgpu::BindGroupEntry {
-                binding: 4,
-                resource: status.as_entire_binding(),
-            },
+        let resources = vec![
+            uniform.as_entire_binding(),
+            Self::binding(input, 4 * n as u64),
+            Self::binding(output, wire),
+            scratch.as_entire_binding(),
+            status.as_entire_binding(),
         ];
         let s = self.run(
             "zero-quant encode",
             &self.enc_layout,
-            &entries,
+            resources,
             &status,
             &[
                 (&f.enc_scales, self.grid(p.nb)),
@@ -630,29 +636,17 @@ impl WgpuQuantizer {
         self.check_buffer(f.name, out_what, output, 4 * n as u64)?;
         let uniform = self.uniform(&p);
         let status = self.status_buffer();
-        let entries = [
-            wgpu::BindGroupEntry {
-                binding: 0,
-                resource: uniform.as_entire_binding(),
-            },
-            wgpu::BindGroupEntry {
-                binding: 1,
-                resource: Self::binding(wire, l.total_len as u64),
-            },
-            wgpu::BindGroupEntry {
-                binding: 2,
-                resource: Self::binding(output, 4 * n as u64),
-            },
-            wgpu::BindGroupEntry {
-                binding: 3,
-                resource: status.as_entire_binding(),
-            },
+        let resources = vec![
+            uniform.as_entire_binding(),
+            Self::binding(wire, l.total_len as u64),
+            Self::binding(output, 4 * n as u64),
+            status.as_entire_binding(),
         ];
         let main = if accumulate { &f.dec_acc } else { &f.dec };
         let s = self.run(
             "zero-quant decode",
             &self.dec_layout,
-            &entries,
+            resources,
             &status,
             &[
                 (main, self.grid(p.scale_word.div_ceil(WG))),

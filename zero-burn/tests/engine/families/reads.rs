@@ -209,11 +209,8 @@ pub(crate) fn engine<M: Segmented<Batch = Toks>>(
     let ranks = Launch::new(Topology::single_node(n).unwrap())
         .timeout(Duration::from_secs(60))
         .run_with(model, |comm, model| {
-            let rank = zero_comm::Communicator::rank(&comm);
-            let mut engine = ZeroEngine::builder(comm, model)
-                .config(cfg.clone())
-                .optimizer(optimizer)
-                .build()?;
+            let (rank, mut engine) =
+                crate::common::rank_engine(comm, model, &cfg, Some(optimizer))?;
             let mut losses = Vec::new();
             for s in 0..STEPS {
                 let batches: Vec<Toks> = (0..A)

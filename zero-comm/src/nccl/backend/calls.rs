@@ -214,11 +214,8 @@ impl NcclComm {
             None => recv.len / n,
         };
         let d = Desc {
-            dtype: Some(E::DTYPE),
-            send_len: chunk,
-            recv_len: recv.len,
             in_place,
-            ..Desc::new(op)
+            ..Desc::of(op, E::DTYPE, chunk, recv.len)
         };
         self.begin(&d)?;
         if let Some(s) = send {

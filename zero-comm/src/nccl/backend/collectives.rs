@@ -92,13 +92,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let o = Op::from(Collective::ReduceScatter);
-        let d = Desc {
-            dtype: Some(E::DTYPE),
-            reduce: Some(op),
-            send_len: send.len,
-            recv_len: recv.len,
-            ..Desc::new(o)
-        };
+        let d = Desc::of(o, E::DTYPE, send.len, recv.len).reduce(op);
         self.begin(&d)?;
         self.check_buffer(o, send)?;
         self.check_buffer(o, recv)?;
@@ -133,13 +127,7 @@ impl Communicator for NcclComm {
     fn all_reduce<E: Element>(&mut self, buf: &mut NcclBuffer<E>, op: ReduceOp) -> Result<()> {
         let o = Op::from(Collective::AllReduce);
         let len = buf.len;
-        let d = Desc {
-            dtype: Some(E::DTYPE),
-            reduce: Some(op),
-            send_len: len,
-            recv_len: len,
-            ..Desc::new(o)
-        };
+        let d = Desc::of(o, E::DTYPE, len, len).reduce(op);
         self.begin(&d)?;
         self.check_buffer(o, buf)?;
         let mut tally = self.tally();
@@ -170,13 +158,7 @@ impl Communicator for NcclComm {
     fn broadcast<E: Element>(&mut self, buf: &mut NcclBuffer<E>, root: usize) -> Result<()> {
         let o = Op::from(Collective::Broadcast);
         let len = buf.len;
-        let d = Desc {
-            dtype: Some(E::DTYPE),
-            root: Some(root),
-            send_len: len,
-            recv_len: len,
-            ..Desc::new(o)
-        };
+        let d = Desc::of(o, E::DTYPE, len, len).root(root);
         self.begin(&d)?;
         self.check_buffer(o, buf)?;
         let mut tally = self.tally();
@@ -209,12 +191,7 @@ impl Communicator for NcclComm {
         recv: &mut NcclBuffer<E>,
     ) -> Result<()> {
         let o = Op::from(Collective::AllToAll);
-        let d = Desc {
-            dtype: Some(E::DTYPE),
-            send_len: send.len,
-            recv_len: recv.len,
-            ..Desc::new(o)
-        };
+        let d = Desc::of(o, E::DTYPE, send.len, recv.len);
         self.begin(&d)?;
         self.check_buffer(o, send)?;
         self.check_buffer(o, recv)?;

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use zero_quant::cuda::CudaElement;
 
-use super::kernels::{PtxModule, grid_stride, ptx_module};
+use super::kernels::{PtxModule, acc_and_other_module, element, narrow, widen};
+use crate::element::DType;
 use crate::error::{Error, Result};
 
 /// The PTX of `zero_qgz_finish_{f32,f16,bf16}(u64 acc, u64 out, u64 len, f32 divisor)`: a
@@ -18,47 +19,22 @@ use crate::error::{Error, Result};
 /// round-to-nearest-even of `half`'s `from_f32` (NaNs stay quiet NaNs), step for step as the
 /// mean kernels (`kernels.rs`) do it in place.
 fn finish_ptx() -> String {
-    let setup = "\tld.param.u64 \t%rd1, [p_acc];\n\
-                 \tld.param.u64 \t%rd8, [p_out];\n\
-                 \tld.param.u64 \t%rd2, [p_len];\n\
-                 \tld.param.f32 \t%f1, [p_div];\n\
-                 \tcvta.to.global.u64 \t%rd1, %rd1;\n\
-                 \tcvta.to.global.u64 \t%rd8, %rd8;";
-    let body = |name: &str, store: &str| {
-        let params = [
-            ".param .u64 p_acc",
-            ".param .u64 p_out",
-            ".param .u64 p_len",
-            ".param .f32 p_div",
-        ];
-        let body = format!(
-            "\tshl.b64 \t%rd6, %rd3, 2;\n\
-             \tadd.s64 \t%rd7, %rd1, %rd6;\n\
-             \tld.global.f32 \t%f2, [%rd7];\n\
-             \tdiv.rn.f32 \t%f3, %f2, %f1;\n{store}"
-        );
-        grid_stride(&format!("zero_qgz_finish_{name}"), &params, setup, &body)
-    };
-    let f32 = "\tadd.s64 \t%rd9, %rd8, %rd6;\n\tst.global.f32 \t[%rd9], %f3;";
-    let f16 = "\tcvt.rn.f16.f32 \t%rs1, %f3;\n\
-               \tshl.b64 \t%rd6, %rd3, 1;\n\
-               \tadd.s64 \t%rd9, %rd8, %rd6;\n\
-               \tst.global.u16 \t[%rd9], %rs1;";
-    let bf16 = "\tmov.b32 \t%r6, %f3;\n\
-                \tshr.u32 \t%r7, %r6, 16;\n\
-                \tand.b32 \t%r7, %r7, 1;\n\
-                \tadd.s32 \t%r7, %r7, 32767;\n\
-                \tadd.s32 \t%r7, %r6, %r7;\n\
-                \tshr.u32 \t%r7, %r7, 16;\n\
-                \tshr.u32 \t%r8, %r6, 16;\n\
-                \tor.b32 \t%r8, %r8, 64;\n\
-                \tsetp.nan.f32 \t%p2, %f3, %f3;\n\
-                \tselp.b32 \t%r9, %r8, %r7, %p2;\n\
-                \tcvt.u16.u32 \t%rs1, %r9;\n\
-                \tshl.b64 \t%rd6, %rd3, 1;\n\
-                \tadd.s64 \t%rd9, %rd8, %rd6;\n\
-                \tst.global.u16 \t[%rd9], %rs1;";
-    ptx_module(&[body("f32", f32), body("f16", f16), body("bf16", bf16)])
+    let load_divisor = "\tld.param.f32 \t%f1, [p_div];";
+    acc_and_other_module(
+        "zero_qgz_finish",
+        "out",
+        ".f32 p_div",
+        load_divisor,
+        |dtype| {
+            format!(
+                "{}{}\tdiv.rn.f32 \t%f3, %f2, %f1;\n{}{}",
+                element("%rd7", "%rd1", DType::F32),
+                widen(DType::F32, "%rd7"),
+                element("%rd9", "%rd8", dtype),
+                narrow(dtype, "%rd9")
+            )
+        },
+    )
 }
 
 /// The finish kernels of one context, JIT-compiled (`cuModuleLoadData`) on first use and kept
@@ -157,15 +133,9 @@ mod tests {
     use super::*;
     // The GPU test's (compiled with `gpu-tests` only).
     #[cfg(feature = "gpu-tests")]
-    use half::{bf16, f16};
-
+    use crate::nccl::backend::kernels::tests::{gpu, lcg};
     #[cfg(feature = "gpu-tests")]
-    fn lcg(z: &mut u64) -> u32 {
-        *z = z
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*z >> 32) as u32
-    }
+    use half::{bf16, f16};
 
     #[test]
     fn finish_ptx_has_three_kernels() {
@@ -189,18 +159,9 @@ mod tests {
     #[test]
     fn gpu_qgz_finish_kernels_divide_and_round_like_the_host() {
         let name = "gpu_qgz_finish_kernels_divide_and_round_like_the_host";
-        // Compiled only for gpu-check (feature `gpu-tests`), which sets ZERO_GPU_TESTS=1: then a
-        // missing library or device is a failure, not a skip.
-        if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
-            eprintln!("did not run {name}: ZERO_GPU_TESTS=1 is not set");
+        let Some((ctx, stream)) = gpu(name) else {
             return;
-        }
-        match crate::nccl::probe() {
-            Ok(rt) if rt.devices > 0 => {}
-            other => panic!("ZERO_GPU_TESTS=1 but there is no usable CUDA device: {other:?}"),
-        }
-        let ctx = CudaContext::new(0).unwrap();
-        let stream = ctx.new_stream().unwrap();
+        };
         let k = Finish::get(&ctx).unwrap();
         assert!(Arc::ptr_eq(&k, &Finish::get(&ctx).unwrap()), "cached");
         // More than one grid-stride pass of the launch (4096 blocks of 256 threads).

@@ -21,141 +21,126 @@ use crate::error::{Error, Result};
 const BLOCK: u32 = 256;
 const MAX_GRID: u32 = 4096;
 
-/// Grid-stride loops over `len` elements at `buf`; parameters `(u64 buf, u64 len, f32 divisor)`.
-const PTX: &str = r#"
-.version 7.0
-.target sm_52
-.address_size 64
+/// The element types the kernels reduce, in the order of every module's entry points.
+const REDUCIBLE: [(DType, &str); 3] = [
+    (DType::F32, "f32"),
+    (DType::F16, "f16"),
+    (DType::BF16, "bf16"),
+];
 
-.visible .entry zero_div_f32(
-	.param .u64 p_buf,
-	.param .u64 p_len,
-	.param .f32 p_div
-)
-{
-	.reg .pred 	%p<2>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<8>;
-	.reg .f32 	%f<4>;
-
-	ld.param.u64 	%rd1, [p_buf];
-	ld.param.u64 	%rd2, [p_len];
-	ld.param.f32 	%f1, [p_div];
-	cvta.to.global.u64 	%rd1, %rd1;
-	mov.u32 	%r1, %ctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mov.u32 	%r3, %tid.x;
-	mov.u32 	%r4, %nctaid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	cvt.u64.u32 	%rd4, %r3;
-	add.s64 	%rd3, %rd3, %rd4;
-	mul.wide.u32 	%rd5, %r4, %r2;
-$L_f32_loop:
-	setp.ge.u64 	%p1, %rd3, %rd2;
-	@%p1 bra 	$L_f32_done;
-	shl.b64 	%rd6, %rd3, 2;
-	add.s64 	%rd7, %rd1, %rd6;
-	ld.global.f32 	%f2, [%rd7];
-	div.rn.f32 	%f3, %f2, %f1;
-	st.global.f32 	[%rd7], %f3;
-	add.s64 	%rd3, %rd3, %rd5;
-	bra 	$L_f32_loop;
-$L_f32_done:
-	ret;
+/// The index of `dtype`'s entry point in the mean, accumulation and finish modules (`u8` has
+/// none: the contract refuses to reduce it before anything moves).
+pub(in crate::nccl) fn entry(dtype: DType) -> Option<usize> {
+    REDUCIBLE.iter().position(|(d, _)| *d == dtype)
 }
 
-.visible .entry zero_div_f16(
-	.param .u64 p_buf,
-	.param .u64 p_len,
-	.param .f32 p_div
-)
-{
-	.reg .pred 	%p<2>;
-	.reg .b16 	%rs<3>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<8>;
-	.reg .f32 	%f<4>;
-
-	ld.param.u64 	%rd1, [p_buf];
-	ld.param.u64 	%rd2, [p_len];
-	ld.param.f32 	%f1, [p_div];
-	cvta.to.global.u64 	%rd1, %rd1;
-	mov.u32 	%r1, %ctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mov.u32 	%r3, %tid.x;
-	mov.u32 	%r4, %nctaid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	cvt.u64.u32 	%rd4, %r3;
-	add.s64 	%rd3, %rd3, %rd4;
-	mul.wide.u32 	%rd5, %r4, %r2;
-$L_f16_loop:
-	setp.ge.u64 	%p1, %rd3, %rd2;
-	@%p1 bra 	$L_f16_done;
-	shl.b64 	%rd6, %rd3, 1;
-	add.s64 	%rd7, %rd1, %rd6;
-	ld.global.u16 	%rs1, [%rd7];
-	cvt.f32.f16 	%f2, %rs1;
-	div.rn.f32 	%f3, %f2, %f1;
-	cvt.rn.f16.f32 	%rs2, %f3;
-	st.global.u16 	[%rd7], %rs2;
-	add.s64 	%rd3, %rd3, %rd5;
-	bra 	$L_f16_loop;
-$L_f16_done:
-	ret;
+/// One module with an entry point `{prefix}_{f32,f16,bf16}` for each reducible type, in
+/// [`entry`]'s order: `body(dtype)` is the loop body of [`grid_stride`].
+pub(in crate::nccl) fn per_type_module(
+    prefix: &str,
+    params: &[&str],
+    setup: &str,
+    body: impl Fn(DType) -> String,
+) -> String {
+    ptx_module(&REDUCIBLE.map(|(dtype, name)| {
+        grid_stride(
+            &format!("{prefix}_{name}"),
+            params,
+            setup,
+            body(dtype).trim_end(),
+        )
+    }))
 }
 
-.visible .entry zero_div_bf16(
-	.param .u64 p_buf,
-	.param .u64 p_len,
-	.param .f32 p_div
-)
-{
-	.reg .pred 	%p<3>;
-	.reg .b16 	%rs<3>;
-	.reg .b32 	%r<10>;
-	.reg .b64 	%rd<8>;
-	.reg .f32 	%f<4>;
-
-	ld.param.u64 	%rd1, [p_buf];
-	ld.param.u64 	%rd2, [p_len];
-	ld.param.f32 	%f1, [p_div];
-	cvta.to.global.u64 	%rd1, %rd1;
-	mov.u32 	%r1, %ctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mov.u32 	%r3, %tid.x;
-	mov.u32 	%r4, %nctaid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	cvt.u64.u32 	%rd4, %r3;
-	add.s64 	%rd3, %rd3, %rd4;
-	mul.wide.u32 	%rd5, %r4, %r2;
-$L_bf16_loop:
-	setp.ge.u64 	%p1, %rd3, %rd2;
-	@%p1 bra 	$L_bf16_done;
-	shl.b64 	%rd6, %rd3, 1;
-	add.s64 	%rd7, %rd1, %rd6;
-	ld.global.u16 	%rs1, [%rd7];
-	cvt.u32.u16 	%r5, %rs1;
-	shl.b32 	%r5, %r5, 16;
-	mov.b32 	%f2, %r5;
-	div.rn.f32 	%f3, %f2, %f1;
-	mov.b32 	%r6, %f3;
-	shr.u32 	%r7, %r6, 16;
-	and.b32 	%r7, %r7, 1;
-	add.s32 	%r7, %r7, 32767;
-	add.s32 	%r7, %r6, %r7;
-	shr.u32 	%r7, %r7, 16;
-	shr.u32 	%r8, %r6, 16;
-	or.b32 	%r8, %r8, 64;
-	setp.nan.f32 	%p2, %f3, %f3;
-	selp.b32 	%r9, %r8, %r7, %p2;
-	cvt.u16.u32 	%rs2, %r9;
-	st.global.u16 	[%rd7], %rs2;
-	add.s64 	%rd3, %rd3, %rd5;
-	bra 	$L_bf16_loop;
-$L_bf16_done:
-	ret;
+/// A [`per_type_module`] whose kernels take `(u64 acc, u64 {other}, u64 len, {scalar})`: the
+/// loop finds the global addresses of `acc` in `%rd1` and of `other` in `%rd8`, and
+/// `load_scalar` has loaded the last parameter.
+pub(in crate::nccl) fn acc_and_other_module(
+    prefix: &str,
+    other: &str,
+    scalar: &str,
+    load_scalar: &str,
+    body: impl Fn(DType) -> String,
+) -> String {
+    let setup = format!(
+        "\tld.param.u64 \t%rd1, [p_acc];\n\
+         \tld.param.u64 \t%rd8, [p_{other}];\n\
+         \tld.param.u64 \t%rd2, [p_len];\n\
+         \tcvta.to.global.u64 \t%rd1, %rd1;\n\
+         \tcvta.to.global.u64 \t%rd8, %rd8;\n\
+         {load_scalar}"
+    );
+    let other = format!(".param .u64 p_{other}");
+    let scalar = format!(".param {scalar}");
+    let params = [".param .u64 p_acc", &other, ".param .u64 p_len", &scalar];
+    per_type_module(prefix, &params, &setup, body)
 }
-"#;
+
+/// `dst = base + i * size_of(dtype)` for the loop's element `%rd3 = i`.
+pub(in crate::nccl) fn element(dst: &str, base: &str, dtype: DType) -> String {
+    let shift = if dtype == DType::F32 { 2 } else { 1 };
+    format!("\tshl.b64 \t{dst}, %rd3, {shift};\n\tadd.s64 \t{dst}, {base}, {dst};\n")
+}
+
+/// Loads the `dtype` element at `[addr]` into `%f2`, widened to f32 exactly (uses `%rs1`, `%r6`).
+pub(in crate::nccl) fn widen(dtype: DType, addr: &str) -> String {
+    match dtype {
+        DType::F16 => format!("\tld.global.u16 \t%rs1, [{addr}];\n\tcvt.f32.f16 \t%f2, %rs1;\n"),
+        DType::BF16 => format!(
+            "\tld.global.u16 \t%rs1, [{addr}];\n\
+             \tcvt.u32.u16 \t%r6, %rs1;\n\
+             \tshl.b32 \t%r6, %r6, 16;\n\
+             \tmov.b32 \t%f2, %r6;\n"
+        ),
+        _ => format!("\tld.global.f32 \t%f2, [{addr}];\n"),
+    }
+}
+
+/// Rounds `%f3` to `dtype` once and stores it at `[addr]` (uses `%rs1`, `%r6`–`%r9`, `%p2`):
+/// `cvt.rn.f16.f32` for f16, for bf16 the integer round-to-nearest-even of `half`'s `from_f32`
+/// (NaNs stay quiet NaNs).
+pub(in crate::nccl) fn narrow(dtype: DType, addr: &str) -> String {
+    match dtype {
+        DType::F16 => format!("\tcvt.rn.f16.f32 \t%rs1, %f3;\n\tst.global.u16 \t[{addr}], %rs1;\n"),
+        DType::BF16 => format!(
+            "\tmov.b32 \t%r6, %f3;\n\
+             \tshr.u32 \t%r7, %r6, 16;\n\
+             \tand.b32 \t%r7, %r7, 1;\n\
+             \tadd.s32 \t%r7, %r7, 32767;\n\
+             \tadd.s32 \t%r7, %r6, %r7;\n\
+             \tshr.u32 \t%r7, %r7, 16;\n\
+             \tshr.u32 \t%r8, %r6, 16;\n\
+             \tor.b32 \t%r8, %r8, 64;\n\
+             \tsetp.nan.f32 \t%p2, %f3, %f3;\n\
+             \tselp.b32 \t%r9, %r8, %r7, %p2;\n\
+             \tcvt.u16.u32 \t%rs1, %r9;\n\
+             \tst.global.u16 \t[{addr}], %rs1;\n"
+        ),
+        _ => format!("\tst.global.f32 \t[{addr}], %f3;\n"),
+    }
+}
+
+/// The mean kernels `zero_div_{f32,f16,bf16}(u64 buf, u64 len, f32 divisor)`: a grid-stride loop
+/// doing `buf[i] = round(widen(buf[i]) / divisor)` in place.
+fn mean_ptx() -> String {
+    let setup = "\tld.param.u64 \t%rd1, [p_buf];\n\
+                 \tld.param.u64 \t%rd2, [p_len];\n\
+                 \tld.param.f32 \t%f1, [p_div];\n\
+                 \tcvta.to.global.u64 \t%rd1, %rd1;";
+    let params = [
+        ".param .u64 p_buf",
+        ".param .u64 p_len",
+        ".param .f32 p_div",
+    ];
+    per_type_module("zero_div", &params, setup, |dtype| {
+        format!(
+            "{}{}\tdiv.rn.f32 \t%f3, %f2, %f1;\n{}",
+            element("%rd7", "%rd1", dtype),
+            widen(dtype, "%rd7"),
+            narrow(dtype, "%rd7")
+        )
+    })
+}
 
 /// A PTX module of `entries` for the driver to JIT-compile: PTX ISA 7.0, any GPU from sm_52 on.
 pub(in crate::nccl) fn ptx_module(entries: &[String]) -> String {
@@ -335,19 +320,18 @@ impl MeanKernels {
         let k = self
             .loaded
             .get_or_init(|| {
-                PtxModule::load(ctx, PTX, &["zero_div_f32", "zero_div_f16", "zero_div_bf16"])
+                PtxModule::load(
+                    ctx,
+                    &mean_ptx(),
+                    &["zero_div_f32", "zero_div_f16", "zero_div_bf16"],
+                )
             })
             .as_ref()
             .map_err(|e| Error::Backend(format!("nccl mean kernel: {e}")))?;
-        let f = match dtype {
-            DType::F32 => 0,
-            DType::F16 => 1,
-            DType::BF16 => 2,
-            DType::U8 => {
-                return Err(Error::Backend(
-                    "nccl mean kernel: u8 is not reducible".into(),
-                ));
-            }
+        let Some(f) = entry(dtype) else {
+            return Err(Error::Backend(
+                "nccl mean kernel: u8 is not reducible".into(),
+            ));
         };
         let mut p_buf: u64 = buf;
         let mut p_len: u64 = len as u64;
@@ -366,7 +350,7 @@ impl MeanKernels {
 }
 
 #[cfg(test)]
-mod tests {
+pub(in crate::nccl) mod tests {
     // The GPU test's (compiled with `gpu-tests` only).
     #[cfg(feature = "gpu-tests")]
     use super::*;
@@ -418,12 +402,33 @@ mod tests {
         }
     }
 
+    /// The next of a 64-bit LCG's draws, as 32 random bits.
     #[cfg(feature = "gpu-tests")]
-    fn lcg(z: &mut u64) -> u32 {
+    pub(in crate::nccl) fn lcg(z: &mut u64) -> u32 {
         *z = z
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         (*z >> 32) as u32
+    }
+
+    /// GPU 0's context and a new stream for GPU test `name`. It is compiled only for gpu-check
+    /// (feature `gpu-tests`), which sets `ZERO_GPU_TESTS=1`: then a missing library or device is
+    /// a failure, not a skip. Without it, `None`, said on stderr.
+    #[cfg(feature = "gpu-tests")]
+    pub(in crate::nccl) fn gpu(name: &str) -> Option<(Arc<CudaContext>, Arc<CudaStream>)> {
+        if !zero_testkit::cookie::gpu_tests() {
+            eprintln!("did not run {name}: ZERO_GPU_TESTS=1 is not set");
+            return None;
+        }
+        match crate::nccl::probe() {
+            Ok(rt) if rt.devices > 0 => {}
+            other => {
+                panic!("{name}: ZERO_GPU_TESTS=1 but there is no usable CUDA device: {other:?}")
+            }
+        }
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        Some((ctx, stream))
     }
 
     /// Runs the PTX on a GPU (feature `gpu-tests`, `ZERO_GPU_TESTS=1`, a device) and compares every
@@ -432,70 +437,48 @@ mod tests {
     #[cfg(feature = "gpu-tests")]
     #[test]
     fn gpu_mean_kernels_divide_like_the_host() {
-        // Compiled only for gpu-check (feature `gpu-tests`), which sets ZERO_GPU_TESTS=1: then a
-        // missing library or device is a failure, not a skip.
-        if std::env::var("ZERO_GPU_TESTS").as_deref() != Ok("1") {
-            eprintln!(
-                "did not run gpu_mean_kernels_divide_like_the_host: ZERO_GPU_TESTS=1 is not set"
-            );
+        use crate::element::Element;
+        use zero_quant::cuda::CudaElement;
+
+        fn check<E: CudaElement + Element>(
+            (k, ctx, stream): (&MeanKernels, &Arc<CudaContext>, &Arc<CudaStream>),
+            x: &[E],
+            n: f32,
+        ) {
+            let dev = stream.clone_htod(x).unwrap();
+            {
+                let (p, _g) = dev.device_ptr(stream);
+                k.divide(ctx, stream, p, x.len(), <E as Element>::DTYPE, n)
+                    .unwrap();
+            }
+            let got = stream.clone_dtoh(&dev).unwrap();
+            let nan = |v: E| zero_quant::Element::to_f32(v).is_nan();
+            for (i, (&g, &v)) in got.iter().zip(x).enumerate() {
+                let w = <E as zero_quant::Element>::from_f32(zero_quant::Element::to_f32(v) / n);
+                assert!(
+                    bytemuck::bytes_of(&g) == bytemuck::bytes_of(&w) || (nan(g) && nan(w)),
+                    "{:?} {i}: {v:?} / {n} = {g:?}, expected {w:?}",
+                    <E as Element>::DTYPE
+                );
+            }
+        }
+
+        const NAME: &str = "gpu_mean_kernels_divide_like_the_host";
+        let Some((ctx, stream)) = gpu(NAME) else {
             return;
-        }
-        match crate::nccl::probe() {
-            Ok(rt) if rt.devices > 0 => {}
-            other => panic!("ZERO_GPU_TESTS=1 but there is no usable CUDA device: {other:?}"),
-        }
-        let ctx = CudaContext::new(0).unwrap();
-        let stream = ctx.new_stream().unwrap();
+        };
         let k = MeanKernels::default();
         let len = (MAX_GRID * BLOCK) as usize + 3;
         let mut z = 7u64;
         let bits: Vec<u32> = (0..len).map(|_| lcg(&mut z)).collect();
+        let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b as u16)).collect();
+        let b: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b as u16)).collect();
         for n in [1.0f32, 2.0, 3.0, 7.0] {
-            let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
-            let dev = stream.clone_htod(&x).unwrap();
-            {
-                let (p, _g) = dev.device_ptr(&stream);
-                k.divide(&ctx, &stream, p, len, DType::F32, n).unwrap();
-            }
-            let got = stream.clone_dtoh(&dev).unwrap();
-            for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
-                let w = v / n;
-                assert!(
-                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-                    "f32 {i}: {v:e} / {n} = {g:e}, expected {w:e}"
-                );
-            }
-
-            let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b as u16)).collect();
-            let dev = stream.clone_htod(&h).unwrap();
-            {
-                let (p, _g) = dev.device_ptr(&stream);
-                k.divide(&ctx, &stream, p, len, DType::F16, n).unwrap();
-            }
-            let got = stream.clone_dtoh(&dev).unwrap();
-            for (i, (&g, &v)) in got.iter().zip(&h).enumerate() {
-                let w = f16::from_f32(v.to_f32() / n);
-                assert!(
-                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-                    "f16 {i}: {v} / {n} = {g}, expected {w}"
-                );
-            }
-
-            let b: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b as u16)).collect();
-            let dev = stream.clone_htod(&b).unwrap();
-            {
-                let (p, _g) = dev.device_ptr(&stream);
-                k.divide(&ctx, &stream, p, len, DType::BF16, n).unwrap();
-            }
-            let got = stream.clone_dtoh(&dev).unwrap();
-            for (i, (&g, &v)) in got.iter().zip(&b).enumerate() {
-                let w = bf16::from_f32(v.to_f32() / n);
-                assert!(
-                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-                    "bf16 {i}: {v} / {n} = {g}, expected {w}"
-                );
-            }
+            check((&k, &ctx, &stream), &x, n);
+            check((&k, &ctx, &stream), &h, n);
+            check((&k, &ctx, &stream), &b, n);
         }
-        zero_testkit::cookie::passed("gpu_mean_kernels_divide_like_the_host");
+        zero_testkit::cookie::passed(NAME);
     }
 }

@@ -19,7 +19,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use zero_core::Topology;
 
 use super::finish::Finish;
-use super::kernels::{PtxModule, grid_stride, ptx_module};
+use super::kernels::{PtxModule, acc_and_other_module, element, entry, widen};
 use super::{NcclBuffer, driver, ffi};
 use crate::device_loopback::{Loc, LoopbackComm, LoopbackWorld, Memory, Recorder, Sealed};
 use crate::element::{DType, Element, ReduceOp};
@@ -29,56 +29,19 @@ use crate::error::{Error, Result};
 /// grid-stride loop; parameters `(u64 acc, u64 x, u64 len, u32 start)`. `load` leaves `x[i]`
 /// widened exactly in `%f2`.
 fn acc_ptx() -> String {
-    let setup = "\tld.param.u64 \t%rd1, [p_acc];\n\
-                 \tld.param.u64 \t%rd8, [p_x];\n\
-                 \tld.param.u64 \t%rd2, [p_len];\n\
-                 \tld.param.u32 \t%r5, [p_start];\n\
-                 \tcvta.to.global.u64 \t%rd1, %rd1;\n\
-                 \tcvta.to.global.u64 \t%rd8, %rd8;\n\
-                 \tsetp.ne.u32 \t%p2, %r5, 0;";
-    let body = |name: &str, load: &str| {
-        let params = [
-            ".param .u64 p_acc",
-            ".param .u64 p_x",
-            ".param .u64 p_len",
-            ".param .u32 p_start",
-        ];
-        let body = format!(
-            "{load}\n\
-             \tshl.b64 \t%rd6, %rd3, 2;\n\
-             \tadd.s64 \t%rd7, %rd1, %rd6;\n\
+    let load_start = "\tld.param.u32 \t%r5, [p_start];\n\tsetp.ne.u32 \t%p2, %r5, 0;";
+    acc_and_other_module("zero_acc", "x", ".u32 p_start", load_start, |dtype| {
+        format!(
+            "{}{}{}\
              \t@%p2 mov.f32 \t%f3, %f2;\n\
              \t@!%p2 ld.global.f32 \t%f4, [%rd7];\n\
              \t@!%p2 add.rn.f32 \t%f3, %f4, %f2;\n\
-             \tst.global.f32 \t[%rd7], %f3;"
-        );
-        grid_stride(&format!("zero_acc_{name}"), &params, setup, &body)
-    };
-    let f32 = "\tshl.b64 \t%rd9, %rd3, 2;\n\
-               \tadd.s64 \t%rd10, %rd8, %rd9;\n\
-               \tld.global.f32 \t%f2, [%rd10];";
-    let f16 = "\tshl.b64 \t%rd9, %rd3, 1;\n\
-               \tadd.s64 \t%rd10, %rd8, %rd9;\n\
-               \tld.global.u16 \t%rs1, [%rd10];\n\
-               \tcvt.f32.f16 \t%f2, %rs1;";
-    let bf16 = "\tshl.b64 \t%rd9, %rd3, 1;\n\
-                \tadd.s64 \t%rd10, %rd8, %rd9;\n\
-                \tld.global.u16 \t%rs1, [%rd10];\n\
-                \tcvt.u32.u16 \t%r6, %rs1;\n\
-                \tshl.b32 \t%r6, %r6, 16;\n\
-                \tmov.b32 \t%f2, %r6;";
-    ptx_module(&[body("f32", f32), body("f16", f16), body("bf16", bf16)])
-}
-
-/// The index of `dtype`'s kernel in the accumulation and finish modules (`u8` has none: the
-/// contract refuses to reduce it before anything moves).
-fn kernel(dtype: DType) -> Option<usize> {
-    match dtype {
-        DType::F32 => Some(0),
-        DType::F16 => Some(1),
-        DType::BF16 => Some(2),
-        DType::U8 => None,
-    }
+             \tst.global.f32 \t[%rd7], %f3;",
+            element("%rd10", "%rd8", dtype),
+            widen(dtype, "%rd10"),
+            element("%rd7", "%rd1", DType::F32)
+        )
+    })
 }
 
 /// One GPU, shared by every rank of a CUDA loopback world: the context (the device's primary
@@ -215,7 +178,7 @@ impl Recorder<CudaSlice<u8>, Option<CudaSlice<f32>>> for CudaBatch<'_> {
         dtype: DType,
         op: ReduceOp,
     ) {
-        let Some(kernel) = kernel(dtype) else {
+        let Some(kernel) = entry(dtype) else {
             self.refused = Some(dtype);
             return;
         };
@@ -402,7 +365,7 @@ mod tests {
         }
         assert_eq!(ptx.matches("add.rn.f32").count(), 3);
         assert!(!ptx.contains(".ftz"), "subnormals must be kept");
-        assert_eq!(kernel(DType::U8), None);
-        assert_eq!(kernel(DType::BF16), Some(2));
+        assert_eq!(entry(DType::U8), None);
+        assert_eq!(entry(DType::BF16), Some(2));
     }
 }
