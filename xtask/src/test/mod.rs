@@ -142,6 +142,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     std::env::set_current_dir(&root)?;
     setup::system_packages(a.allow_device_skips)?;
     setup::llvm_sdk(&root)?;
+    let ptxas = setup::ptxas(&root)?;
     if !a.no_lint {
         let mut fmt = cargo();
         fmt.args(["fmt", "--all", "--", "--check"]);
@@ -193,7 +194,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     let mut test = cargo();
     test.args(["test", "--workspace", "--features", TEST_FEATURES]);
     device_env(&mut test, &work, a.allow_device_skips)?;
-    test.env(SKIP_LOG, &skip_log);
+    test.env(SKIP_LOG, &skip_log).env("ZERO_PTXAS", &ptxas);
     insta_strictness(&mut test, a.accept_snapshots);
     let mut runs = Vec::new();
     let tests = run_tests("tests", test, &root, &mut runs);

@@ -38,6 +38,30 @@ pub(super) fn llvm_sdk(root: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// NVIDIA's PTX assembler, for the test that assembles every PTX module the project ships:
+/// `$ZERO_PTXAS` when set, else the one `.ci/ptxas.sh` installs from PyPI's pinned wheel (once;
+/// later calls find it).
+pub(super) fn ptxas(root: &Path) -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("ZERO_PTXAS") {
+        return Ok(PathBuf::from(p));
+    }
+    let script = root.join(".ci/ptxas.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot start bash {}", script.display()))?;
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if !out.status.success() || !path.is_file() {
+        bail!(
+            "installing ptxas failed ({}); run `bash .ci/ptxas.sh` to see why (it needs pip and \
+             PyPI), or set ZERO_PTXAS to a ptxas",
+            out.status
+        );
+    }
+    Ok(path)
+}
+
 /// The marker file whose presence tells tracel-llvm-bundler that its LLVM is installed.
 fn llvm_marker(root: &Path) -> anyhow::Result<PathBuf> {
     let lock = std::fs::read_to_string(root.join("Cargo.lock")).context("reading Cargo.lock")?;

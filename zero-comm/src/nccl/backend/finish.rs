@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 /// division, as the host's `/`), then `cvt.rn.f16.f32` for f16, or for bf16 the integer
 /// round-to-nearest-even of `half`'s `from_f32` (NaNs stay quiet NaNs), step for step as the
 /// mean kernels (`kernels.rs`) do it in place.
-fn finish_ptx() -> String {
+pub(in crate::nccl) fn finish_ptx() -> String {
     let load_divisor = "\tld.param.f32 \t%f1, [p_div];";
     acc_and_other_module(
         "zero_qgz_finish",

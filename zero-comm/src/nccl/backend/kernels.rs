@@ -402,6 +402,61 @@ pub(in crate::nccl) mod tests {
         }
     }
 
+    /// Every PTX module the project ships assembles with NVIDIA's `ptxas` (`$ZERO_PTXAS`, which
+    /// `cargo xtask test` installs with `.ci/ptxas.sh`) for the GPUs it targets: the hand-written
+    /// mean, qgZ finish and loopback accumulation modules for sm_52 (their `.target`), sm_80 and
+    /// sm_90; zero-quant's NVRTC-compiled codecs for sm_80 (theirs) and sm_90. A module a driver's
+    /// JIT would refuse fails here, without a GPU.
+    #[test]
+    fn every_ptx_module_assembles_for_the_gpus_it_targets() {
+        let Some(ptxas) = std::env::var_os("ZERO_PTXAS").map(std::path::PathBuf::from) else {
+            zero_testkit::record_skip!(
+                "",
+                "ZERO_PTXAS is not set (cargo xtask test installs ptxas with .ci/ptxas.sh)",
+            );
+            return;
+        };
+        let quant = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../zero-quant/src/cuda/kernels.ptx"
+        );
+        let quant = std::fs::read_to_string(quant).expect("zero-quant's kernels.ptx");
+        let hand_written = ["sm_52", "sm_80", "sm_90"];
+        let modules = [
+            ("mean", super::mean_ptx(), &hand_written[..]),
+            (
+                "qgz_finish",
+                crate::nccl::backend::finish::finish_ptx(),
+                &hand_written[..],
+            ),
+            (
+                "loopback_acc",
+                crate::nccl::backend::loopback::acc_ptx(),
+                &hand_written[..],
+            ),
+            ("zero_quant", quant, &["sm_80", "sm_90"][..]),
+        ];
+        let dir = tempfile::tempdir().expect("a temp dir");
+        for (name, ptx, archs) in modules {
+            let file = dir.path().join(format!("{name}.ptx"));
+            std::fs::write(&file, ptx).expect("writing the module");
+            for arch in archs {
+                let out = std::process::Command::new(&ptxas)
+                    .arg(format!("-arch={arch}"))
+                    .arg(&file)
+                    .args(["-o", "/dev/null"])
+                    .output()
+                    .unwrap_or_else(|e| panic!("cannot run {}: {e}", ptxas.display()));
+                assert!(
+                    out.status.success(),
+                    "ptxas refuses the {name} module for {arch} ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+    }
+
     /// The next of a 64-bit LCG's draws, as 32 random bits.
     #[cfg(feature = "gpu-tests")]
     pub(in crate::nccl) fn lcg(z: &mut u64) -> u32 {
