@@ -3,7 +3,8 @@
 # prints its path. `cargo xtask test` runs it when `$ZERO_PTXAS` is unset, and the PTX tests
 # assemble every PTX module the project ships (the hand-written kernels of zero-comm's NCCL
 # backend and CUDA loopback, zero-quant's NVRTC-compiled codecs) for the GPUs they target, so
-# a module a driver would refuse fails here, without a GPU.
+# a module a driver would refuse fails here, without a GPU. CUDA 12.9's ptxas reads PTX ISA up to
+# 8.8: raise the pin when `cargo xtask ptx` writes a newer `.version`.
 #
 # Usage: .ci/ptxas.sh          (installs under ~/.cache/zero-rs-ptxas, or $ZERO_PTXAS_SDK)
 set -euo pipefail

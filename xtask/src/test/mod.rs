@@ -44,8 +44,9 @@ const TEST_FEATURES: &str = "zero-comm/mpi,zero-comm/nccl,zero-comm/wgpu,zero-qu
 /// The burn-train adapter's tests and burn's CUDA backend, in one build of their own.
 /// - burn-train asks for burn-flex's default features, rayon among them, for everything in the
 ///   build, so the other tests (and their snapshots) keep the build `cargo xtask train` uses.
-/// - burn's CUDA backend links LLVM statically, so no other test binary carries it. Its driver
-///   guard runs here; its GPU tests only with `ZERO_GPU_TESTS=1` on a GPU (`cargo xtask gpu-check`).
+/// - burn's CUDA backend links LLVM statically, so no binary of the main test build carries it.
+///   Its driver guard runs here; its GPU tests only with `ZERO_GPU_TESTS=1` on a GPU
+///   (`cargo xtask gpu-check`).
 ///
 /// One build for both: burn and its dependencies compile once for the two programs, not twice.
 const OWN_BUILD_TESTS: [&str; 9] = [
@@ -142,7 +143,7 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     std::env::set_current_dir(&root)?;
     setup::system_packages(a.allow_device_skips)?;
     setup::llvm_sdk(&root)?;
-    let ptxas = setup::ptxas(&root)?;
+    let ptxas = setup::ptxas(&root, a.allow_device_skips)?;
     if !a.no_lint {
         let mut fmt = cargo();
         fmt.args(["fmt", "--all", "--", "--check"]);
@@ -194,7 +195,10 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     let mut test = cargo();
     test.args(["test", "--workspace", "--features", TEST_FEATURES]);
     device_env(&mut test, &work, a.allow_device_skips)?;
-    test.env(SKIP_LOG, &skip_log).env("ZERO_PTXAS", &ptxas);
+    test.env(SKIP_LOG, &skip_log);
+    if let Some(p) = &ptxas {
+        test.env("ZERO_PTXAS", p);
+    }
     insta_strictness(&mut test, a.accept_snapshots);
     let mut runs = Vec::new();
     let tests = run_tests("tests", test, &root, &mut runs);

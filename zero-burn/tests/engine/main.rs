@@ -1,8 +1,8 @@
 //! The engine's tests against their oracles (plain burn, the host loopback, the plan), in one
 //! binary, so burn is linked once. Each module's doc says what it checks. The tests that need a
 //! binary of their own are beside it: `memory` (a counting global allocator), `mpi` (ranks
-//! re-run the binary), the wgpu, CUDA and NCCL paths (features), and `burn_train` (a build of
-//! its own).
+//! re-run the binary), the wgpu, CUDA and NCCL paths (features), and `burn_train` (built apart
+//! from the others, with the CUDA path).
 
 #[path = "../common/mod.rs"]
 mod common;

@@ -17,10 +17,10 @@ use zero_core::{Precision, Topology, ZeroConfig};
 
 use super::common::{self, bits, options};
 use super::harness::{self, is_rank, launch, rank_ok};
+use super::out_file;
 
 /// The test's path in this binary, which the harness runs under `mpirun` with `--exact`.
 const NAME: &str = "wgpu_per_process::wgpu_ranks_as_processes_match_in_process_ranks";
-use super::out_file;
 const OUT: &str = "ZERO_MPI_WGPU_TEST_OUT";
 
 fn topo() -> Topology {

@@ -1,7 +1,10 @@
 //! The backend's mean kernels, `x[i] = x[i] / n` in place, which turn NCCL's `Sum` into the
-//! contract's `Mean`; and the PTX scaffolding (`ptx_module`, `grid_stride`, `PtxModule`) that the
-//! two other hand-written kernel modules share: qgZ's finish (`finish.rs`) and the CUDA
-//! loopback's accumulation (`loopback.rs`).
+//! contract's `Mean`; and the PTX pieces that the two other hand-written kernel modules share,
+//! qgZ's finish (`finish.rs`) and the CUDA loopback's accumulation (`loopback.rs`): the
+//! grid-stride loop (`grid_stride`), one module with an entry point per reducible type
+//! (`per_type_module`, `acc_and_other_module`), an element's address (`element`), its exact
+//! widening to f32 (`widen`) and its rounding back (`narrow`), and the loaded module
+//! (`PtxModule`).
 //!
 //! The PTX is written by hand and JIT-compiled by the driver (`cuModuleLoadData`), so the backend
 //! needs neither nvcc at build time nor NVRTC at run time (cudarc's `nvrtc` feature is off). Each
@@ -96,7 +99,8 @@ pub(in crate::nccl) fn widen(dtype: DType, addr: &str) -> String {
     }
 }
 
-/// Rounds `%f3` to `dtype` once and stores it at `[addr]` (uses `%rs1`, `%r6`–`%r9`, `%p2`):
+/// Rounds `%f3` to `dtype` once and stores it at `[addr]` (uses `%rs1`, `%r6`–`%r9` and `%p2`,
+/// so a kernel that keeps a flag in `%p2` cannot call it):
 /// `cvt.rn.f16.f32` for f16, for bf16 the integer round-to-nearest-even of `half`'s `from_f32`
 /// (NaNs stay quiet NaNs).
 pub(in crate::nccl) fn narrow(dtype: DType, addr: &str) -> String {

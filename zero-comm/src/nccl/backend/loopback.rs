@@ -26,8 +26,9 @@ use crate::element::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
 /// `acc[i] = start ? widen(x[i]) : acc[i] + widen(x[i])` (`add.rn.f32`, subnormals kept), a
-/// grid-stride loop; parameters `(u64 acc, u64 x, u64 len, u32 start)`. `load` leaves `x[i]`
-/// widened exactly in `%f2`.
+/// grid-stride loop; parameters `(u64 acc, u64 x, u64 len, u32 start)`, the start flag kept in
+/// `%p2` (so the body never calls `narrow`, which writes it). `widen` leaves `x[i]` widened
+/// exactly in `%f2`.
 pub(in crate::nccl) fn acc_ptx() -> String {
     let load_start = "\tld.param.u32 \t%r5, [p_start];\n\tsetp.ne.u32 \t%p2, %r5, 0;";
     acc_and_other_module("zero_acc", "x", ".u32 p_start", load_start, |dtype| {
