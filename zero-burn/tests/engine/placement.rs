@@ -82,13 +82,11 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
             }
             let (model, _) = common::tiny();
             let topo = Topology::new(2, 2).unwrap();
-            let booked = plan_for(
-                &model,
-                topo,
-                &common::placed(stage, precision, Placement::Host),
-            )
-            .unwrap()
-            .memory();
+            let booked_at = |placement| {
+                let cfg = common::placed(stage, precision, placement);
+                plan_for(&model, topo, &cfg).unwrap().memory()
+            };
+            let booked = booked_at(Placement::Host);
             assert_eq!(
                 booked.host_bytes,
                 booked.optimizer_states + booked.master_weights + booked.gradients
@@ -99,13 +97,7 @@ fn both_placements_give_the_same_bits_on_flex_and_share_checkpoints() {
                 booked.host_bytes,
                 "{what}: the state held equals the host bytes booked"
             );
-            let on_device = plan_for(
-                &model,
-                topo,
-                &common::placed(stage, precision, Placement::Device),
-            )
-            .unwrap()
-            .memory();
+            let on_device = booked_at(Placement::Device);
             assert_eq!(
                 (on_device.host_bytes, on_device.device_bytes),
                 (0, on_device.total_bytes)
