@@ -148,6 +148,25 @@ struct Step {
     detail: String,
 }
 
+impl Step {
+    /// A step that passes with the `figures` a test printed, and fails without them, saying
+    /// which test (`source`) did not print them.
+    fn of_figures(name: &'static str, figures: &[String], source: &str) -> Step {
+        let (verdict, detail) = if figures.is_empty() {
+            let why = format!("did not run: no figures (the {source} test did not print them)");
+            (Verdict::Fail, why)
+        } else {
+            (Verdict::Pass, figures.join("; "))
+        };
+        Step {
+            name,
+            verdict,
+            secs: None,
+            detail,
+        }
+    }
+}
+
 /// Debian's Vulkan loader and the GL libraries NVIDIA's Vulkan ICD loads, for a GPU machine
 /// without them: `--bundle` downloads them (`apt-get download`), `--prebuilt` unpacks them.
 const VULKAN_DEBS: &[&str] = &[
@@ -362,20 +381,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         (false, cmd) => bench::step(cmd, a.bench_mib, limit)?,
     };
     steps.push(step);
-    steps.push(Step {
-        name: "quant",
-        verdict: if quant_figures.is_empty() {
-            Verdict::Fail
-        } else {
-            Verdict::Pass
-        },
-        secs: None,
-        detail: if quant_figures.is_empty() {
-            "did not run: no figures (the CUDA kernel test did not print them)".into()
-        } else {
-            quant_figures.join("; ")
-        },
-    });
+    steps.push(Step::of_figures("quant", &quant_figures, "CUDA kernel"));
 
     steps.push(calibration::step(
         &gpus,
@@ -384,20 +390,7 @@ pub(crate) fn run(a: GpuCheckArgs) -> anyhow::Result<()> {
         &work,
     ));
 
-    steps.push(Step {
-        name: "train",
-        verdict: if train_figures.is_empty() {
-            Verdict::Fail
-        } else {
-            Verdict::Pass
-        },
-        secs: None,
-        detail: if train_figures.is_empty() {
-            "did not run: no figures (the NCCL trainer test did not print them)".into()
-        } else {
-            train_figures.join("; ")
-        },
-    });
+    steps.push(Step::of_figures("train", &train_figures, "NCCL trainer"));
 
     // 6. wgpu on the GPU's Vulkan driver.
     let step = if a.no_wgpu {

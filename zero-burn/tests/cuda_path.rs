@@ -19,11 +19,29 @@ mod common;
 use zero_burn::demo::job::{Backend, JobConfig, run_job};
 
 #[cfg(feature = "gpu-tests")]
-use burn::tensor::activation::softmax;
+use gpu_prelude::*;
+
+/// What the GPU tests use.
 #[cfg(feature = "gpu-tests")]
-use burn::tensor::{Device, Tensor, TensorData};
-#[cfg(feature = "gpu-tests")]
-use zero_burn::cuda::CudaTensors;
+mod gpu_prelude {
+    pub(crate) use std::sync::Arc;
+    pub(crate) use std::time::Duration;
+
+    pub(crate) use burn::tensor::activation::softmax;
+    pub(crate) use burn::tensor::{Device, Tensor, TensorData};
+    pub(crate) use zero_burn::cuda::CudaTensors;
+    pub(crate) use zero_burn::demo::data::MarkovLanguage;
+    pub(crate) use zero_burn::demo::run::{
+        HostRun, TrainOptions, Work, corpus_step, engine_builder,
+    };
+    pub(crate) use zero_burn::demo::train::{On, train};
+    pub(crate) use zero_burn::optim::Optimizer;
+    pub(crate) use zero_burn::{DeviceQuant, plan_for};
+    pub(crate) use zero_comm::nccl::{NcclComm, NcclOptions};
+    pub(crate) use zero_core::{Precision, Topology, ZeroConfig};
+    pub(crate) use zero_quant::CudaQuantizer;
+    pub(crate) use zero_testkit::cookie::passed as cookie;
+}
 
 fn driver_present() -> bool {
     zero_burn::cuda::gpu_count().is_ok()
@@ -80,9 +98,6 @@ fn a_cuda_job_without_a_driver_fails_naming_it() {
     let check = zero_burn::demo::job::check(&cuda_job(0, 1)).expect_err("checked first");
     assert_eq!(check.to_string(), msg);
 }
-
-#[cfg(feature = "gpu-tests")]
-use zero_testkit::cookie::passed as cookie;
 
 #[cfg(feature = "gpu-tests")]
 fn gpu_gate(name: &str) -> bool {
@@ -199,23 +214,37 @@ fn gpu_burn_cuda_computes_like_flex() {
     cookie("gpu_burn_cuda_computes_like_flex");
 }
 
-/// The default job's model, its corpus and the options of the bridge tests.
+/// The default job's model, its corpus and the options of the bridge tests, once test `name` may
+/// run ([`gpu_gate`]).
 #[cfg(feature = "gpu-tests")]
-fn bridge_setup() -> (
-    JobConfig,
-    zero_burn::demo::data::MarkovLanguage,
-    zero_burn::demo::run::TrainOptions,
-) {
+fn bridge_setup(name: &str) -> Option<(JobConfig, MarkovLanguage, TrainOptions)> {
+    if !gpu_gate(name) {
+        return None;
+    }
     let job = JobConfig::default_job();
-    let corpus = zero_burn::demo::data::MarkovLanguage::new(job.model.vocab, 5).expect("a corpus");
-    let options = zero_burn::demo::run::TrainOptions {
+    let corpus = MarkovLanguage::new(job.model.vocab, 5).expect("a corpus");
+    let options = TrainOptions {
         lr: job.lr,
-        optimizer: zero_burn::optim::Optimizer::default(),
+        optimizer: Optimizer::default(),
         micro_batch: 2,
         seq: job.model.context,
         reduction: zero_burn::Reduction::RankOrdered,
     };
-    (job, corpus, options)
+    Some((job, corpus, options))
+}
+
+/// ZeRO at `stage` for the bridge tests, with qwZ and qgZ where `zpp`, in `precision`.
+#[cfg(feature = "gpu-tests")]
+fn bridge_zero(stage: u8, zpp: bool, precision: Precision) -> ZeroConfig {
+    ZeroConfig {
+        stage,
+        param_persistence_threshold: 256,
+        quantized_weights: zpp,
+        quantized_gradients: zpp,
+        precision,
+        optimizer: Optimizer::default().kind(),
+        ..ZeroConfig::default()
+    }
 }
 
 /// The CUDA bridge over NCCL (`cuda::CudaTensors`, with NCCL's CUDA codecs as `DeviceQuant`) on
@@ -226,19 +255,10 @@ fn bridge_setup() -> (
 #[cfg(feature = "gpu-tests")]
 #[test]
 fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
-    use std::sync::Arc;
-    use zero_burn::demo::run::{corpus_step, engine_builder};
-    use zero_burn::optim::Optimizer;
-    use zero_burn::{DeviceQuant, plan_for};
-    use zero_comm::nccl::{NcclComm, NcclOptions};
-    use zero_core::{Precision, Topology, ZeroConfig};
-    use zero_quant::CudaQuantizer;
-
     const NAME: &str = "gpu_nccl_on_cuda_bridged_equals_host_staged";
-    if !gpu_gate(NAME) {
+    let Some((job, corpus, options)) = bridge_setup(NAME) else {
         return;
-    }
-    let (job, corpus, options) = bridge_setup();
+    };
     for (zpp, precision) in [
         (false, Precision::Fp32),
         (true, Precision::Fp32),
@@ -248,15 +268,7 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
         let train = |bridged: bool| {
             let device = zero_burn::cuda::device(0).expect("a GPU").autodiff();
             let model = job.model.init(&device, 11);
-            let zero = ZeroConfig {
-                stage: 3,
-                param_persistence_threshold: 256,
-                quantized_weights: zpp,
-                quantized_gradients: zpp,
-                precision,
-                optimizer: Optimizer::default().kind(),
-                ..ZeroConfig::default()
-            };
+            let zero = bridge_zero(3, zpp, precision);
             let topology = Topology::new(1, 1).expect("a topology");
             let plan = Arc::new(plan_for(&model, topology, &zero).expect("a plan"));
             let comm = NcclComm::single(0, NcclOptions::default()).expect("NCCL on GPU 0");
@@ -301,19 +313,10 @@ fn gpu_nccl_on_cuda_bridged_equals_host_staged() {
 #[cfg(feature = "gpu-tests")]
 #[test]
 fn gpu_cuda_loopback_trains_like_host_staged() {
-    use std::sync::Arc;
-    use std::time::Duration;
-    use zero_burn::demo::run::HostRun;
-    use zero_burn::demo::train::{On, train};
-    use zero_burn::optim::Optimizer;
-    use zero_burn::plan_for;
-    use zero_core::{Precision, Topology, ZeroConfig};
-
     const NAME: &str = "gpu_cuda_loopback_trains_like_host_staged";
-    if !gpu_gate(NAME) {
+    let Some((job, corpus, options)) = bridge_setup(NAME) else {
         return;
-    }
-    let (job, corpus, options) = bridge_setup();
+    };
     let run = HostRun {
         steps: 3,
         timeout: Duration::from_secs(120),
@@ -333,29 +336,15 @@ fn gpu_cuda_loopback_trains_like_host_staged() {
             let device = zero_burn::cuda::device(0).expect("a GPU").autodiff();
             let model = job.model.init(&device, 11);
             let zero = ZeroConfig {
-                stage,
                 gradient_accumulation_steps: ga,
                 hpz_partition_size: hpz,
-                param_persistence_threshold: 256,
-                quantized_weights: zpp,
-                quantized_gradients: zpp,
-                precision,
-                optimizer: Optimizer::default().kind(),
-                ..ZeroConfig::default()
+                ..bridge_zero(stage, zpp, precision)
             };
             let topology = Topology::new(2, 2).expect("a topology");
             let plan = Arc::new(plan_for(&model, topology, &zero).expect("a plan"));
             let on = if bridged { On::Cuda(0) } else { On::Host };
-            let r = train(
-                on,
-                plan.clone(),
-                model,
-                &corpus,
-                options,
-                run.clone(),
-                &|_| {},
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let r = train(on, plan.clone(), model, Work::new(&corpus, options, &run))
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
             for x in &r {
                 let want = common::planned_traffic(&plan, x.rank, run.steps);
                 assert_eq!(x.traffic, want, "{what}: rank {} traffic", x.rank);

@@ -22,7 +22,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use zero_burn::Segmented;
 use zero_burn::demo::data::{Corpus, TokenBatch};
-use zero_burn::demo::run::{HostRun, RankResult, RankSummary, train_rank};
+use zero_burn::demo::run::{HostRun, RankResult, RankSummary, Work, train_rank};
 use zero_burn::plan_for;
 use zero_comm::Communicator;
 use zero_core::{Plan, Topology, ZeroConfig};
@@ -105,6 +105,16 @@ fn host_run(timeout: Duration) -> HostRun {
     }
 }
 
+/// A temporary folder for the ranks' outputs, removed when the first value drops, and its path.
+fn scratch(prefix: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .expect("a temp dir");
+    let dir = tmp.path().to_path_buf();
+    (tmp, dir)
+}
+
 /// This rank process's part of `plan`, trained over MPI from `model` within `timeout`.
 fn train_this_rank<M: Segmented<Batch = TokenBatch>>(
     plan: Arc<Plan>,
@@ -117,10 +127,7 @@ fn train_this_rank<M: Segmented<Batch = TokenBatch>>(
         harness::world(),
         plan,
         model,
-        corpus,
-        options(),
-        run,
-        &|_| {},
+        Work::new(corpus, options(), &run),
     )
     .unwrap()
 }
@@ -151,11 +158,7 @@ fn mpi_ranks_train_bit_identically_to_in_process_ranks() {
     if is_rank() {
         return rank_side();
     }
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-burn-mpi-")
-        .tempdir()
-        .expect("a temp dir");
-    let dir = tmp.path().to_path_buf();
+    let (_tmp, dir) = scratch("zero-burn-mpi-");
     let env = [(OUT, dir.display().to_string())];
     let name = "mpi_ranks_train_bit_identically_to_in_process_ranks";
     let limit = Duration::from_secs(300);

@@ -22,7 +22,7 @@ use burn::tensor::Device;
 use zero_burn::checkpoint::DirStorage;
 use zero_burn::demo::data::{Corpus, MarkovLanguage};
 use zero_burn::demo::gpt::{Gpt, GptConfig};
-use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, corpus_step, engine_builder};
+use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, Work, corpus_step, engine_builder};
 use zero_burn::demo::train::{On, train};
 use zero_burn::optim::Optimizer;
 use zero_burn::reduction::Reduction;
@@ -96,10 +96,7 @@ fn host_reference(
         On::Host,
         plan.clone(),
         model.clone(),
-        corpus,
-        options,
-        run,
-        &|_| {},
+        Work::new(corpus, options, &run),
     )
     .unwrap()
 }

@@ -19,7 +19,7 @@ use burn::tensor::Device;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::{Gpt, GptConfig};
 use zero_burn::demo::job::JobConfig;
-use zero_burn::demo::run::{HostRun, RankResult, TrainOptions};
+use zero_burn::demo::run::{HostRun, RankResult, TrainOptions, Work};
 use zero_burn::demo::train::{On, WgpuTensors, train};
 use zero_burn::optim::Optimizer;
 use zero_burn::{Error, MeasuredMemory, Reduction, plan_for};
@@ -97,10 +97,7 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
         On::Host,
         cpu_plan.clone(),
         cpu,
-        &corpus,
-        options(),
-        run_config(),
-        &|_| {},
+        Work::new(&corpus, options(), &run_config()),
     )
     .unwrap();
     let cpu_secs = t.elapsed().as_secs_f64();
@@ -118,10 +115,7 @@ fn wgpu_matches_flex(test: &str, stage: u8) {
         On::Wgpu(shared.clone(), WgpuTensors::Bridge),
         gpu_plan.clone(),
         gpu,
-        &corpus,
-        options(),
-        run_config(),
-        &|_| {},
+        Work::new(&corpus, options(), &run_config()),
     )
     .unwrap();
     let gpu_secs = t.elapsed().as_secs_f64();
@@ -211,10 +205,7 @@ fn bridged_tensors_give_the_bits_of_host_staged_ones() {
                 On::Wgpu(shared.clone(), grads),
                 p.clone(),
                 gpu,
-                &corpus,
-                options(),
-                run.clone(),
-                &|_| {},
+                Work::new(&corpus, options(), &run),
             )
             .unwrap();
             for x in &r {
@@ -283,10 +274,7 @@ fn a_model_off_the_shared_device_is_rejected() {
         On::Wgpu(shared.clone(), WgpuTensors::Bridge),
         p,
         cpu,
-        &corpus,
-        options(),
-        run_config(),
-        &|_| {},
+        Work::new(&corpus, options(), &run_config()),
     )
     .expect_err("a flex model on the wgpu path");
     assert!(
@@ -351,10 +339,7 @@ fn a_checkpoint_resumes_bit_identically_on_the_wgpu_path() {
                 On::Wgpu(shared.clone(), WgpuTensors::Bridge),
                 plan(&gpu, stage),
                 gpu,
-                &corpus,
-                options(),
-                run,
-                &|_| {},
+                Work::new(&corpus, options(), &run),
             )
             .unwrap()
         };

@@ -161,6 +161,20 @@ impl Plan {
                 per_micro_step,
             }
         };
+        // A unit's shard of working-precision values over the whole world.
+        let world = |phase, collective, unit: usize, per_micro_step| {
+            let count = self.units()[unit].len / n;
+            op(
+                phase,
+                collective,
+                GroupKind::World,
+                unit,
+                count,
+                w,
+                Payload::Working,
+                per_micro_step,
+            )
+        };
         let per_micro = !c.accumulate_before_reduce;
         match c.stage {
             0 => {
@@ -178,29 +192,17 @@ impl Plan {
                 }
             }
             1 | 2 => {
-                for (i, u) in self.units().iter().enumerate() {
-                    ops.push(op(
+                let units = 0..self.units().len();
+                for i in units.clone() {
+                    ops.push(world(
                         Phase::GradReduce,
                         Collective::ReduceScatter,
-                        GroupKind::World,
                         i,
-                        u.len / n,
-                        w,
-                        Payload::Working,
                         per_micro,
                     ));
                 }
-                for (i, u) in self.units().iter().enumerate() {
-                    ops.push(op(
-                        Phase::PostStep,
-                        Collective::AllGather,
-                        GroupKind::World,
-                        i,
-                        u.len / n,
-                        w,
-                        Payload::Working,
-                        false,
-                    ));
+                for i in units {
+                    ops.push(world(Phase::PostStep, Collective::AllGather, i, false));
                 }
             }
             _ => {
@@ -283,46 +285,24 @@ impl Plan {
                                         ));
                                     }
                                 } else {
-                                    ops.push(op(
+                                    ops.push(world(
                                         Phase::GradReduce,
                                         Collective::ReduceScatter,
-                                        GroupKind::World,
                                         i,
-                                        u.len / n,
-                                        w,
-                                        Payload::Working,
                                         true,
                                     ));
                                 }
                             }
                         }
                         UnitKind::Persistent if u.trainable => {
-                            ops.push(op(
-                                Phase::GradReduce,
-                                Collective::ReduceScatter,
-                                GroupKind::World,
-                                i,
-                                u.len / n,
-                                w,
-                                Payload::Working,
-                                true,
-                            ));
+                            ops.push(world(Phase::GradReduce, Collective::ReduceScatter, i, true));
                         }
                         _ => {}
                     }
                 }
                 for (i, u) in self.units().iter().enumerate() {
                     if u.kind == UnitKind::Persistent && u.trainable {
-                        ops.push(op(
-                            Phase::PostStep,
-                            Collective::AllGather,
-                            GroupKind::World,
-                            i,
-                            u.len / n,
-                            w,
-                            Payload::Working,
-                            false,
-                        ));
+                        ops.push(world(Phase::PostStep, Collective::AllGather, i, false));
                     }
                 }
             }

@@ -10,33 +10,15 @@ fn small_gpt() -> ModelDesc {
         ParamDesc::new("wpe.weight", &[8, 16], "wpe").frozen(),
     ];
     for l in 0..2 {
-        let m = |s: &str| format!("h.{l}.{s}");
-        p.push(ParamDesc::new(
-            format!("{}.weight", m("ln")),
-            &[16],
-            m("ln"),
-        ));
-        p.push(ParamDesc::new(format!("{}.bias", m("ln")), &[16], m("ln")));
-        p.push(ParamDesc::new(
-            format!("{}.weight", m("attn")),
-            &[16, 48],
-            m("attn"),
-        ));
-        p.push(ParamDesc::new(
-            format!("{}.bias", m("attn")),
-            &[48],
-            m("attn"),
-        ));
-        p.push(ParamDesc::new(
-            format!("{}.weight", m("mlp")),
-            &[16, 64],
-            m("mlp"),
-        ));
-        p.push(ParamDesc::new(
-            format!("{}.bias", m("mlp")),
-            &[64],
-            m("mlp"),
-        ));
+        for (module, weight, bias) in [
+            ("ln", &[16][..], 16),
+            ("attn", &[16, 48], 48),
+            ("mlp", &[16, 64], 64),
+        ] {
+            let m = format!("h.{l}.{module}");
+            p.push(ParamDesc::new(format!("{m}.weight"), weight, m.clone()));
+            p.push(ParamDesc::new(format!("{m}.bias"), &[bias], m));
+        }
     }
     ModelDesc::new(p)
 }

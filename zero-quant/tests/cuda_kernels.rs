@@ -48,18 +48,7 @@ impl DeviceCodec for CudaQuantizer {
     }
 }
 
-macro_rules! shared {
-    ($($name:ident),* $(,)?) => {$(
-        #[test]
-        fn $name() {
-            let Some(q) = gpu(concat!("cuda_", stringify!($name))) else { return };
-            device::$name(q);
-            passed(concat!("cuda_", stringify!($name)));
-        }
-    )*};
-}
-
-shared!(
+device::stamp!("cuda_", gpu, passed;
     encode_decode_accumulate_match_host_bit_for_bit,
     every_length_up_to_70_with_small_blocks,
     hand_computed_int4_wire,

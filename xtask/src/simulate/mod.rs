@@ -309,25 +309,24 @@ fn parse_sweep(spec: &str) -> anyhow::Result<SweepAxis> {
         .map(str::trim)
         .filter(|v| !v.is_empty())
         .collect();
+    // Each value of `--sweep <axis>=…` parsed, or which one is not `what`.
+    fn parse<T: std::str::FromStr>(
+        axis: &str,
+        values: &[&str],
+        what: &str,
+    ) -> anyhow::Result<Vec<T>>
+    where
+        T::Err: std::error::Error + Send + Sync + 'static,
+    {
+        let one = |v: &&str| {
+            v.parse()
+                .with_context(|| format!("--sweep {axis}: {v:?} is not {what}"))
+        };
+        values.iter().map(one).collect()
+    }
     match axis {
-        "nodes" => Ok(SweepAxis::Nodes(
-            values
-                .iter()
-                .map(|v| {
-                    v.parse()
-                        .with_context(|| format!("--sweep nodes: {v:?} is not a node count"))
-                })
-                .collect::<anyhow::Result<_>>()?,
-        )),
-        "nic-gbps" => Ok(SweepAxis::NicGbpsPerNode(
-            values
-                .iter()
-                .map(|v| {
-                    v.parse()
-                        .with_context(|| format!("--sweep nic-gbps: {v:?} is not a number"))
-                })
-                .collect::<anyhow::Result<_>>()?,
-        )),
+        "nodes" => Ok(SweepAxis::Nodes(parse(axis, &values, "a node count")?)),
+        "nic-gbps" => Ok(SweepAxis::NicGbpsPerNode(parse(axis, &values, "a number")?)),
         other => bail!("--sweep {other:?}: expected nodes, nic-gbps or variants"),
     }
 }

@@ -72,6 +72,13 @@ fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
+/// `cargo` with `args`, split at whitespace.
+fn cargo_with(args: &str) -> Command {
+    let mut c = cargo();
+    c.args(args.split_whitespace());
+    c
+}
+
 fn run_step(name: &str, mut cmd: Command) -> anyhow::Result<()> {
     eprintln!("==> {name}: {cmd:?}");
     let status = cmd
@@ -145,44 +152,18 @@ pub(crate) fn run(a: TestArgs) -> anyhow::Result<()> {
     setup::llvm_sdk(&root)?;
     let ptxas = setup::ptxas(&root, a.allow_device_skips)?;
     if !a.no_lint {
-        let mut fmt = cargo();
-        fmt.args(["fmt", "--all", "--", "--check"]);
-        run_step("fmt", fmt)?;
-        let mut clippy = cargo();
-        clippy.args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--features",
-            LINT_FEATURES,
-            "--",
-            "-D",
-            "warnings",
-        ]);
+        run_step("fmt", cargo_with("fmt --all -- --check"))?;
+        let clippy = "clippy --workspace --all-targets --features";
+        let clippy = cargo_with(&format!("{clippy} {LINT_FEATURES} -- -D warnings"));
         run_step("clippy", clippy)?;
         // The build the `cargo xtask` alias makes: xtask without the engine (no burn).
-        let mut thin = cargo();
-        thin.args([
-            "clippy",
-            "-p",
-            "xtask",
-            "--no-default-features",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ]);
+        let thin = cargo_with("clippy -p xtask --no-default-features --all-targets -- -D warnings");
         run_step("clippy (xtask without the engine)", thin)?;
         // The API docs: broken links and bad markup fail like lints.
-        let mut doc = cargo();
-        doc.args([
-            "doc",
-            "--no-deps",
-            "--workspace",
-            "--features",
-            LINT_FEATURES,
-        ])
-        .env("RUSTDOCFLAGS", "-D warnings");
+        let mut doc = cargo_with(&format!(
+            "doc --no-deps --workspace --features {LINT_FEATURES}"
+        ));
+        doc.env("RUSTDOCFLAGS", "-D warnings");
         run_step("docs", doc)?;
     }
     // Removed when it drops, whichever way this returns.

@@ -96,6 +96,11 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
         [tiny, extra].concat()
     }
     let with = |extra: &[&'static str]| with(&tiny, extra);
+    // `xtask train` into `out` with `extra` fails, its error naming `text`.
+    let refused = |out: &std::path::Path, extra: &[&'static str], text: &str| {
+        let e = run(args(out, &with(extra))).unwrap_err();
+        assert!(format!("{e:#}").contains(text), "{e:#}");
+    };
     let whole = root.join("whole");
     run(args(&whole, &with(&["--steps", "6"]))).unwrap();
     let first = root.join("first");
@@ -150,15 +155,8 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
     let (start, tail) = losses(&again);
     assert_eq!(start, 2);
     assert_eq!(tail, all[2..], "the steps resumed from step 2 differ");
-    let e = run(args(
-        &root.join("clash"),
-        &with(&["--steps", "6", "--resume", tag2]),
-    ))
-    .unwrap_err();
-    assert!(
-        format!("{e:#}").contains("already holds step-00000006"),
-        "{e:#}"
-    );
+    let clash = ["--steps", "6", "--resume", tag2];
+    refused(&root.join("clash"), &clash, "already holds step-00000006");
     assert!(
         !root.join("clash").exists(),
         "no run directory on a refusal"
@@ -167,21 +165,10 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
     // resume with nothing left to train is refused up front; neither leaves a run directory.
     let latest = std::fs::read(ck.join("LATEST")).unwrap();
     let fresh = ["--steps", "2", "--save-every", "1", "--save-dir", ck_s];
-    let e = run(args(&root.join("takeover"), &with(&fresh))).unwrap_err();
-    assert!(
-        format!("{e:#}").contains("another run's checkpoints"),
-        "{e:#}"
-    );
+    refused(&root.join("takeover"), &fresh, "another run's checkpoints");
     assert_eq!(std::fs::read(ck.join("LATEST")).unwrap(), latest);
-    let e = run(args(
-        &root.join("done"),
-        &with(&["--steps", "6", "--resume", ck_s]),
-    ))
-    .unwrap_err();
-    assert!(
-        format!("{e:#}").contains("nothing is left to train"),
-        "{e:#}"
-    );
+    let done = ["--steps", "6", "--resume", ck_s];
+    refused(&root.join("done"), &done, "nothing is left to train");
     for d in ["takeover", "done"] {
         assert!(!root.join(d).exists(), "{d}: no run directory on a refusal");
     }
@@ -190,11 +177,7 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
     let in_tag = ck.join("step-00000002").join("sub");
     let in_tag_s: &'static str = Box::leak(in_tag.to_str().unwrap().to_owned().into_boxed_str());
     let into = ["--steps", "2", "--save-every", "1", "--save-dir", in_tag_s];
-    let e = run(args(&root.join("into-tag"), &with(&into))).unwrap_err();
-    assert!(
-        format!("{e:#}").contains("lies inside, the checkpoint"),
-        "{e:#}"
-    );
+    refused(&root.join("into-tag"), &into, "lies inside, the checkpoint");
     let e = run(args(&ck.join("a-run"), &with(&["--steps", "2"]))).unwrap_err();
     assert!(format!("{e:#}").contains("--out"), "{e:#}");
     assert!(
@@ -252,12 +235,8 @@ fn save_resume_reshard_and_gc_from_the_command_line() {
         &with(&["--steps", "2", "--init", st_s]),
     ))
     .unwrap();
-    let e = run(args(
-        &root.join("both"),
-        &with(&["--init", st_s, "--resume", ck_s]),
-    ))
-    .unwrap_err();
-    assert!(format!("{e:#}").contains("--init and --resume"), "{e:#}");
+    let both = ["--init", st_s, "--resume", ck_s];
+    refused(&root.join("both"), &both, "--init and --resume");
 }
 
 /// report.svg is well-formed XML (SVG) holding the loss line, its legend, the tokens/s of

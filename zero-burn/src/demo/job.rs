@@ -14,7 +14,7 @@ pub use super::run::Tick;
 use crate::demo::data::{ByteText, Corpus, MarkovLanguage};
 use crate::demo::gpt::Gpt;
 use crate::demo::gpt::GptConfig;
-use crate::demo::run::{HostRun, RankSummary, TrainOptions, engine_builder, train_built};
+use crate::demo::run::{HostRun, RankSummary, TrainOptions, Work, engine_builder, train_built};
 use crate::demo::train::{On, train};
 use crate::engine::EngineBuilder;
 use crate::error::{Error, Result};
@@ -212,15 +212,8 @@ pub fn run_job(job: &JobConfig, on_step: &(dyn Fn(Tick) + Sync)) -> Result<RunRe
         #[cfg(feature = "wgpu")]
         Compute::Wgpu(s) => On::Wgpu(s.clone(), crate::demo::train::WgpuTensors::Bridge),
     };
-    let results = train(
-        on,
-        described.plan.clone(),
-        model,
-        described.corpus.as_ref(),
-        options,
-        run,
-        on_step,
-    )?;
+    let work = Work::new(described.corpus.as_ref(), options, &run).on_step(on_step);
+    let results = train(on, described.plan.clone(), model, work)?;
     let wall = start.elapsed().as_secs_f64();
     let summaries: Vec<RankSummary> = results.iter().map(RankSummary::of).collect();
     report(job, &described, &summaries, wall)
@@ -296,7 +289,8 @@ fn run_job_rank_with<C: Communicator>(
     let start = Instant::now();
     let run = host_run(job);
     let builder = attach(engine_builder(&described.plan, comm, model, options))?;
-    let (_, summaries) = train_built(builder, described.corpus.as_ref(), options, run, on_step)?;
+    let work = Work::new(described.corpus.as_ref(), options, &run).on_step(on_step);
+    let (_, summaries) = train_built(builder, work)?;
     let wall = start.elapsed().as_secs_f64();
     report(job, &described, &summaries, wall)
 }

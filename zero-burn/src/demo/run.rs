@@ -113,6 +113,46 @@ impl HostRun {
     }
 }
 
+/// What every rank of a run does: train on `corpus` with `options` for `run`'s steps, rank 0
+/// calling `on_step` after each step.
+#[derive(Clone, Copy)]
+pub struct Work<'a> {
+    /// The token stream every rank draws its micro-batches from.
+    pub corpus: &'a dyn Corpus,
+    /// Learning rate, optimizer, batch shape and reduction.
+    pub options: TrainOptions,
+    /// How long to run and what to keep.
+    pub run: &'a HostRun,
+    /// Called by rank 0 after each step.
+    pub on_step: &'a (dyn Fn(Tick) + Sync),
+}
+
+impl std::fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("options", &self.options)
+            .field("run", self.run)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Work<'a> {
+    /// `run` on `corpus` with `options`, reporting no progress.
+    pub fn new(corpus: &'a dyn Corpus, options: TrainOptions, run: &'a HostRun) -> Work<'a> {
+        Work {
+            corpus,
+            options,
+            run,
+            on_step: &|_| {},
+        }
+    }
+
+    /// Rank 0 calls `on_step` after each step.
+    pub fn on_step(self, on_step: &'a (dyn Fn(Tick) + Sync)) -> Work<'a> {
+        Work { on_step, ..self }
+    }
+}
+
 /// Checkpoints of a run ([`crate::checkpoint`]): where, how often, and whether to start from one.
 #[derive(Clone, Debug)]
 pub struct Checkpointing {
@@ -235,37 +275,25 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// One rank of a job whose ranks are processes (MPI, NCCL): trains `run.steps` steps on `comm`
-/// from `model` (every rank must pass the same) and returns this rank's result and every rank's
+/// One rank of a job whose ranks are processes (MPI, NCCL): does `work` on `comm` from `model`
+/// (every rank must pass the same) and returns this rank's result and every rank's
 /// [`RankSummary`] in rank order, gathered over `comm` (so every rank can write the report).
 pub fn train_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     comm: C,
     plan: Arc<Plan>,
     model: M,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(Tick) + Sync),
+    work: Work<'_>,
 ) -> Result<(RankResult<M>, Vec<RankSummary>)> {
-    train_built(
-        engine_builder(&plan, comm, model, options),
-        corpus,
-        options,
-        run,
-        on_step,
-    )
+    train_built(engine_builder(&plan, comm, model, work.options), work)
 }
 
 /// [`train_rank`] from a rank's engine builder (with device hooks attached, say).
 pub(crate) fn train_built<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     builder: EngineBuilder<C, M>,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(Tick) + Sync),
+    work: Work<'_>,
 ) -> Result<(RankResult<M>, Vec<RankSummary>)> {
     let mut t = builder.build()?;
-    let result = run_engine(&mut t, corpus, options, &run, on_step)?;
+    let result = run_engine(&mut t, work)?;
     let mine = RankSummary {
         peak_rss_bytes: peak_rss_bytes(),
         ..RankSummary::of(&result)
@@ -302,26 +330,25 @@ pub(crate) fn train_built<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     Ok((result, all))
 }
 
-/// One rank's whole run: `run.steps` steps, then its report.
+/// One rank's whole run: `work`, then its report.
 pub(super) fn run_rank<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     builder: EngineBuilder<C, M>,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(Tick) + Sync),
+    work: Work<'_>,
 ) -> Result<RankResult<M>> {
-    let mut t = builder.build()?;
-    run_engine(&mut t, corpus, options, &run, on_step)
+    run_engine(&mut builder.build()?, work)
 }
 
 /// `run.steps` steps of a built engine, then its report.
 fn run_engine<C: Communicator, M: Segmented<Batch = TokenBatch>>(
     t: &mut ZeroEngine<C, M>,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: &HostRun,
-    on_step: &(dyn Fn(Tick) + Sync),
+    work: Work<'_>,
 ) -> Result<RankResult<M>> {
+    let Work {
+        corpus,
+        options,
+        run,
+        on_step,
+    } = work;
     let ckpt = run.checkpoint.as_ref();
     let first_step = match ckpt.and_then(|c| c.resume.as_ref().map(|s| (c, s))) {
         Some((c, store)) => {

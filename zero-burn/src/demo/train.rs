@@ -6,8 +6,8 @@ use std::sync::Arc;
 use zero_comm::Communicator;
 use zero_core::Plan;
 
-use crate::demo::data::{Corpus, TokenBatch};
-use crate::demo::run::{HostRun, RankResult, Tick, TrainOptions, engine_builder, run_rank};
+use crate::demo::data::TokenBatch;
+use crate::demo::run::{RankResult, Work, engine_builder, run_rank};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use crate::device::{DeviceQuant, DeviceTensors};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -61,19 +61,17 @@ pub enum WgpuTensors {
     Host,
 }
 
-/// Trains `run.steps` optimizer steps with one thread per rank [`On`] the given backend. Every
-/// rank starts from a clone of `model`; `on_step` is called by rank 0 after each step.
+/// Does `work` with one thread per rank [`On`] the given backend. Every rank starts from a clone
+/// of `model`.
 pub fn train<M: Segmented<Batch = TokenBatch>>(
     on: On,
     plan: Arc<Plan>,
     model: M,
-    corpus: &dyn Corpus,
-    options: TrainOptions,
-    run: HostRun,
-    on_step: &(dyn Fn(Tick) + Sync),
+    work: Work<'_>,
 ) -> Result<Vec<RankResult<M>>> {
+    let options = work.options;
     let launch = Launch::new(*plan.topology())
-        .timeout(run.timeout)
+        .timeout(work.run.timeout)
         .reduction(options.reduction);
     match on {
         On::Host => {
@@ -81,7 +79,7 @@ pub fn train<M: Segmented<Batch = TokenBatch>>(
             launch.run(|comm| {
                 let mine = models.take(comm.rank())?;
                 let builder = engine_builder(&plan, comm, mine, options);
-                run_rank(builder, corpus, options, run.clone(), on_step)
+                run_rank(builder, work)
             })
         }
         #[cfg(feature = "wgpu")]
@@ -109,7 +107,7 @@ pub fn train<M: Segmented<Batch = TokenBatch>>(
                         .device_tensors(Box::new(bridge) as Box<dyn DeviceTensors<_>>)
                         .device_quant(q as Arc<dyn DeviceQuant<_>>);
                 }
-                run_rank(builder, corpus, options, run.clone(), on_step)
+                run_rank(builder, work)
             })
         }
         #[cfg(feature = "cuda")]
@@ -125,7 +123,7 @@ pub fn train<M: Segmented<Batch = TokenBatch>>(
                 let builder = engine_builder(&plan, comm, mine, options)
                     .device_tensors(Box::new(hooks) as Box<dyn DeviceTensors<_>>)
                     .device_quant(quant.clone() as Arc<dyn DeviceQuant<_>>);
-                run_rank(builder, corpus, options, run.clone(), on_step)
+                run_rank(builder, work)
             })
         }
     }

@@ -12,7 +12,7 @@ use burn::tensor::Device;
 use zero_burn::checkpoint::Storage;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::{Gpt, GptConfig};
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions, Work};
 use zero_burn::demo::train::{On, train};
 use zero_burn::optim::Optimizer;
 use zero_burn::{MeasuredMemory, Reduction, Segmented, ZeroEngine, plan_for};
@@ -166,15 +166,16 @@ pub(crate) fn train_tiny(
         On::Host,
         plan.clone(),
         model,
-        &corpus,
-        options,
-        HostRun {
-            steps,
-            timeout: Duration::from_secs(30),
-            keep_final_params: true,
-            checkpoint: None,
-        },
-        &|_| {},
+        Work::new(
+            &corpus,
+            options,
+            &HostRun {
+                steps,
+                timeout: Duration::from_secs(30),
+                keep_final_params: true,
+                checkpoint: None,
+            },
+        ),
     )
     .unwrap();
     for r in &res {
@@ -281,4 +282,22 @@ pub(crate) fn assert_resumes<M>(
             w.rank
         );
     }
+}
+
+/// Asserts that `report`'s step traffic is the traffic its plan books, naming `what`, the rank and
+/// both tables when it is not.
+pub(crate) fn assert_traffic_as_planned(what: &str, report: &zero_burn::RankReport) {
+    assert!(
+        report.traffic_matches_plan(),
+        "{what}: rank {}'s step traffic {:?} vs the plan's {:?}",
+        report.rank,
+        report.traffic,
+        report.planned_traffic
+    );
+}
+
+/// Rank 0's loss after the last step is below its loss after the first.
+pub(crate) fn assert_learns(runs: &[RankResult<Gpt>]) {
+    let losses = &runs[0].losses;
+    assert!(losses.last() < losses.first(), "it learns: {losses:?}");
 }

@@ -54,7 +54,7 @@ pub(crate) fn device() -> Device {
 // ------------------------------------------------------------------------------------------------
 
 /// A deterministic uniform generator on [-1, 1) for micro-batch `k`.
-pub(crate) fn uniform(k: usize, salt: u64) -> impl FnMut() -> f32 {
+fn uniform(k: usize, salt: u64) -> impl FnMut() -> f32 {
     let mut s = (k as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt;
     s |= 1;
     move || {
@@ -65,34 +65,52 @@ pub(crate) fn uniform(k: usize, salt: u64) -> impl FnMut() -> f32 {
     }
 }
 
-/// A micro-batch of 1×8×8 images and labels, without autodiff.
+/// A micro-batch of `D`-dimensional inputs (batch first) and their labels, without autodiff.
 #[derive(Clone, Debug)]
-pub(crate) struct Images {
-    pub(crate) x: Tensor<4>,
+pub(crate) struct Labelled<const D: usize> {
+    pub(crate) x: Tensor<D>,
     pub(crate) y: Tensor<1, Int>,
 }
 
-/// Global micro-batch `k` (numbered step-major, then micro-step, then rank): noise plus a bright
-/// band of rows whose position is the label.
-pub(crate) fn images(k: usize) -> Images {
-    let mut u = uniform(k, 0x51);
-    let mut x = Vec::with_capacity(B * IMG * IMG);
-    let mut y = Vec::with_capacity(B);
-    for i in 0..B {
-        let label = (k * B + i * 7 + k / 3) % CLASSES;
+/// A micro-batch of 1×8×8 images and labels.
+pub(crate) type Images = Labelled<4>;
+
+/// Global micro-batch `k` (numbered step-major, then micro-step, then rank) of shape `shape`:
+/// sample `i`'s label is `(k·B + i·stride + k/div) % CLASSES`, its values noise from `uniform(k,
+/// salt)` halved plus `signal(label, j)` at position `j` within the sample.
+pub(crate) fn labelled<const D: usize>(
+    (k, salt): (usize, u64),
+    (stride, div): (usize, usize),
+    shape: [usize; D],
+    signal: impl Fn(usize, usize) -> f32,
+) -> Labelled<D> {
+    let mut u = uniform(k, salt);
+    let per_sample: usize = shape[1..].iter().product();
+    let mut x = Vec::with_capacity(shape[0] * per_sample);
+    let mut y = Vec::with_capacity(shape[0]);
+    for i in 0..shape[0] {
+        let label = (k * B + i * stride + k / div) % CLASSES;
         y.push(label as i64);
-        for row in 0..IMG {
-            let band = row * CLASSES / IMG == label;
-            for _ in 0..IMG {
-                x.push(0.5 * u() + if band { 1.0 } else { 0.0 });
-            }
-        }
+        x.extend((0..per_sample).map(|j| 0.5 * u() + signal(label, j)));
     }
     let host = Device::flex();
-    Images {
-        x: Tensor::from_data(TensorData::new(x, [B, 1, IMG, IMG]), &host),
-        y: Tensor::from_data(TensorData::new(y, [B]), &host),
+    Labelled {
+        x: Tensor::from_data(TensorData::new(x, shape), &host),
+        y: Tensor::from_data(TensorData::new(y, [shape[0]]), &host),
     }
+}
+
+/// Global micro-batch `k` of images: noise plus a bright band of rows whose position is the
+/// label.
+pub(crate) fn images(k: usize) -> Images {
+    let band = |label, j: usize| {
+        if (j / IMG) * CLASSES / IMG == label {
+            1.0
+        } else {
+            0.0
+        }
+    };
+    labelled((k, 0x51), (7, 3), [B, 1, IMG, IMG], band)
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -456,23 +474,23 @@ where
 /// Every rank holds the same consolidated parameters and the same buffers, in its own model and
 /// in the consolidated one.
 pub(crate) fn assert_ranks_agree(what: &str, seen: &[Seen]) {
-    let (p0, b0) = (bits(&seen[0].params), bits(&seen[0].buffers));
+    let (p0, b0) = (&seen[0].params, &seen[0].buffers);
     for (r, s) in seen.iter().enumerate() {
-        assert_eq!(
-            bits(&s.params),
-            p0,
-            "{what}: rank {r}'s consolidated parameters"
-        );
-        assert_eq!(
-            bits(&s.buffers),
-            b0,
-            "{what}: rank {r}'s consolidated buffers"
-        );
-        assert_eq!(
-            bits(&s.own_buffers),
-            b0,
-            "{what}: rank {r}'s own buffers vs the consolidated ones"
-        );
+        let got = [&s.params, &s.buffers, &s.own_buffers];
+        assert_state_bits(&format!("{what}: rank {r}"), got, [p0, b0, b0]);
+    }
+}
+
+/// A rank's consolidated parameters, consolidated buffers and own buffers (`got`) have the bits
+/// of `want`, part by part.
+pub(crate) fn assert_state_bits(what: &str, got: [&Named; 3], want: [&Named; 3]) {
+    let parts = [
+        "consolidated parameters",
+        "consolidated buffers",
+        "own buffers",
+    ];
+    for ((g, w), part) in got.into_iter().zip(want).zip(parts) {
+        assert_eq!(bits(g), bits(w), "{what}: {part}");
     }
 }
 

@@ -101,13 +101,7 @@ fn world(plan: &Arc<Plan>, act: Act<'_>) -> Vec<(State, Option<Loaded>)> {
             // Measured against planned traffic counts the steps this engine ran (after a load,
             // from the checkpoint's step on), skipped fp16 steps included.
             let report = e.report();
-            assert!(
-                report.traffic_matches_plan(),
-                "rank {}: traffic {:?} vs planned {:?}",
-                e.rank(),
-                report.traffic,
-                report.planned_traffic
-            );
+            assert_traffic_as_planned("train", &report);
             if let Act::TrainSave { save: Some(s), .. } = &act {
                 let r = e.save(*s, json!({ "next_step": e.steps(), "epoch": 7 }))?;
                 assert_eq!(r.tag, format!("step-{:08}", e.steps()));
@@ -295,29 +289,19 @@ fn an_older_tag_resumes_bit_exactly_after_latest_moves_on() {
             })
             .unwrap()
     };
-    let never = load(&store, "step-00000009");
-    assert!(
-        never
-            .iter()
-            .all(|r| matches!(r, Err(m) if m.contains("step-00000009/COMMIT is missing"))),
-        "{never:?}"
-    );
+    // Every rank fails to load `tag` from `store`, naming `text`.
+    let refused = |store: &MemStorage, tag: &str, text: &str| {
+        let e = load(store, tag);
+        let named = |r: &Result<String, String>| matches!(r, Err(m) if m.contains(text));
+        assert!(e.iter().all(named), "{tag}: {e:?}");
+    };
+    refused(&store, "step-00000009", "step-00000009/COMMIT is missing");
     let flipped = store.fork();
     flipped.flip("step-00000002/COMMIT", 15, 0).unwrap();
-    let e = load(&flipped, "step-00000002");
-    assert!(
-        e.iter()
-            .all(|r| matches!(r, Err(m) if m.contains("step-00000002/"))),
-        "{e:?}"
-    );
+    refused(&flipped, "step-00000002", "step-00000002/");
     let removed = store.fork();
     removed.remove("step-00000002/COMMIT").unwrap();
-    let e = load(&removed, "step-00000002");
-    assert!(
-        e.iter()
-            .all(|r| matches!(r, Err(m) if m.contains("step-00000002/COMMIT is missing"))),
-        "{e:?}"
-    );
+    refused(&removed, "step-00000002", "step-00000002/COMMIT is missing");
     // The latest tag still loads by name without its COMMIT (LATEST is its record).
     let removed = store.fork();
     removed.remove("step-00000004/COMMIT").unwrap();

@@ -25,6 +25,7 @@ use zero_burn::{
 };
 use zero_core::{Topology, ZeroConfig};
 
+use common::assert_traffic_as_planned;
 use common::points::{
     B, CLASSES, FEATURES, PointBatch, PointBatcher, ResMlp, adamw_pair, assert_near_burn, bits,
     cross_entropy, loader, points, values,
@@ -184,13 +185,7 @@ fn stages_agree<M: Segmented<Batch = PointBatch>>(model: &M, family: &str, ckpt:
         for s in &seen {
             let r = &s.report;
             assert_eq!(r.steps, STEPS as u64);
-            assert!(
-                r.traffic_matches_plan(),
-                "{family} stage {stage} hpz {hpz} rank {}: traffic {:?} vs plan {:?}",
-                r.rank,
-                r.traffic,
-                r.planned_traffic
-            );
+            assert_traffic_as_planned(&format!("{family} stage {stage} hpz {hpz}"), r);
             assert!(
                 r.model_states_match_plan(),
                 "{family} stage {stage} hpz {hpz} rank {}: {:?} vs {:?}",
@@ -354,12 +349,7 @@ fn eval_is_the_forward_of_the_next_step() {
                 assert_eq!(eval.to_bits(), out.loss.to_bits(), "rank {rank}");
             }
             let r = engine.report();
-            assert!(
-                r.traffic_matches_plan(),
-                "{:?} vs {:?}",
-                r.traffic,
-                r.planned_traffic
-            );
+            assert_traffic_as_planned("eval then step", &r);
             assert!(
                 r.other_traffic.sent().total() > 0,
                 "eval and consolidation moved bytes"

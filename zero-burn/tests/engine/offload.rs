@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use zero_burn::checkpoint::{MemStorage, Storage};
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, Tick};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, Tick, Work};
 use zero_burn::demo::train::{self as launcher, On};
-use zero_burn::{Error, plan_for};
+use zero_burn::{Error, IoReport, plan_for};
 use zero_core::{Placement, Precision, Topology, ZeroConfig};
 
 fn config(stage: u8, precision: Precision, placement: Placement, nvme: &Path) -> ZeroConfig {
@@ -44,10 +44,7 @@ fn train(
         On::Host,
         plan,
         model,
-        &corpus,
-        common::options(),
-        run,
-        &|t| ticks.lock().unwrap().push(t),
+        Work::new(&corpus, common::options(), &run).on_step(&|t| ticks.lock().unwrap().push(t)),
     )?;
     // Rank 0's progress: one tick a step, with its stores' traffic so far where it has a store.
     let ticks = ticks.into_inner().unwrap();
@@ -85,6 +82,15 @@ fn resumes_across(mem: &[RankResult<Gpt>], first: &ZeroConfig, then: &ZeroConfig
     common::assert_resumes(mem, &a, &b, what);
 }
 
+/// The store read at least `min_read` bytes and held at most `max_buffers` units at once.
+fn assert_io(what: &str, io: &IoReport, (min_read, max_buffers): (u64, usize)) {
+    assert!(
+        io.read_bytes >= min_read,
+        "{what}: {io:?}, read at least {min_read} B"
+    );
+    assert!(io.peak_buffers <= max_buffers, "{what}: {io:?}");
+}
+
 /// The store's folder holds nothing once the run is over.
 fn assert_empty(nvme: &Path, what: &str) {
     let left = std::fs::read_dir(nvme).unwrap().count();
@@ -112,19 +118,12 @@ fn nvme_gives_the_bits_of_memory_and_shares_checkpoints() {
                 let io = d.nvme_io.expect("an NVMe run reports its store");
                 // Per step each unit is read once and written once; the build writes it once.
                 let state = d.memory.optimizer_states + d.memory.master_weights;
+                assert_io(&what, &io, (4 * state, 3));
+                let written = 5 * state..5 * state + 5 * 4096 * 64;
                 assert!(
-                    io.read_bytes >= 4 * state,
+                    written.contains(&io.written_bytes),
                     "{what}: {io:?}, state {state} B"
                 );
-                assert!(
-                    io.written_bytes >= 5 * state,
-                    "{what}: {io:?}, state {state} B"
-                );
-                assert!(
-                    io.written_bytes < 5 * state + 5 * 4096 * 64,
-                    "{what}: {io:?}"
-                );
-                assert!(io.peak_buffers <= 3, "{what}: {io:?}");
             }
             assert_empty(nvme, &what);
 
@@ -197,10 +196,7 @@ fn a_changed_byte_in_the_store_fails_the_next_step() {
             On::Host,
             plan,
             model,
-            &corpus,
-            common::options(),
-            run,
-            &flip,
+            Work::new(&corpus, common::options(), &run).on_step(&flip),
         ) else {
             panic!("training over a changed {name} succeeded");
         };
@@ -250,11 +246,7 @@ fn the_parameter_shard_off_the_device_gives_the_bits_of_the_device() {
                     // (the default at stage 3): 4 steps of 2 micro-steps.
                     let shard = shard_bytes(&cfg);
                     println!("{what}: rank {} {io:?}, shard {shard} B", r.rank);
-                    assert!(
-                        io.read_bytes >= 16 * shard,
-                        "{what}: {io:?}, shard {shard} B"
-                    );
-                    assert!(io.peak_buffers <= 6, "{what}: {io:?}");
+                    assert_io(&what, &io, (16 * shard, 6));
                 }
             }
             assert_empty(nvme, &what);

@@ -22,7 +22,7 @@ use std::time::Duration;
 use zero_burn::checkpoint::{MemStorage, Storage};
 use zero_burn::demo::data::Corpus;
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions};
+use zero_burn::demo::run::{Checkpointing, HostRun, RankResult, TrainOptions, Work};
 use zero_burn::demo::train::{self as launcher, On};
 use zero_burn::{Plan, plan_for};
 use zero_core::{Placement, Precision, Topology, ZeroConfig};
@@ -50,7 +50,7 @@ fn on_host(
     o: TrainOptions,
     run: HostRun,
 ) -> Runs {
-    launcher::train(On::Host, plan, model, corpus, o, run, &|_| {}).unwrap()
+    launcher::train(On::Host, plan, model, Work::new(corpus, o, &run)).unwrap()
 }
 
 type Runs = Vec<RankResult<Gpt>>;
@@ -200,10 +200,7 @@ mod wgpu {
             On::Wgpu(shared.clone(), WgpuTensors::Bridge),
             plan,
             model,
-            &corpus,
-            options,
-            run(steps, ckpt),
-            &|_| {},
+            Work::new(&corpus, options, &run(steps, ckpt)),
         )
         .unwrap()
     }

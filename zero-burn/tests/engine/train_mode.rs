@@ -40,7 +40,7 @@ use burn::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 use serde_json::json;
 use zero_burn::checkpoint::MemStorage;
 use zero_burn::demo::gpt::deterministic_init;
@@ -51,9 +51,9 @@ use zero_core::Topology;
 
 use common::points::cross_entropy;
 use common::train_mode::{
-    B, CH, CLASSES, Cnn, Named, Run, Seeds, Seen, TOL, assert_near_plain_burn, assert_ranks_agree,
-    bits, cnn_forward, device, fresh, images, loss_bits, max_gap, params_of, plain_burn,
-    rank_batches, train, uniform, whole_cnn, world2,
+    B, CH, CLASSES, Cnn, Labelled, Named, Run, Seeds, Seen, TOL, assert_near_plain_burn,
+    assert_ranks_agree, assert_state_bits, bits, cnn_forward, device, fresh, images, labelled,
+    loss_bits, max_gap, params_of, plain_burn, rank_batches, train, whole_cnn, world2,
 };
 
 /// AdamW's learning rate (the checkpoint test).
@@ -67,33 +67,19 @@ const SEQ: usize = 4;
 const FEATURES: usize = 6;
 const D_MODEL: usize = 8;
 
-/// A micro-batch of sequences `[B, SEQ, FEATURES]` and labels, without autodiff.
-#[derive(Clone, Debug)]
-struct Seqs {
-    x: Tensor<3>,
-    y: Tensor<1, Int>,
-}
+/// A micro-batch of sequences `[B, SEQ, FEATURES]` and labels.
+type Seqs = Labelled<3>;
 
 /// Global micro-batch `k`: noise plus a label-dependent offset on two features at every position.
 fn seqs(k: usize) -> Seqs {
-    let mut u = uniform(k, 0xA7);
-    let mut x = Vec::with_capacity(B * SEQ * FEATURES);
-    let mut y = Vec::with_capacity(B);
-    for i in 0..B {
-        let label = (k * B + i * 5 + k / 2) % CLASSES;
-        y.push(label as i64);
-        for _ in 0..SEQ {
-            for f in 0..FEATURES {
-                let on = f % CLASSES == label;
-                x.push(0.5 * u() + if on { 0.8 } else { 0.0 });
-            }
+    let on = |label, j: usize| {
+        if (j % FEATURES) % CLASSES == label {
+            0.8
+        } else {
+            0.0
         }
-    }
-    let host = Device::flex();
-    Seqs {
-        x: Tensor::from_data(TensorData::new(x, [B, SEQ, FEATURES]), &host),
-        y: Tensor::from_data(TensorData::new(y, [B]), &host),
-    }
+    };
+    labelled((k, 0xA7), (5, 2), [B, SEQ, FEATURES], on)
 }
 
 /// A linear input projection, burn's `TransformerEncoder` (d_model 8, d_ff 16, 2 heads, 2 layers,
@@ -422,35 +408,21 @@ fn checkpoint_round_trip_restores_buffers_across_a_reshard() {
     let first = ck_world(&cnn, 2, None, 2, Some(&saved));
     let resumed = ck_world(&cnn, 3, Some(&saved), 3, None);
     let straight = ck_world(&cnn, 3, None, 3, None);
-    let (p0, b0) = (bits(&first[0].params), bits(&first[0].buffers));
+    let (p0, b0) = (&first[0].params, &first[0].buffers);
     assert_ne!(
-        b0,
+        bits(b0),
         bits(&buffers(&cnn)),
         "two steps moved the running statistics"
     );
     for (r, c) in first.iter().enumerate() {
-        assert_eq!(bits(&c.params), p0, "rank {r}: parameters at the save");
-        assert_eq!(bits(&c.buffers), b0, "rank {r}: buffers at the save");
-        assert_eq!(
-            bits(&c.own_buffers),
-            b0,
-            "rank {r}: own buffers at the save"
-        );
+        let got = [&c.params, &c.buffers, &c.own_buffers];
+        assert_state_bits(&format!("rank {r} at the save"), got, [p0, b0, b0]);
     }
     for (r, c) in resumed.iter().enumerate() {
         let (own, full, params, step) = c.loaded.as_ref().expect("loaded");
         assert_eq!(*step, 2, "rank {r}: the step loaded");
-        assert_eq!(bits(own), b0, "rank {r}: own buffers right after the load");
-        assert_eq!(
-            bits(full),
-            b0,
-            "rank {r}: consolidated buffers right after the load"
-        );
-        assert_eq!(
-            bits(params),
-            p0,
-            "rank {r}: parameters right after the load"
-        );
+        let what = format!("rank {r} right after the load");
+        assert_state_bits(&what, [params, full, own], [p0, b0, b0]);
     }
     // The third step, resumed at stage 3, is the third step of a stage-3 run that never stopped.
     for (r, (c, s)) in resumed.iter().zip(&straight).enumerate() {
@@ -459,21 +431,9 @@ fn checkpoint_round_trip_restores_buffers_across_a_reshard() {
             loss_bits(&s.losses[2..]),
             "rank {r}: step 3's losses"
         );
-        assert_eq!(
-            bits(&c.params),
-            bits(&s.params),
-            "rank {r}: parameters after step 3"
-        );
-        assert_eq!(
-            bits(&c.buffers),
-            bits(&s.buffers),
-            "rank {r}: buffers after step 3"
-        );
-        assert_eq!(
-            bits(&c.own_buffers),
-            bits(&s.buffers),
-            "rank {r}: own buffers after step 3"
-        );
+        let got = [&c.params, &c.buffers, &c.own_buffers];
+        let want = [&s.params, &s.buffers, &s.buffers];
+        assert_state_bits(&format!("rank {r} after step 3"), got, want);
     }
     // And the first two steps at stage 2 were the straight run's too.
     for (r, (c, s)) in first.iter().zip(&straight).enumerate() {

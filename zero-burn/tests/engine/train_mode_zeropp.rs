@@ -18,10 +18,11 @@ use crate::common;
 use zero_burn::BufferSync;
 use zero_core::{Precision, Topology};
 
+use common::assert_traffic_as_planned;
 use common::train_mode::{
     A, Bounds, CH, Cnn, Run, STEPS, Seen, Want, assert_near_plain_burn, assert_ranks_agree,
-    assert_within_of_plain_burn, bits, cnn_forward, images, loss_bits, max_gap, plain_burn, train,
-    world2,
+    assert_state_bits, assert_within_of_plain_burn, bits, cnn_forward, images, loss_bits, max_gap,
+    plain_burn, train, world2,
 };
 
 /// A stage-3 run on 8 ranks, 4 nodes of 2, checkpointing on (hpZ needs it), every tensor sharded.
@@ -43,21 +44,11 @@ fn assert_same_bits(what: &str, a: &[Seen], b: &[Seen]) {
             loss_bits(&y.losses),
             "{what}: rank {r}'s losses"
         );
-        assert_eq!(
-            bits(&x.params),
-            bits(&y.params),
-            "{what}: rank {r}'s parameters"
+        let (got, want) = (
+            [&x.params, &x.buffers, &x.own_buffers],
+            [&y.params, &y.buffers, &y.own_buffers],
         );
-        assert_eq!(
-            bits(&x.buffers),
-            bits(&y.buffers),
-            "{what}: rank {r}'s buffers"
-        );
-        assert_eq!(
-            bits(&x.own_buffers),
-            bits(&y.own_buffers),
-            "{what}: rank {r}'s own buffers"
-        );
+        assert_state_bits(&format!("{what}: rank {r}"), got, want);
     }
 }
 
@@ -105,12 +96,7 @@ fn cnn_with_zeropp_on_four_nodes_of_two_stays_near_plain_burn() {
             "{what}: rank {r}'s losses {:?}",
             s.losses
         );
-        assert!(
-            s.report.traffic_matches_plan(),
-            "{what}: rank {r}'s step traffic {:?} vs the plan's {:?}",
-            s.report.traffic,
-            s.report.planned_traffic
-        );
+        assert_traffic_as_planned(what, &s.report);
         assert!(
             s.report.memory.hpz_secondary > 0,
             "{what}: rank {r} held an hpZ secondary"
@@ -187,12 +173,7 @@ fn report_books_the_buffer_sync_as_other_traffic_and_the_plan_counts_the_buffers
             let report = &s.report;
             assert_eq!(report.steps, STEPS as u64);
             // The buffers' broadcast after each micro-step is not step traffic...
-            assert!(
-                report.traffic_matches_plan(),
-                "{what}: rank {r}'s step traffic {:?} vs the plan's {:?}",
-                report.traffic,
-                report.planned_traffic
-            );
+            assert_traffic_as_planned(&what, report);
             // ... but other traffic, which moved bytes: one broadcast of the 2·CH f32 running
             // statistics per micro-step, rank 0 sending them and rank 1 receiving them.
             let other = &report.other_traffic;

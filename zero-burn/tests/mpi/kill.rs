@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use zero_burn::checkpoint::{DirStorage, Storage, read_manifest, verify};
 use zero_burn::demo::data::{self, Corpus, TokenBatch};
-use zero_burn::demo::run::{Checkpointing, HostRun, train_rank};
+use zero_burn::demo::run::{Checkpointing, HostRun, Work, train_rank};
 use zero_burn::demo::train::{On, train};
 use zero_burn::plan_for;
 use zero_comm::Communicator;
@@ -197,7 +197,7 @@ fn rank_side() {
         checkpoint: Some(checkpointing(store, false)),
         ..HostRun::new(6, Duration::from_secs(30))
     };
-    let r = train_rank(comm, plan, model, &corpus, options(), run, &|_| {});
+    let r = train_rank(comm, plan, model, Work::new(&corpus, options(), &run));
     unreachable!("rank {me} finished with a dead peer: {:?}", r.map(|_| ()));
 }
 
@@ -235,11 +235,7 @@ fn a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
 /// The job of test `name` for one draw, its checks and the resume; false when the harness could
 /// not launch it (recorded).
 fn killed_and_resumed(name: &str, draw: Draw) -> bool {
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!("zero-burn-mpi-kill-{}-", draw.to_env()))
-        .tempdir()
-        .expect("a temp dir");
-    let dir: PathBuf = tmp.path().to_path_buf();
+    let (_tmp, dir) = super::scratch(&format!("zero-burn-mpi-kill-{}-", draw.to_env()));
     let env = [(OUT, dir.display().to_string()), (DRAW, draw.to_env())];
     let timeout = Duration::from_secs(30);
     let Some(job) = launch(name, 4, 2, timeout, &env, Duration::from_secs(120)) else {
@@ -284,23 +280,25 @@ fn killed_and_resumed(name: &str, draw: Draw) -> bool {
         On::Host,
         plan.clone(),
         model.clone(),
-        &corpus,
-        options(),
-        HostRun {
-            checkpoint: Some(checkpointing(store.clone(), true)),
-            ..HostRun::new(6, Duration::from_secs(30))
-        },
-        &|_| {},
+        Work::new(
+            &corpus,
+            options(),
+            &HostRun {
+                checkpoint: Some(checkpointing(store.clone(), true)),
+                ..HostRun::new(6, Duration::from_secs(30))
+            },
+        ),
     )
     .unwrap();
     let whole = train(
         On::Host,
         plan,
         model,
-        &corpus,
-        options(),
-        HostRun::new(6, Duration::from_secs(30)),
-        &|_| {},
+        Work::new(
+            &corpus,
+            options(),
+            &HostRun::new(6, Duration::from_secs(30)),
+        ),
     )
     .unwrap();
     let from = draw.latest() as usize;

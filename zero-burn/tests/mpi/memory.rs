@@ -14,7 +14,7 @@ use std::time::Duration;
 use burn::tensor::Device;
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::GptConfig;
-use zero_burn::demo::run::{HostRun, TrainOptions, peak_rss_bytes, train_rank};
+use zero_burn::demo::run::{HostRun, TrainOptions, Work, peak_rss_bytes, train_rank};
 use zero_burn::optim::Optimizer;
 use zero_burn::{Reduction, plan_for};
 use zero_comm::Communicator;
@@ -64,7 +64,7 @@ fn rank_side() {
         reduction: Reduction::RankOrdered,
     };
     let run = HostRun::new(2, Duration::from_secs(120));
-    train_rank(comm, plan, model, &corpus, options, run, &|_| {}).unwrap();
+    train_rank(comm, plan, model, Work::new(&corpus, options, &run)).unwrap();
     let peak = peak_rss_bytes().expect("VmHWM in /proc/self/status");
     std::fs::write(out_file(&dir, stage, me), format!("{base} {peak}")).unwrap();
     rank_ok(me, n);
@@ -75,11 +75,7 @@ fn zero_3_peaks_at_most_0_30x_plain_data_parallel_per_process() {
     if is_rank() {
         return rank_side();
     }
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-burn-mpi-memory-")
-        .tempdir()
-        .expect("a temp dir");
-    let dir = tmp.path().to_path_buf();
+    let (_tmp, dir) = super::scratch("zero-burn-mpi-memory-");
     let d = dir.display().to_string();
     let mut peaks = Vec::new();
     for stage in [0u8, 3] {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use zero_burn::demo::data::MarkovLanguage;
 use zero_burn::demo::gpt::Gpt;
-use zero_burn::demo::run::HostRun;
+use zero_burn::demo::run::{HostRun, Work};
 use zero_burn::demo::train::{On, train};
 use zero_burn::{WgpuShared, plan_for};
 use zero_comm::Communicator;
@@ -96,11 +96,7 @@ fn wgpu_ranks_as_processes_match_in_process_ranks() {
     let Some(shared) = common::shared(NAME) else {
         return;
     };
-    let tmp = tempfile::Builder::new()
-        .prefix("zero-burn-mpi-wgpu-")
-        .tempdir()
-        .expect("a temp dir");
-    let dir = tmp.path().to_path_buf();
+    let (_tmp, dir) = super::scratch("zero-burn-mpi-wgpu-");
     let env = [(OUT, dir.display().to_string())];
     let limit = Duration::from_secs(600);
     let Some(job) = launch(NAME, 2, 2, Duration::from_secs(120), &env, limit) else {
@@ -111,7 +107,8 @@ fn wgpu_ranks_as_processes_match_in_process_ranks() {
     for (name, cfg) in configs() {
         let (model, corpus) = model(&shared);
         let plan = Arc::new(plan_for(&model, topo(), &cfg).unwrap());
-        let reference = train(On::Host, plan, model, &corpus, options(), run(), &|_| {}).unwrap();
+        let reference =
+            train(On::Host, plan, model, Work::new(&corpus, options(), &run())).unwrap();
         for r in &reference {
             let got: RankOut = serde_json::from_slice(
                 &std::fs::read(out_file(&dir.display().to_string(), name, r.rank)).unwrap(),

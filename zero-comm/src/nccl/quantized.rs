@@ -37,6 +37,24 @@ pub trait OnCuda: Communicator {
     fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> Self::Buffer<E>;
 }
 
+/// [`OnCuda`]'s conversions for a communicator whose `Buffer<E>` is [`NcclBuffer<E>`]: the
+/// identity.
+macro_rules! nccl_buffers {
+    () => {
+        fn nccl<E: Element>(buf: &NcclBuffer<E>) -> &NcclBuffer<E> {
+            buf
+        }
+
+        fn nccl_mut<E: Element>(buf: &mut NcclBuffer<E>) -> &mut NcclBuffer<E> {
+            buf
+        }
+
+        fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> NcclBuffer<E> {
+            buf
+        }
+    };
+}
+
 impl OnCuda for NcclComm {
     const CODEC_NAME: &'static str = "nccl";
 
@@ -48,17 +66,7 @@ impl OnCuda for NcclComm {
         self.stream()
     }
 
-    fn nccl<E: Element>(buf: &NcclBuffer<E>) -> &NcclBuffer<E> {
-        buf
-    }
-
-    fn nccl_mut<E: Element>(buf: &mut NcclBuffer<E>) -> &mut NcclBuffer<E> {
-        buf
-    }
-
-    fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> NcclBuffer<E> {
-        buf
-    }
+    nccl_buffers!();
 }
 
 impl OnCuda for CudaComm {
@@ -72,17 +80,7 @@ impl OnCuda for CudaComm {
         self.device().stream()
     }
 
-    fn nccl<E: Element>(buf: &NcclBuffer<E>) -> &NcclBuffer<E> {
-        buf
-    }
-
-    fn nccl_mut<E: Element>(buf: &mut NcclBuffer<E>) -> &mut NcclBuffer<E> {
-        buf
-    }
-
-    fn from_nccl<E: Element>(buf: NcclBuffer<E>) -> NcclBuffer<E> {
-        buf
-    }
+    nccl_buffers!();
 }
 
 fn wire_len(codec: Codec, len: usize) -> usize {

@@ -14,67 +14,46 @@ fn for_worlds(f: impl Fn(Factory<zero_comm::host::HostComm>, Topology)) {
     }
 }
 
+/// `check::<_, E>(args)` for each listed element type `E`.
+macro_rules! each {
+    ($check:ident $args:tt: $($e:ty),+) => {{ $( $check::<_, $e> $args; )+ }};
+}
+
+/// [`for_worlds`] with each reduction.
+fn for_worlds_and_ops(f: impl Fn(Factory<zero_comm::host::HostComm>, Topology, ReduceOp)) {
+    for_worlds(|w, t| OPS.into_iter().for_each(|op| f(w, t, op)));
+}
+
 #[test]
 fn all_gather_every_dtype() {
-    for_worlds(|w, t| {
-        check_all_gather::<_, f32>(w(t), COUNTS);
-        check_all_gather::<_, bf16>(w(t), COUNTS);
-        check_all_gather::<_, f16>(w(t), COUNTS);
-        check_all_gather::<_, u8>(w(t), COUNTS);
-    });
+    for_worlds(|w, t| each!(check_all_gather(w(t), COUNTS): f32, bf16, f16, u8));
 }
 
 #[test]
 fn reduce_scatter_is_bit_exact() {
-    for_worlds(|w, t| {
-        for op in OPS {
-            check_reduce_scatter::<_, f32>(w(t), COUNTS, op);
-            check_reduce_scatter::<_, bf16>(w(t), COUNTS, op);
-            check_reduce_scatter::<_, f16>(w(t), COUNTS, op);
-        }
-    });
+    for_worlds_and_ops(|w, t, op| each!(check_reduce_scatter(w(t), COUNTS, op): f32, bf16, f16));
 }
 
 #[test]
 fn all_reduce_is_bit_exact() {
-    for_worlds(|w, t| {
-        for op in OPS {
-            check_all_reduce::<_, f32>(w(t), LENS, op);
-            check_all_reduce::<_, bf16>(w(t), LENS, op);
-            check_all_reduce::<_, f16>(w(t), LENS, op);
-        }
-    });
+    for_worlds_and_ops(|w, t, op| each!(check_all_reduce(w(t), LENS, op): f32, bf16, f16));
 }
 
 #[test]
 fn all_reduce_equals_reduce_scatter_then_all_gather() {
-    for_worlds(|w, t| {
-        for op in OPS {
-            check_all_reduce_is_rs_ag::<_, f32>(w(t), COUNTS, op);
-            check_all_reduce_is_rs_ag::<_, bf16>(w(t), COUNTS, op);
-            check_all_reduce_is_rs_ag::<_, f16>(w(t), COUNTS, op);
-        }
+    for_worlds_and_ops(|w, t, op| {
+        each!(check_all_reduce_is_rs_ag(w(t), COUNTS, op): f32, bf16, f16);
     });
 }
 
 #[test]
 fn broadcast_from_every_root() {
-    for_worlds(|w, t| {
-        check_broadcast::<_, f32>(w(t), LENS);
-        check_broadcast::<_, bf16>(w(t), LENS);
-        check_broadcast::<_, f16>(w(t), LENS);
-        check_broadcast::<_, u8>(w(t), LENS);
-    });
+    for_worlds(|w, t| each!(check_broadcast(w(t), LENS): f32, bf16, f16, u8));
 }
 
 #[test]
 fn all_to_all_every_dtype() {
-    for_worlds(|w, t| {
-        check_all_to_all::<_, f32>(w(t), COUNTS);
-        check_all_to_all::<_, bf16>(w(t), COUNTS);
-        check_all_to_all::<_, f16>(w(t), COUNTS);
-        check_all_to_all::<_, u8>(w(t), COUNTS);
-    });
+    for_worlds(|w, t| each!(check_all_to_all(w(t), COUNTS): f32, bf16, f16, u8));
 }
 
 #[test]

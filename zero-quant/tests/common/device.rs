@@ -321,3 +321,20 @@ pub(crate) fn corrupt_wires_give_the_host_errors(q: &dyn DeviceCodec) {
         }
     }
 }
+
+/// One `#[test]` per named case of this module, named as the case: `gate(prefix + name)` gives
+/// the device (or records why there is none and the test returns), the case runs on it, and
+/// `done(prefix + name)` records that it passed. (The benches share this file and stamp nothing.)
+#[allow(unused_macros)]
+macro_rules! stamp {
+    ($prefix:literal, $gate:path, $done:path; $($name:ident),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            let Some(q) = $gate(concat!($prefix, stringify!($name))) else { return };
+            common::device::$name(q);
+            $done(concat!($prefix, stringify!($name)));
+        }
+    )*};
+}
+#[allow(unused_imports)]
+pub(crate) use stamp;

@@ -63,6 +63,60 @@ impl NcclComm {
         ffi::settle(code, name, h, started, self.opts.timeout).map_err(|e| self.fail(op, e))
     }
 
+    /// [`Self::issue`]s the sum `raw` (`ncclReduceScatter` or `ncclAllReduce`) of `count` elements
+    /// of `dtype` into `recv`, then divides them by the world size for [`ReduceOp::Mean`].
+    ///
+    /// # Safety
+    /// As for [`Self::issue`].
+    pub(super) unsafe fn reduce(
+        &self,
+        o: Op,
+        (raw, op): (Raw, ReduceOp),
+        (send, recv): (CUdeviceptr, CUdeviceptr),
+        (count, dtype): (usize, DType),
+    ) -> Result<()> {
+        let name = match raw {
+            Raw::ReduceScatter => "ncclReduceScatter",
+            _ => "ncclAllReduce",
+        };
+        // SAFETY: the caller's contract.
+        unsafe { self.issue(o, name, raw, (send, recv), (count, nccl_dtype(dtype))) }?;
+        if op == ReduceOp::Mean {
+            self.divide(o, recv, count, dtype)?;
+        }
+        Ok(())
+    }
+
+    /// Issues one NCCL collective (`raw`) on device addresses `send` and `recv`, `count`
+    /// elements of `dtype` (for [`Raw::ReduceScatter`] the receive count), summing where it
+    /// reduces; `name` names it in errors.
+    ///
+    /// # Safety
+    /// `send` and `recv` are live memory on this communicator's device, large enough for what
+    /// the call reads and writes there, and stay alive until the stream passes the call.
+    pub(super) unsafe fn issue(
+        &self,
+        op: Op,
+        name: &str,
+        raw: Raw,
+        (send, recv): (CUdeviceptr, CUdeviceptr),
+        (count, dtype): (usize, sys::ncclDataType_t),
+    ) -> Result<()> {
+        let (sp, rp) = (send as *const c_void, recv as *mut c_void);
+        let sum = sys::ncclRedOp_t::ncclSum;
+        self.call(op, name, |h, s| {
+            // SAFETY: the caller's contract above.
+            unsafe {
+                match raw {
+                    Raw::AllGather => sys::ncclAllGather(sp, rp, count, dtype, h, s),
+                    Raw::ReduceScatter => sys::ncclReduceScatter(sp, rp, count, dtype, sum, h, s),
+                    Raw::AllReduce => sys::ncclAllReduce(sp, rp, count, dtype, sum, h, s),
+                    Raw::Broadcast(root) => sys::ncclBroadcast(sp, rp, count, dtype, root, h, s),
+                }
+            }
+        })
+    }
+
     /// Validation before anything moves: with [`NcclOptions::check_peers`] (outside groups) every
     /// rank's descriptor, so every rank reaches the host loopback's verdict; else this rank's own.
     pub(super) fn begin(&self, d: &Desc) -> Result<()> {
@@ -96,20 +150,11 @@ impl NcclComm {
         {
             let (sp, _gs) = send.device_ptr(&self.stream);
             let (rp, _gr) = recv.device_ptr_mut(&self.stream);
-            self.call(op, "ncclAllGather (call descriptors)", |h, s| {
-                // SAFETY: `send` holds DESC_BYTES bytes and `recv` n times that, both on this
-                // communicator's device and alive until the wait below completes.
-                unsafe {
-                    sys::ncclAllGather(
-                        sp as *const c_void,
-                        rp as *mut c_void,
-                        DESC_BYTES,
-                        sys::ncclDataType_t::ncclUint8,
-                        h,
-                        s,
-                    )
-                }
-            })?;
+            let what = "ncclAllGather (call descriptors)";
+            let bytes = (DESC_BYTES, sys::ncclDataType_t::ncclUint8);
+            // SAFETY: `send` holds DESC_BYTES bytes and `recv` n times that, both on this
+            // communicator's device and alive until the wait below completes.
+            unsafe { self.issue(op, what, Raw::AllGather, (sp, rp), bytes) }?;
         }
         self.push_pending(op)?;
         self.drain(true)?;
@@ -228,21 +273,11 @@ impl NcclComm {
             let guard_s = send.map(|s| s.bytes.device_ptr(&self.stream));
             let (rp, _gr) = recv.bytes.device_ptr_mut(&self.stream);
             let sp = guard_s.as_ref().map_or(rp + offset, |(p, _)| *p);
-            self.call(op, "ncclAllGather", |h, s| {
-                // SAFETY: lengths validated: `send` holds `chunk` elements (in place: at
-                // `rank · chunk` inside `recv`, NCCL's in-place layout) and `recv` `n · chunk`;
-                // both stay alive and stream-ordered on this communicator's stream.
-                unsafe {
-                    sys::ncclAllGather(
-                        sp as *const c_void,
-                        rp as *mut c_void,
-                        chunk,
-                        nccl_dtype(E::DTYPE),
-                        h,
-                        s,
-                    )
-                }
-            })?;
+            let count = (chunk, nccl_dtype(E::DTYPE));
+            // SAFETY: lengths validated: `send` holds `chunk` elements (in place: at
+            // `rank · chunk` inside `recv`, NCCL's in-place layout) and `recv` `n · chunk`;
+            // both stay alive and stream-ordered on this communicator's stream.
+            unsafe { self.issue(op, "ncclAllGather", Raw::AllGather, (sp, rp), count) }?;
             let eb = size_of::<E>();
             tally.all_gather(chunk * eb, n * chunk * eb);
         }

@@ -101,25 +101,10 @@ impl Communicator for NcclComm {
         if c > 0 {
             let (sp, _gs) = send.bytes.device_ptr(&self.stream);
             let (rp, _gr) = recv.bytes.device_ptr_mut(&self.stream);
-            self.call(o, "ncclReduceScatter", |h, s| {
-                // SAFETY: validated `send = n · c`, `recv = c`; distinct live buffers on this
-                // communicator's stream.
-                unsafe {
-                    sys::ncclReduceScatter(
-                        sp as *const c_void,
-                        rp as *mut c_void,
-                        c,
-                        nccl_dtype(E::DTYPE),
-                        sys::ncclRedOp_t::ncclSum,
-                        h,
-                        s,
-                    )
-                }
-            })?;
+            // SAFETY: validated `send = n · c`, `recv = c`; distinct live buffers on this
+            // communicator's stream.
+            unsafe { self.reduce(o, (Raw::ReduceScatter, op), (sp, rp), (c, E::DTYPE)) }?;
             tally.reduce_scatter(c * size_of::<E>());
-            if op == ReduceOp::Mean {
-                self.divide(o, rp, c, E::DTYPE)?;
-            }
         }
         self.finish(&d, tally)
     }
@@ -133,24 +118,9 @@ impl Communicator for NcclComm {
         let mut tally = self.tally();
         if len > 0 {
             let (p, _g) = buf.bytes.device_ptr_mut(&self.stream);
-            self.call(o, "ncclAllReduce", |h, s| {
-                // SAFETY: in place on `len` live elements on this communicator's stream.
-                unsafe {
-                    sys::ncclAllReduce(
-                        p as *const c_void,
-                        p as *mut c_void,
-                        len,
-                        nccl_dtype(E::DTYPE),
-                        sys::ncclRedOp_t::ncclSum,
-                        h,
-                        s,
-                    )
-                }
-            })?;
+            // SAFETY: in place on `len` live elements on this communicator's stream.
+            unsafe { self.reduce(o, (Raw::AllReduce, op), (p, p), (len, E::DTYPE)) }?;
             tally.all_reduce(len, size_of::<E>());
-            if op == ReduceOp::Mean {
-                self.divide(o, p, len, E::DTYPE)?;
-            }
         }
         self.finish(&d, tally)
     }
@@ -166,20 +136,9 @@ impl Communicator for NcclComm {
             // `root < n ≤ i32::MAX` after validation and init.
             let r = root as c_int;
             let (p, _g) = buf.bytes.device_ptr_mut(&self.stream);
-            self.call(o, "ncclBroadcast", |h, s| {
-                // SAFETY: in place on `len` live elements on this communicator's stream.
-                unsafe {
-                    sys::ncclBroadcast(
-                        p as *const c_void,
-                        p as *mut c_void,
-                        len,
-                        nccl_dtype(E::DTYPE),
-                        r,
-                        h,
-                        s,
-                    )
-                }
-            })?;
+            let count = (len, nccl_dtype(E::DTYPE));
+            // SAFETY: in place on `len` live elements on this communicator's stream.
+            unsafe { self.issue(o, "ncclBroadcast", Raw::Broadcast(r), (p, p), count) }?;
             tally.broadcast(root, len * size_of::<E>());
         }
         self.finish(&d, tally)
@@ -280,20 +239,12 @@ impl Communicator for NcclComm {
             .map_err(|e| self.fail_driver(o, "allocating the barrier byte", e))?;
         {
             let (p, _g) = one.device_ptr_mut(&self.stream);
-            self.call(o, "ncclAllReduce (barrier)", |h, s| {
-                // SAFETY: one live byte on this communicator's stream.
-                unsafe {
-                    sys::ncclAllReduce(
-                        p as *const c_void,
-                        p as *mut c_void,
-                        1,
-                        sys::ncclDataType_t::ncclUint8,
-                        sys::ncclRedOp_t::ncclSum,
-                        h,
-                        s,
-                    )
-                }
-            })?;
+            let (name, byte) = (
+                "ncclAllReduce (barrier)",
+                (1, sys::ncclDataType_t::ncclUint8),
+            );
+            // SAFETY: one live byte on this communicator's stream.
+            unsafe { self.issue(o, name, Raw::AllReduce, (p, p), byte) }?;
         }
         // Its byte is a signal, not payload: the plan books a barrier's call and no bytes.
         self.finish(&d, self.tally())?;

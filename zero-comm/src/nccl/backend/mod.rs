@@ -49,6 +49,16 @@ pub(super) fn unique_id() -> Result<UniqueId> {
     ffi::guarded("ncclGetUniqueId", ffi::unique_id)
 }
 
+/// The NCCL collectives [`NcclComm::issue`] calls (the reductions sum).
+#[derive(Clone, Copy)]
+enum Raw {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    /// From this root rank of the communicator.
+    Broadcast(c_int),
+}
+
 fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,

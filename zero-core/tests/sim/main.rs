@@ -56,10 +56,14 @@ fn the_bytes_simulated_are_the_plans() {
     }
 }
 
-/// One protocol and round numbers, so a whole step can be computed by hand.
-fn toy() -> Cluster {
+mod collective;
+
+/// One protocol and round numbers, so a whole step can be computed by hand: `gpus_per_node`
+/// GPUs a node, 100 GB/s NVLink, 10 GB/s of NIC per node, base 10 µs, hops 1 µs intra and 5 µs
+/// inter.
+fn toy(gpus_per_node: usize) -> Cluster {
     let mut c = Cluster::preset("dgx-a100").unwrap();
-    c.gpus_per_node = 2;
+    c.gpus_per_node = gpus_per_node;
     c.gpu.peak_tflops.fp32 = 10.0;
     c.gpu.compute_efficiency = 0.5;
     c.gpu.hbm_gbytes_per_s = 1000.0;
@@ -86,7 +90,7 @@ fn a_stage_1_step_by_hand() {
     // per node (3/4)·4e8 = 3e8 at 10 GB/s = 30 ms; NVLink (3/4)·(1/2)·4e8 at 100 GB/s = 1.5 ms
     // hidden under it; latency 10 + 2·1 + 1·5 = 17 µs. Optimizer: the shard 2.5e7 elements ×
     // (2·8 + 4 + 4) B at 1 TB/s = 0.6 ms.
-    let c = toy();
+    let c = toy(2);
     let m = ModelDesc::synthetic(100_000_000, 1).unwrap();
     let plan = Plan::new(&m, c.topology(2).unwrap(), &ZeroConfig::stage(1)).unwrap();
     let o = SimOptions {
@@ -136,7 +140,7 @@ fn a_stage_1_step_by_hand() {
 fn codecs_cost_what_the_hbm_fraction_says() {
     // qwZ on one node of 2: every gather unit's all-gather encodes its chunk and decodes the
     // whole unit; the codec time of a run equals that sum over units and calls.
-    let c = toy();
+    let c = toy(2);
     let m = ModelDesc::synthetic(4_000_000, 4).unwrap();
     let mut cfg = ZeroConfig::stage(3);
     cfg.quantized_weights = true;
@@ -162,40 +166,30 @@ fn codecs_cost_what_the_hbm_fraction_says() {
 fn bad_inputs_are_errors() {
     let c = Cluster::preset("dgx2-v100").unwrap();
     let m = ModelDesc::synthetic(1_000_000, 4).unwrap();
+    let refused = |plan: &Plan, tokens, shape| {
+        let e = simulate(plan, &c, &opts(tokens, shape)).unwrap_err();
+        e.to_string()
+    };
     let wrong = Plan::new(
         &m,
         zero_core::Topology::new(16, 8).unwrap(),
         &ZeroConfig::stage(3),
-    )
-    .unwrap();
-    let e = simulate(&wrong, &c, &opts(1024, None))
-        .unwrap_err()
-        .to_string();
+    );
+    let e = refused(&wrong.unwrap(), 1024, None);
     assert!(e.contains("gpus_per_node (16)"), "{e}");
-    let plan = Plan::new(
-        &m,
-        c.topology(2).unwrap(),
-        &config("zero-3", Precision::Bf16, 16),
-    )
-    .unwrap();
-    let e = simulate(&plan, &c, &opts(1024, None))
-        .unwrap_err()
-        .to_string();
+    let on_two = |precision| {
+        let cfg = config("zero-3", precision, 16);
+        Plan::new(&m, c.topology(2).unwrap(), &cfg).unwrap()
+    };
+    let e = refused(&on_two(Precision::Bf16), 1024, None);
     assert!(e.contains("no bf16 peak"), "{e}");
-    let plan = Plan::new(
-        &m,
-        c.topology(2).unwrap(),
-        &config("zero-3", Precision::Fp16, 16),
-    )
-    .unwrap();
+    let plan = on_two(Precision::Fp16);
     let shape = ModelShape {
         layers: 2,
         hidden: 8,
         seq_len: 512,
     };
-    let e = simulate(&plan, &c, &opts(1000, Some(shape)))
-        .unwrap_err()
-        .to_string();
+    let e = refused(&plan, 1000, Some(shape));
     assert!(e.contains("multiple of the sequence length 512"), "{e}");
     // A shape beyond the bounds is refused, not computed into overflowed figures.
     let huge = ModelShape {
@@ -203,9 +197,7 @@ fn bad_inputs_are_errors() {
         hidden: u64::MAX,
         seq_len: 512,
     };
-    let e = simulate(&plan, &c, &opts(1024, Some(huge)))
-        .unwrap_err()
-        .to_string();
+    let e = refused(&plan, 1024, Some(huge));
     assert!(e.contains("at most 100000 layers"), "{e}");
     assert!(simulate(&plan, &c, &opts(0, None)).is_err());
     // A cluster without a `host` table describes no CPU, PCIe or disk: offloaded state is
