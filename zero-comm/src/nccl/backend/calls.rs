@@ -75,12 +75,8 @@ impl NcclComm {
         (send, recv): (CUdeviceptr, CUdeviceptr),
         (count, dtype): (usize, DType),
     ) -> Result<()> {
-        let name = match raw {
-            Raw::ReduceScatter => "ncclReduceScatter",
-            _ => "ncclAllReduce",
-        };
         // SAFETY: the caller's contract.
-        unsafe { self.issue(o, name, raw, (send, recv), (count, nccl_dtype(dtype))) }?;
+        unsafe { self.issue(o, raw.name(), raw, (send, recv), (count, nccl_dtype(dtype))) }?;
         if op == ReduceOp::Mean {
             self.divide(o, recv, count, dtype)?;
         }
@@ -274,10 +270,11 @@ impl NcclComm {
             let (rp, _gr) = recv.bytes.device_ptr_mut(&self.stream);
             let sp = guard_s.as_ref().map_or(rp + offset, |(p, _)| *p);
             let count = (chunk, nccl_dtype(E::DTYPE));
+            let raw = Raw::AllGather;
             // SAFETY: lengths validated: `send` holds `chunk` elements (in place: at
             // `rank · chunk` inside `recv`, NCCL's in-place layout) and `recv` `n · chunk`;
             // both stay alive and stream-ordered on this communicator's stream.
-            unsafe { self.issue(op, "ncclAllGather", Raw::AllGather, (sp, rp), count) }?;
+            unsafe { self.issue(op, raw.name(), raw, (sp, rp), count) }?;
             let eb = size_of::<E>();
             tally.all_gather(chunk * eb, n * chunk * eb);
         }

@@ -137,8 +137,9 @@ impl Communicator for NcclComm {
             let r = root as c_int;
             let (p, _g) = buf.bytes.device_ptr_mut(&self.stream);
             let count = (len, nccl_dtype(E::DTYPE));
+            let raw = Raw::Broadcast(r);
             // SAFETY: in place on `len` live elements on this communicator's stream.
-            unsafe { self.issue(o, "ncclBroadcast", Raw::Broadcast(r), (p, p), count) }?;
+            unsafe { self.issue(o, raw.name(), raw, (p, p), count) }?;
             tally.broadcast(root, len * size_of::<E>());
         }
         self.finish(&d, tally)
@@ -239,10 +240,8 @@ impl Communicator for NcclComm {
             .map_err(|e| self.fail_driver(o, "allocating the barrier byte", e))?;
         {
             let (p, _g) = one.device_ptr_mut(&self.stream);
-            let (name, byte) = (
-                "ncclAllReduce (barrier)",
-                (1, sys::ncclDataType_t::ncclUint8),
-            );
+            let byte = (1, sys::ncclDataType_t::ncclUint8);
+            let name = "ncclAllReduce (barrier)";
             // SAFETY: one live byte on this communicator's stream.
             unsafe { self.issue(o, name, Raw::AllReduce, (p, p), byte) }?;
         }

@@ -59,6 +59,18 @@ enum Raw {
     Broadcast(c_int),
 }
 
+impl Raw {
+    /// The NCCL function it calls.
+    fn name(self) -> &'static str {
+        match self {
+            Raw::AllGather => "ncclAllGather",
+            Raw::ReduceScatter => "ncclReduceScatter",
+            Raw::AllReduce => "ncclAllReduce",
+            Raw::Broadcast(_) => "ncclBroadcast",
+        }
+    }
+}
+
 fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
     match d {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
