@@ -101,14 +101,34 @@ fn host_reference(
     .unwrap()
 }
 
+/// [`setup`] and its [`host_reference`] run, once test `test` may run ([`gpu_ready`]).
+fn gpu_setup(test: &str) -> Option<(Setup, RankResult<Gpt>)> {
+    if !gpu_ready(test) {
+        return None;
+    }
+    let (corpus, plan, options, model) = setup();
+    let want = host_reference(&corpus, &plan, options, &model).swap_remove(0);
+    Some(((corpus, plan, options, model), want))
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// `params` are the reference run's final parameters, bit for bit.
+fn assert_final_params(params: &[Vec<f32>], want: &RankResult<Gpt>, what: &str) {
+    assert_eq!(params.len(), want.final_params.len());
+    for (i, (a, b)) in params.iter().zip(&want.final_params).enumerate() {
+        assert!(bits(a) == bits(b), "parameter {i} differs {what}");
+    }
+}
+
 #[test]
 fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
     let test = "zero3_over_nccl_is_bit_identical_to_the_host_loopback";
-    if !gpu_ready(test) {
+    let Some(((corpus, plan, options, model), want)) = gpu_setup(test) else {
         return;
-    }
-    let (corpus, plan, options, model) = setup();
-    let want = &host_reference(&corpus, &plan, options, &model)[0];
+    };
 
     // Synchronous, then overlapped: the collectives on the trainer's communication thread,
     // which must bind the CUDA context there.
@@ -128,7 +148,6 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
             got.push(corpus_step(&mut trainer, &corpus, &options).unwrap().loss);
         }
         let secs = t.elapsed().as_secs_f64();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&got),
             bits(&want.losses),
@@ -138,13 +157,8 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
         assert_eq!(trainer.traffic(), common::planned_traffic(&plan, 0, STEPS));
         // (Gathering every parameter is extra traffic, so it comes after the traffic check.)
         let params = trainer.gather_all_params().unwrap();
-        assert_eq!(params.len(), want.final_params.len());
-        for (i, (a, b)) in params.iter().zip(&want.final_params).enumerate() {
-            assert!(
-                bits(a) == bits(b),
-                "parameter {i} differs after {STEPS} steps (overlap {overlap})"
-            );
-        }
+        let what = format!("after {STEPS} steps (overlap {overlap})");
+        assert_final_params(&params, &want, &what);
         assert!(
             got[STEPS as usize - 1] < got[0] - 0.1,
             "the loss must fall: {got:?}"
@@ -164,11 +178,9 @@ fn zero3_over_nccl_is_bit_identical_to_the_host_loopback() {
 #[test]
 fn a_checkpoint_over_nccl_resumes_bit_identically() {
     let test = "a_checkpoint_over_nccl_resumes_bit_identically";
-    if !gpu_ready(test) {
+    let Some(((corpus, plan, options, model), want)) = gpu_setup(test) else {
         return;
-    }
-    let (corpus, plan, options, model) = setup();
-    let want = &host_reference(&corpus, &plan, options, &model)[0];
+    };
     let tmp = tempfile::Builder::new()
         .prefix("zero-nccl-ckpt-")
         .tempdir()
@@ -197,13 +209,9 @@ fn a_checkpoint_over_nccl_resumes_bit_identically() {
     while second.steps() < STEPS {
         got.push(corpus_step(&mut second, &corpus, &options).unwrap().loss);
     }
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&got), bits(&want.losses), "losses across the resume");
     let params = second.gather_all_params().unwrap();
-    assert_eq!(params.len(), want.final_params.len());
-    for (i, (a, b)) in params.iter().zip(&want.final_params).enumerate() {
-        assert!(bits(a) == bits(b), "parameter {i} differs after the resume");
-    }
+    assert_final_params(&params, &want, "after the resume");
     println!("ZERO_GPU_CKPT steps={STEPS} saved_at={} ok", STEPS / 2);
     cookie(test);
 }

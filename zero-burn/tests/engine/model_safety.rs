@@ -346,20 +346,21 @@ fn a_middle_segment_that_does_not_recompute_fails_the_step_naming_it() {
         b: LinearConfig::new(3, 3).init(&device),
         c: LinearConfig::new(3, 2).init(&device),
     };
+    // One step of the model on one rank at `stage`, checkpointing as `ckpt` says.
+    let one_step = |stage, ckpt| {
+        Launch::new(Topology::single_node(1).unwrap()).run_with(&model, |comm, m| {
+            let config = ZeroConfig {
+                stage,
+                checkpoint_activations: Some(ckpt),
+                ..Default::default()
+            };
+            let mut e = ZeroEngine::builder(comm, m).config(config).build()?;
+            e.step(0.1, &[batch(1.0)])?;
+            Ok(())
+        })
+    };
     for stage in [1u8, 3] {
-        let err = Launch::new(Topology::single_node(1).unwrap())
-            .run_with(&model, |comm, m| {
-                let mut e = ZeroEngine::builder(comm, m)
-                    .config(ZeroConfig {
-                        stage,
-                        checkpoint_activations: Some(true),
-                        ..Default::default()
-                    })
-                    .build()?;
-                e.step(0.1, &[batch(1.0)])?;
-                Ok(())
-            })
-            .unwrap_err();
+        let err = one_step(stage, true).unwrap_err();
         match err.root_cause() {
             Error::RecomputeMismatch { segment, step, .. } => {
                 assert_eq!((*segment, *step), (1, 1), "{err}");
@@ -369,19 +370,7 @@ fn a_middle_segment_that_does_not_recompute_fails_the_step_naming_it() {
         assert!(err.to_string().contains("recompute of segment 1"), "{err}");
     }
     // Without checkpointing nothing is recomputed: the same model trains.
-    Launch::new(Topology::single_node(1).unwrap())
-        .run_with(&model, |comm, m| {
-            let mut e = ZeroEngine::builder(comm, m)
-                .config(ZeroConfig {
-                    stage: 3,
-                    checkpoint_activations: Some(false),
-                    ..Default::default()
-                })
-                .build()?;
-            e.step(0.1, &[batch(1.0)])?;
-            Ok(())
-        })
-        .unwrap();
+    one_step(3, false).unwrap();
 }
 
 #[test]
