@@ -28,7 +28,7 @@ pub(super) fn identity_encode_impl<E: Element>(src: &[E], dst: &mut [u8]) -> Res
 
 /// Reads little-endian `f32`s into `y`, checking that all are finite.
 #[inline(always)]
-pub(super) fn identity_read(src: &[u8], y: &mut [f32], base: usize) -> Result<()> {
+fn identity_read(src: &[u8], y: &mut [f32], base: usize) -> Result<()> {
     for (o, s) in y.iter_mut().zip(src.chunks_exact(4)) {
         *o = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
     }
